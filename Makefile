@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine (Python >= 3.10 and pip only):
+#   make demo   - install into .venv, then train TinyGPT on 2 CPU processes (gloo)
+#   make test   - install into .venv with the test extra, then run the whole test suite
+# CPU-only machines get the CPU build of torch (TORCH_SPEC); a range would pull a
+# multi-GB CUDA build. Override on GPU machines: make demo TORCH_SPEC=torch
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-fast install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+
+demo: install
+	$(BIN)/lightning-fastdist fit --config cpu_smoke
+
+test: install
+	$(BIN)/python -m pytest -q --durations=15
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) lightning_logs build *.egg-info .pytest_cache

@@ -1,0 +1,264 @@
+"""TinyGPT: a small decoder-only transformer as a LightningModule.
+
+The model is deliberately plain so that a reader can hold it in their head and
+so that strategies can find its structure: the transformer layers are
+instances of one :class:`Block` class kept in ``TinyGPT.blocks``, a
+``torch.nn.ModuleList``. FSDP, activation checkpointing and per-block compile
+all act on those blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics.text import Perplexity
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees only earlier positions.
+
+    Args:
+        n_embd: width of the residual stream.
+        n_head: number of attention heads; must divide ``n_embd``.
+        dropout: dropout probability on the attention weights and the output projection.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.proj_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq_len, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (batch, seq, width) -> (batch, heads, seq, head_width)
+        q, k, v = (t.view(batch, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        attention_dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=attention_dropout, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq_len, width)
+        return self.proj_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """The position-wise feed-forward layer: widen 4x, GELU, project back.
+
+    Args:
+        n_embd: width of the residual stream.
+        dropout: dropout probability on the output.
+    """
+
+    def __init__(self, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(n_embd, 4 * n_embd)
+        self.down = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
+
+    Args:
+        n_embd: width of the residual stream.
+        n_head: number of attention heads; must divide ``n_embd``.
+        dropout: dropout probability inside attention and MLP.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln_mlp = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class LinearWarmup:
+    """Learning-rate factor for ``LambdaLR``: ``(step + 1) / warmup_steps`` until it reaches 1.
+
+    A class rather than a lambda so that the scheduler's state is checkpointable.
+
+    Args:
+        warmup_steps: number of steps to reach the full rate; 0 means full rate at once.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        return 1.0 if step >= self.warmup_steps else (step + 1) / self.warmup_steps
+
+
+class TinyGPT(LightningModule):
+    """A GPT-style language model over bytes, trained with AdamW.
+
+    Logs ``train_loss`` every step, ``val_loss`` and ``val_ppl`` (perplexity)
+    per validation run, and ``test_loss``/``test_ppl`` when tested.
+
+    Args:
+        vocab_size: number of token ids; 256 covers every byte, which is what
+            :class:`~lightning_fastdist.demo.TextDataModule` produces.
+        block_size: the longest sequence the model accepts (positions embedded).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; must divide ``n_embd``.
+        n_embd: width of the residual stream.
+        dropout: dropout probability inside the blocks and after the embeddings.
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay, applied to matrices only (not to
+            biases, norms or embeddings of positions).
+        betas: AdamW momentum coefficients.
+        warmup_steps: optimizer steps over which the learning rate rises
+            linearly from ``learning_rate / warmup_steps`` to ``learning_rate``
+            (0 disables warm-up); it keeps the first steps from spiking.
+        max_new_tokens: how many bytes ``predict_step`` generates after each prompt.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        learning_rate: float = 2e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        max_new_tokens: int = 32,
+    ) -> None:
+        super().__init__()
+        for name, value, minimum in (
+            ("vocab_size", vocab_size, 1),
+            ("block_size", block_size, 1),
+            ("n_layer", n_layer, 1),
+            ("n_head", n_head, 1),
+            ("n_embd", n_embd, 1),
+            ("warmup_steps", warmup_steps, 0),
+        ):
+            if value < minimum:
+                raise ValueError(f"TinyGPT: {name} must be >= {minimum}, got {value}.")
+        if n_embd % n_head != 0:
+            raise ValueError(f"TinyGPT: n_embd ({n_embd}) must be divisible by n_head ({n_head}).")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"TinyGPT: dropout must be in [0, 1), got {dropout}.")
+        self.save_hyperparameters()
+        self.token_embedding = nn.Embedding(vocab_size, n_embd)
+        self.position_embedding = nn.Embedding(block_size, n_embd)
+        self.embedding_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_final = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
+        self._init_weights()
+        self.val_perplexity = Perplexity()
+        self.test_perplexity = Perplexity()
+
+    def _init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        residual_std = 0.02 / math.sqrt(2 * self.hparams.n_layer)
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif "ln_" in name:
+                nn.init.ones_(parameter)
+            elif name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(parameter, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(parameter, mean=0.0, std=0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Return next-token logits of shape ``(batch, seq, vocab_size)`` for token ids ``idx``."""
+        seq_len = idx.shape[1]
+        if seq_len > self.hparams.block_size:
+            raise ValueError(f"TinyGPT: sequence length {seq_len} exceeds block_size {self.hparams.block_size}.")
+        positions = torch.arange(seq_len, device=idx.device)
+        x = self.embedding_dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))
+
+    @staticmethod
+    def _loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self._loss(self(inputs), targets)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        logits = self(inputs)
+        self.log("val_loss", self._loss(logits, targets), prog_bar=True, sync_dist=True)
+        self.val_perplexity(logits, targets)
+        self.log("val_ppl", self.val_perplexity)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        logits = self(inputs)
+        self.log("test_loss", self._loss(logits, targets), sync_dist=True)
+        self.test_perplexity(logits, targets)
+        self.log("test_ppl", self.test_perplexity)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Greedily continue each input sequence by ``max_new_tokens`` bytes; returns only the new bytes."""
+        inputs, _ = batch
+        return self.generate(inputs, self.hparams.max_new_tokens)[:, inputs.shape[1] :]
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
+        """Append ``max_new_tokens`` greedily chosen tokens to ``idx`` (context cropped to ``block_size``)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.hparams.block_size :]
+            next_token = self(context)[:, -1].argmax(dim=-1, keepdim=True)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+    def configure_optimizers(self) -> dict:
+        decay, no_decay = [], []
+        for name, parameter in self.named_parameters():
+            is_matrix = parameter.dim() >= 2 and name != "position_embedding.weight"
+            (decay if is_matrix else no_decay).append(parameter)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(self.hparams.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def num_parameters(self, include_position_embedding: bool = True) -> int:
+        """Count distinct parameters (the tied embedding/head weight once)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not include_position_embedding:
+            total -= self.position_embedding.weight.numel()
+        return total
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs (forward + backward) per token at full ``block_size``.
+
+        ``6 * N`` for the matrix multiplies with the weights (2 forward, 4
+        backward per weight per token; ``N`` counts the tied embedding/head
+        matrix once because the head is a real matmul, and leaves out position
+        embeddings, which are a lookup) plus ``12 * n_layer * n_embd * block_size``
+        for the attention score and value matmuls (the PaLM paper's appendix B
+        estimate, also used by nanoGPT's MFU).
+        """
+        hp = self.hparams
+        matmul_params = self.num_parameters(include_position_embedding=False)
+        return 6.0 * matmul_params + 12.0 * hp.n_layer * hp.n_embd * hp.block_size

@@ -1,0 +1,25 @@
+"""Every ```python snippet in docs/ runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+SNIPPET = re.compile(r"```python\n(.*?)```", re.DOTALL)
+SNIPPETS = [
+    pytest.param(code, id=f"{page.stem}-{index}")
+    for page in sorted(DOCS.glob("*.md"))
+    for index, code in enumerate(SNIPPET.findall(page.read_text()))
+]
+
+
+def test_docs_have_snippets():
+    assert SNIPPETS
+
+
+@pytest.mark.parametrize("code", SNIPPETS)
+def test_snippet_runs(code, in_tmp_dir):
+    exec(compile(code, "<docs snippet>", "exec"), {"__name__": "__docs__"})
