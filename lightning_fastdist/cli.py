@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
@@ -120,6 +121,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        # Lightning leaves the process group open after validate/test/predict; a gloo
+        # group still alive at interpreter exit can abort the process ("terminate called").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

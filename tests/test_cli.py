@@ -155,7 +155,7 @@ def test_externally_launched_ranks_fit_then_validate_test_and_predict_from_the_c
     for subcommand in ("validate", "test", "predict"):
         outputs = run_cli(
             [subcommand, *common, "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
-             "--trainer.limit_predict_batches", "1", "--ckpt_path", str(checkpoint)],
+             "--trainer.limit_predict_batches", "2", "--ckpt_path", str(checkpoint)],
             world_size=2, timeout=240,
         )  # fmt: skip
         if subcommand == "test":
