@@ -1,0 +1,1 @@
+"""Lightning callbacks: sync-free logging, speed/MFU, bottleneck report, data-loader tuning."""

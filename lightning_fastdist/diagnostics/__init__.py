@@ -1,0 +1,1 @@
+"""Measurement helpers with no Lightning dependency: host-sync counting, memory model, advisor."""

@@ -1,0 +1,1 @@
+"""Lightning strategies that compose :mod:`lightning_fastdist.parallel` in the right order."""
