@@ -1,0 +1,103 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied per block, then to the root.
+
+Sharding modes:
+
+- ``"zero3"``: parameters, gradients and optimizer state are sharded; each
+  block's parameters are gathered for its forward and freed right after
+  (gathered again for backward). Least memory.
+- ``"zero2"``: as ``zero3``, but a block's gathered parameters stay between its
+  forward and its backward: one all-gather per block per step instead of two,
+  at the price of holding the full parameters during the step.
+- ``"hsdp"``: hybrid sharding on a 2-D mesh ``(replicate, shard)``: shard
+  within groups of ``group_size`` ranks (ZeRO-3 style), replicate across groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_fastdist.parallel.blocks import block_modules
+
+SHARDING_MODES = ("zero3", "zero2", "hsdp")
+
+
+def validate_sharding(sharding: str, hsdp_group_size: int | None, world_size: int | None = None) -> None:
+    """Raise one clear ``ValueError`` for an unknown mode or an HSDP group size that cannot split ``world_size``.
+
+    Args:
+        sharding: one of :data:`SHARDING_MODES`.
+        hsdp_group_size: ranks per shard group under ``"hsdp"``; ``None`` leaves it to the caller's default.
+        world_size: total ranks, when known; ``None`` checks only what does not depend on it.
+    """
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"sharding: got {sharding!r}; use one of {', '.join(map(repr, SHARDING_MODES))}.")
+    if hsdp_group_size is None:
+        return
+    if isinstance(hsdp_group_size, bool) or not isinstance(hsdp_group_size, int) or hsdp_group_size < 1:
+        raise ValueError(f"hsdp_group_size: got {hsdp_group_size!r}; use a positive integer that divides the world size.")
+    if world_size is not None and world_size % hsdp_group_size != 0:
+        raise ValueError(
+            f"hsdp_group_size: {hsdp_group_size} does not divide the world size {world_size}; "
+            f"use one of {', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}."
+        )
+
+
+def build_fsdp_mesh(device_type: str, world_size: int, sharding: str, hsdp_group_size: int) -> DeviceMesh:
+    """The device mesh FSDP shards over: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for ``"hsdp"``.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        world_size: total number of ranks.
+        sharding: one of :data:`SHARDING_MODES`.
+        hsdp_group_size: ranks per shard group (used by ``"hsdp"`` only).
+    """
+    validate_sharding(sharding, hsdp_group_size, world_size)
+    if sharding == "hsdp":
+        return init_device_mesh(
+            device_type, (world_size // hsdp_group_size, hsdp_group_size), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    block_classes: Sequence[type[nn.Module]],
+    sharding: str = "zero3",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+) -> list[nn.Module]:
+    """Shard ``model`` in place: each block becomes an FSDP unit (inner blocks first), the root last.
+
+    Args:
+        model: the model; its parameters may live on the meta device (materialise them afterwards).
+        mesh: from :func:`build_fsdp_mesh`.
+        block_classes: module classes whose instances become FSDP units; the
+            parameters outside every block (embeddings, head) belong to the root unit.
+        sharding: one of :data:`SHARDING_MODES`.
+        param_dtype: dtype that forward and backward compute in (``None``: the parameters' own dtype).
+        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
+        cpu_offload: keep the sharded parameters, gradients and optimizer step on
+            the CPU and copy each unit to the device for its compute.
+
+    Returns:
+        The modules that were sharded, the root last.
+    """
+    validate_sharding(sharding, None)
+    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    reshard_after_forward = sharding != "zero2"
+    # Children before parents: fully_shard must see a block's own parameters
+    # before an enclosing unit claims them.
+    units = [*reversed(block_modules(model, block_classes)), model]
+    for unit in units:
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision, offload_policy=offload
+        )
+    return units

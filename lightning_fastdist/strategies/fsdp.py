@@ -1,0 +1,244 @@
+"""FastFSDPStrategy: FSDP2 applied automatically, with the parts Lightning leaves to the user.
+
+Lightning's ``ModelParallelStrategy`` runs FSDP2 but asks the user to call
+``fully_shard`` in ``configure_model`` and reduce-scatters gradients on every
+accumulation micro-batch. This strategy shards the unchanged model itself
+(see :meth:`FastFSDPStrategy.parallelize` for the order), skips gradient
+communication on non-final micro-batches, and writes checkpoints atomically,
+optionally in the background.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
+
+from lightning_fastdist.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    validate_activation_checkpointing,
+)
+from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, save_file_atomically
+from lightning_fastdist.parallel.blocks import resolve_block_classes
+from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
+
+CHECKPOINT_FORMATS = ("sharded", "full")
+
+# Lightning precision name -> (dtype FSDP computes in, dtype it reduces gradients in).
+# "-true" precisions convert the module itself, so FSDP keeps the parameters' dtype.
+_MIXED_PRECISION_DTYPES = {
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+}
+
+
+def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of the FSDP mixed-precision policy for a Lightning precision name."""
+    return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
+
+
+class FastFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
+
+    Args:
+        shard_modules: ``"auto"`` (the classes a ``ModuleList``/``Sequential``
+            repeats, e.g. the transformer blocks), or a list of class names
+            (``"Block"`` or ``"my_pkg.model.Block"``) whose instances become FSDP
+            units. Parameters outside every unit belong to the root, sharded last.
+        sharding: ``"zero3"`` (free gathered parameters after each block's
+            forward), ``"zero2"`` (keep them until its backward: less
+            communication, more memory) or ``"hsdp"`` (shard within groups of
+            ``hsdp_group_size`` ranks, replicate across groups).
+        hsdp_group_size: ranks per shard group under ``"hsdp"``; must divide the
+            world size. ``None`` means the devices of one node.
+        cpu_offload: keep sharded parameters, gradients and the optimizer step on
+            the CPU; each block is copied to the device for its compute.
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in
+            backward), ``"selective"`` (keep matmul/attention outputs, recompute
+            the rest) or an integer ``n`` (full checkpointing of every n-th block).
+        checkpoint_format: ``"sharded"`` (a folder of per-rank shards, loadable at
+            any world size) or ``"full"`` (one file gathered on rank 0).
+        async_checkpointing: write sharded checkpoints in a background thread
+            (training continues once the state is copied to host memory).
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
+        timeout: timeout of the collectives of the process group.
+    """
+
+    strategy_name = "fast_fsdp"
+
+    def __init__(
+        self,
+        shard_modules: Union[Literal["auto"], list[str]] = "auto",
+        sharding: Literal["zero3", "zero2", "hsdp"] = "zero3",
+        hsdp_group_size: Optional[int] = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        async_checkpointing: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        validate_sharding(sharding, hsdp_group_size)
+        validate_activation_checkpointing(activation_checkpointing)
+        if shard_modules != "auto" and (
+            isinstance(shard_modules, str) or not all(isinstance(name, str) for name in shard_modules)
+        ):
+            raise ValueError(f"shard_modules: got {shard_modules!r}; use 'auto' or a list of module class names.")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
+            )
+        if async_checkpointing and checkpoint_format != "sharded":
+            raise ValueError("async_checkpointing: needs checkpoint_format='sharded' (a full file is written by rank 0 alone).")
+        super().__init__(
+            save_distributed_checkpoint=checkpoint_format == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.shard_modules = shard_modules
+        self.sharding = sharding
+        self.hsdp_group_size = hsdp_group_size
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_format = checkpoint_format
+        self.async_checkpointing = async_checkpointing
+        self._checkpoint_writer = ShardedCheckpointWriter()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 applied per block by lightning_fastdist")
+
+    @property
+    def _shard_group_size(self) -> int:
+        return self.hsdp_group_size or self.num_processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The world size is known here, before any process starts: refuse a bad HSDP split now.
+        if self.sharding == "hsdp":
+            validate_sharding(self.sharding, self._shard_group_size, self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._device_mesh = build_fsdp_mesh(self.root_device.type, self.world_size, self.sharding, self._shard_group_size)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        if self.async_checkpointing:
+            # Background writes coordinate over their own group, never the one training uses.
+            self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=True, process_group=dist.new_group(backend="gloo"))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel replica, whatever the sharding.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not isinstance(self.model, FSDPModule):  # a second fit/validate reuses the sharded model
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.parallelize(self.model)
+            _materialize_distributed_module(self.model, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Apply activation checkpointing and FSDP to ``model`` in place, in this fixed order.
+
+        1. Activation checkpointing, per block: its hooks must sit inside the FSDP
+           unit so that a recomputed block finds its parameters gathered.
+        2. (Reserved for ``torch.compile`` per block: after checkpointing so the
+           compiled block includes the recompute policy, before FSDP so FSDP's
+           collectives stay outside the compiled graph.)
+        3. FSDP: every block first, the root last (it takes what is left:
+           embeddings, final norm, head). Parameters on the meta device stay
+           there; :meth:`setup` materialises each rank's shard afterwards.
+        """
+        block_classes = resolve_block_classes(model, self.shard_modules, option="shard_modules")
+        apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
+        param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin.precision)
+        apply_fsdp(
+            model,
+            self.device_mesh,
+            block_classes,
+            sharding=self.sharding,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=self.cpu_offload,
+        )
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter (and HSDP all-reduce) on a non-final accumulation micro-batch."""
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
+        path = Path(self.broadcast(filepath))
+        if self.checkpoint_format == "full":
+            if self.is_global_zero:
+                save_file_atomically(lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged), path)
+            self.barrier()
+            return
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._checkpoint_writer.save(tensors, path, write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME))
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        # Never delete the previous checkpoint before the one replacing it is published.
+        self._checkpoint_writer.wait()
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self._checkpoint_writer.wait()
+        self.barrier()
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def teardown(self) -> None:
+        self._checkpoint_writer.wait()
+        super().teardown()
+
+
+if FastFSDPStrategy.strategy_name not in StrategyRegistry:
+    FastFSDPStrategy.register_strategies(StrategyRegistry)
