@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -96,7 +97,9 @@ def _function_entry(
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_seconds))
-        results.put((rank, "ok", fn(*args)))
+        # Plain pickle copies tensor data; the queue's own pickler would pass tensors
+        # through shared memory that vanishes when this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -143,7 +146,10 @@ def run_function(
         while len(outputs) + len(errors) < world_size and time.monotonic() < deadline:
             try:
                 rank, status, payload = results.get(timeout=0.2)
-                (outputs if status == "ok" else errors)[rank] = payload
+                if status == "ok":
+                    outputs[rank] = pickle.loads(payload)
+                else:
+                    errors[rank] = payload
             except queue.Empty:
                 for rank, process in enumerate(processes):
                     silent = rank not in outputs and rank not in errors
