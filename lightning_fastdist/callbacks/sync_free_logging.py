@@ -1,0 +1,146 @@
+"""SyncFreeLogging: ``self.log(..., prog_bar=True)`` without a device-to-host sync on every batch.
+
+Plain Lightning 2.6 turns every ``prog_bar=True`` metric into a Python number
+whenever it assembles the batch's metrics (after every batch, and again when
+the progress bar refreshes), turns every logged metric into a number with one
+``.item()`` each on logging steps, and under DDP broadcasts the SIGTERM flag
+and reads it back before every batch. Each of those waits for the GPU.
+
+With this callback:
+
+- ``prog_bar=True`` is recorded, then passed on to Lightning as ``False``, so
+  Lightning never converts those values; the tensors stay on the device.
+- When Lightning hands metrics to the loggers (every ``log_every_n_steps``
+  training batches and at the end of each epoch or evaluation), every logged
+  value and every progress-bar value moves to the host in one batched copy
+  (:func:`scalars_to_host`). The loggers receive the same names, steps and
+  values as without the callback; the progress bar shows the values of the
+  last such transfer.
+- Under multi-process training the per-batch SIGTERM broadcast is replaced by
+  a check every ``sigterm_check_every_n_steps`` batches and at each training
+  epoch end (:class:`CoordinatedSigterm`).
+
+It relies on private Lightning internals listed in
+:mod:`lightning_fastdist.callbacks.lightning_internals`, checked at ``setup``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_fastdist.callbacks.coordinated_sigterm import CoordinatedSigterm
+from lightning_fastdist.callbacks.host_transfer import scalars_to_host
+from lightning_fastdist.callbacks.lightning_internals import InstancePatches, require_internals
+
+# Lightning's suffixes: a metric logged with on_step=True and on_epoch=True appears as NAME_step / NAME_epoch,
+# and one logged from an evaluation loop with several dataloaders carries /dataloader_idx_N.
+_FORK_SUFFIXES = ("_step", "_epoch")
+_DATALOADER_MARK = "/dataloader_idx_"
+# Batches between SIGTERM checks when the trainer never logs (log_every_n_steps=0).
+_SIGTERM_CHECK_WHEN_NOT_LOGGING = 50
+
+
+class SyncFreeLogging(Callback):
+    """Keep logged metrics on the device; move them to the host in one copy per logging step.
+
+    Args:
+        sigterm_check_every_n_steps: under multi-process training, how many
+            training batches pass between two checks for SIGTERM (each check is
+            one small collective and one host read). ``None`` uses the trainer's
+            ``log_every_n_steps`` (50 if that is 0), so checks land next to the
+            logging steps. A SIGTERM is acted on at most this many batches late.
+    """
+
+    def __init__(self, sigterm_check_every_n_steps: int | None = None) -> None:
+        if sigterm_check_every_n_steps is not None and sigterm_check_every_n_steps < 1:
+            raise ValueError(
+                f"SyncFreeLogging: sigterm_check_every_n_steps must be >= 1 or None, got {sigterm_check_every_n_steps}."
+            )
+        self.sigterm_check_every_n_steps = sigterm_check_every_n_steps
+        self.progress_bar_names: set[str] = set()
+        self._sigterm: CoordinatedSigterm | None = None
+        self._patches = InstancePatches()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require_internals(trainer, type(self).__name__)
+        connector = trainer._logger_connector
+        self._patches.replace(pl_module, "log", self._log_without_progress_bar(pl_module))
+        self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
+        if stage == "fit" and trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            every = self.sigterm_check_every_n_steps or trainer.log_every_n_steps or _SIGTERM_CHECK_WHEN_NOT_LOGGING
+            self._sigterm = CoordinatedSigterm(trainer, every)
+            self._sigterm.install()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning's fit loop raises SIGTERMException right after this epoch if the ranks agree on a signal.
+        if self._sigterm is not None:
+            self._sigterm.agree_on_sigterm()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._sigterm is not None:
+            self._sigterm.uninstall()
+            self._sigterm = None
+        self._patches.undo()
+
+    def _log_without_progress_bar(self, pl_module: LightningModule) -> Callable[..., None]:
+        """``pl_module.log`` that records ``prog_bar=True`` here and passes ``prog_bar=False`` on."""
+        original = pl_module.log
+        signature = inspect.signature(original)
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("prog_bar"):
+                self.progress_bar_names.add(bound.arguments["name"])
+                bound.arguments["prog_bar"] = False
+            original(*bound.args, **bound.kwargs)
+
+        return log
+
+    def progress_bar_items(self, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The entries of ``metrics`` that Lightning would show in the progress bar.
+
+        For a name logged with ``prog_bar=True``, Lightning shows ``NAME_step`` or
+        ``NAME_epoch`` when both exist (the metric was logged on step and epoch),
+        else ``NAME``; a ``/dataloader_idx_N`` suffix stays attached.
+
+        Args:
+            metrics: Lightning's callback metrics of the current batch or epoch.
+        """
+        chosen: dict[tuple[str, str], tuple[str, Tensor]] = {}
+        for key, value in metrics.items():
+            base, _, loader = key.partition(_DATALOADER_MARK)
+            forked_from = next(
+                (base[: -len(s)] for s in _FORK_SUFFIXES if base.endswith(s) and base[: -len(s)] in self.progress_bar_names),
+                None,
+            )
+            if forked_from is not None:
+                chosen[(forked_from, loader)] = (key, value)
+            elif base in self.progress_bar_names:
+                chosen.setdefault((base, loader), (key, value))
+        return dict(chosen.values())
+
+    def _log_metrics_from_host(self, trainer: Trainer, original: Callable[..., None]) -> Callable[..., None]:
+        """Lightning's ``log_metrics`` preceded by one batched transfer of logged and progress-bar values."""
+        connector = trainer._logger_connector
+
+        def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
+            bar = {key: value for key, value in self.progress_bar_items(connector.metrics["callback"]).items()}
+            scalars = {
+                **{f"bar/{k}": v for k, v in bar.items() if isinstance(v, Tensor)},
+                **{f"log/{k}": v for k, v in metrics.items() if isinstance(v, Tensor) and v.numel() == 1},
+            }
+            host = scalars_to_host(scalars) if scalars else {}
+            connector._progress_bar_metrics.update({k: host[f"bar/{k}"] for k in bar if f"bar/{k}" in host})
+            original({k: host.get(f"log/{k}", v) for k, v in metrics.items()}, step=step)
+
+        return log_metrics
