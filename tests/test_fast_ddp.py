@@ -175,3 +175,35 @@ def test_resume_continues_with_the_same_powersgd_state_as_an_uninterrupted_run(t
     # Error feedback is per rank: the two ranks' residuals differ, so each must be restored to its own.
     key = next(iter(straight[0]["state"]["errors"]))
     assert not torch.equal(straight[0]["state"]["errors"][key], straight[1]["state"]["errors"][key])
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+def losses_with_checkpointing(mode) -> list[float]:
+    losses: list[float] = []
+
+    class RecordLoss(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].item())
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    strategy = FastDDPStrategy(activation_checkpointing=mode)
+    trainer = make_trainer(strategy, [RecordLoss()], max_steps=3)
+    trainer.fit(model, TextDataModule(batch_size=4, block_size=16))
+    assert all(block in list(model.blocks) for block in strategy.checkpointed_blocks)
+    return [len(strategy.checkpointed_blocks), *losses]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_the_losses_and_wraps_every_block():
+    reference = run_function(losses_with_checkpointing, world_size=2, args=("none",))
+    checkpointed = run_function(losses_with_checkpointing, world_size=2, args=("full",))
+    assert reference[0][0] == 0 and checkpointed[0][0] == 2
+    assert checkpointed[0][1:] == pytest.approx(reference[0][1:], rel=1e-6)
+
+
+def test_bad_activation_checkpointing_and_block_names_are_refused():
+    with pytest.raises(ValueError, match="activation_checkpointing: got 'partial'"):
+        FastDDPStrategy(activation_checkpointing="partial")

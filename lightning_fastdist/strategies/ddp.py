@@ -15,7 +15,8 @@ confirm (``tests/test_fast_ddp.py``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from collections.abc import Sequence
+from typing import Any, Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fastdist.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    validate_activation_checkpointing,
+)
+from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
@@ -55,6 +61,11 @@ class FastDDPStrategy(DDPStrategy):
         find_unused_parameters: search for parameters without gradients every step; costs a
             traversal of the graph, so only enable it for models that need it.
         log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
+            ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
+            ``n`` (every n-th block); the same implementation FastFSDPStrategy uses.
+        checkpoint_modules: the blocks activation checkpointing wraps: ``"auto"`` (the classes a
+            ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's ``Block``) or class names.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         start_method: how Lightning starts the other processes.
         accelerator: set by the Trainer.
@@ -78,6 +89,8 @@ class FastDDPStrategy(DDPStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         log_comm_bytes: bool = True,
+        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
+        checkpoint_modules: Union[str, Sequence[str]] = "auto",
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
@@ -87,6 +100,7 @@ class FastDDPStrategy(DDPStrategy):
         precision_plugin: Any = None,
     ) -> None:
         _check_options(comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend)
+        validate_activation_checkpointing(activation_checkpointing)
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -111,7 +125,10 @@ class FastDDPStrategy(DDPStrategy):
         self.powersgd_warm_start = powersgd_warm_start
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_modules = checkpoint_modules
         self.hook_state: HookState | None = None
+        self.checkpointed_blocks: list[torch.nn.Module] = []
         self._pending_hook_checkpoint: dict | None = None
 
     @classmethod
@@ -129,6 +146,13 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        # Fixed order: activation checkpointing on the bare blocks, then size buckets, wrap in DDP,
+        # register the hook. (torch.compile of the blocks will go between checkpointing and wrapping.)
+        if self.activation_checkpointing != "none":
+            block_classes = resolve_block_classes(self.model, self.checkpoint_modules, option="checkpoint_modules")
+            self.checkpointed_blocks = apply_activation_checkpointing(
+                self.model, self.activation_checkpointing, block_classes
+            )
         if self.bucket_cap_mb == "auto":
             self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(self.model)
         super().configure_ddp()
