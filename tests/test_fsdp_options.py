@@ -1,0 +1,70 @@
+"""FastFSDPStrategy options: block discovery, registry name, and one clear error per bad input (single process)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_fastdist
+from lightning_fastdist import FastFSDPStrategy
+from lightning_fastdist.demo import Block, TinyGPT
+from lightning_fastdist.demo.model import MLP
+from lightning_fastdist.parallel.blocks import find_repeated_blocks, resolve_block_classes
+from lightning_fastdist.strategies.fsdp import fsdp_dtypes
+
+
+def test_auto_finds_the_repeated_transformer_block():
+    model = TinyGPT(n_layer=3, n_embd=16, n_head=2, block_size=8)
+    assert find_repeated_blocks(model) == [Block]
+    assert resolve_block_classes(model, "auto") == [Block]
+
+
+def test_a_model_without_repeated_layers_has_no_auto_blocks():
+    assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU())) == []
+    assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))) == [nn.Linear]
+
+
+def test_names_resolve_bare_or_qualified():
+    model = TinyGPT(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    assert resolve_block_classes(model, ["Block", "lightning_fastdist.demo.model.MLP"]) == [Block, MLP]
+
+
+def test_a_name_that_matches_nothing_lists_the_classes_found():
+    model = TinyGPT(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    with pytest.raises(ValueError, match=r"shard_modules: 'Layer' matches no module class in TinyGPT.*Block.*MLP"):
+        resolve_block_classes(model, ["Layer"], option="shard_modules")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(sharding="zero4"), r"sharding: got 'zero4'; use one of 'zero3', 'zero2', 'hsdp'"),
+        (dict(sharding="hsdp", hsdp_group_size=0), r"hsdp_group_size: got 0"),
+        (dict(activation_checkpointing="some"), r"activation_checkpointing: got 'some'"),
+        (dict(shard_modules="Block"), r"shard_modules: got 'Block'; use 'auto' or a list"),
+        (dict(checkpoint_format="zip"), r"checkpoint_format: got 'zip'; use one of 'sharded', 'full'"),
+        (dict(checkpoint_format="full", async_checkpointing=True), r"async_checkpointing: needs checkpoint_format"),
+    ],
+)
+def test_bad_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message):
+        FastFSDPStrategy(**options)
+
+
+def test_an_hsdp_group_that_does_not_divide_the_world_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"hsdp_group_size: 3 does not divide the world size 2; use one of 1, 2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=FastFSDPStrategy(sharding="hsdp", hsdp_group_size=3))
+
+
+def test_registered_as_fast_fsdp():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fast_fsdp", logger=False)
+    assert isinstance(trainer.strategy, lightning_fastdist.FastFSDPStrategy)
+
+
+def test_mixed_precision_policy_follows_the_trainer_precision():
+    assert fsdp_dtypes("bf16-mixed") == (torch.bfloat16, torch.float32)
+    assert fsdp_dtypes("16-mixed") == (torch.float16, torch.float32)
+    assert fsdp_dtypes("32-true") == (None, None)
+    assert fsdp_dtypes("bf16-true") == (None, None)  # the module itself is converted to bf16

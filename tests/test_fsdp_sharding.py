@@ -1,0 +1,173 @@
+"""FastFSDPStrategy on 2 real gloo processes: shards, per-rank bytes, reduce-scatter counts, losses."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from tests.fsdp_workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+from tests.harness import run_function
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _global_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()  # a DTensor reports its global shape
+
+
+class MeasureShards(L.Callback):
+    """At the second optimizer step (gradients and optimizer state both exist), count local and global bytes."""
+
+    def __init__(self) -> None:
+        self.report: dict = {}
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if trainer.global_step != 1:
+            return
+        params = list(module.parameters())
+        states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors = params + [p.grad for p in params] + states
+        self.report = {
+            "all_params_dtensor": all(isinstance(p, DTensor) for p in params),
+            "grads_dtensor": all(isinstance(p.grad, DTensor) for p in params),
+            "local_bytes": sum(_local_bytes(t) for t in tensors),
+            "global_bytes": sum(_global_bytes(t) for t in tensors),
+            "units": [name for name, m in module.named_modules() if isinstance(m, FSDPModule)],
+        }
+
+
+class CountCollectives(L.Callback):
+    """Counts the real FSDP collective calls (``torch.distributed`` functions, wrapped) during each micro-batch."""
+
+    NAMES = ("reduce_scatter_single", "all_reduce", "all_gather_single")
+
+    def __init__(self) -> None:
+        self.per_batch: dict[str, list[int]] = {name: [] for name in self.NAMES}
+        self._counts = dict.fromkeys(self.NAMES, 0)
+        for name in self.NAMES:
+            setattr(dist, name, self._counting(name, getattr(dist, name)))  # FSDP2 calls dist.<name>(...)
+
+    def _counting(self, name, original):
+        def counting(*args, **kwargs):
+            self._counts[name] += 1
+            return original(*args, **kwargs)
+
+        return counting
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._counts = dict.fromkeys(self.NAMES, 0)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        for name, count in self._counts.items():
+            self.per_batch[name].append(count)
+
+
+def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | None) -> dict:
+    from lightning_fastdist import FastFSDPStrategy
+
+    shards, collectives, losses = MeasureShards(), CountCollectives(), LossRecorder()
+    strategy = FastFSDPStrategy(sharding=sharding, hsdp_group_size=hsdp_group_size)
+    trainer = make_trainer(
+        strategy, max_steps=2, accumulate_grad_batches=accumulate, callbacks=[shards, collectives, losses]
+    )
+    trainer.fit(tiny_gpt(), repeated_batches())
+    return {**shards.report, **collectives.per_batch, "losses": losses.losses}
+
+
+@pytest.mark.slow
+def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batch():
+    ranks = run_function(train_and_measure, 2, args=("zero3", 4, None), init_process_group=False)
+    for rank in ranks:
+        assert rank["all_params_dtensor"] and rank["grads_dtensor"]
+        assert rank["units"] == ["", "blocks.0", "blocks.1"]  # two blocks, then the root
+        assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
+        # 2 optimizer steps x 4 micro-batches; one reduce-scatter per unit, on micro-batches 4 and 8 only
+        assert rank["reduce_scatter_single"] == [0, 0, 0, 3, 0, 0, 0, 3]
+        assert rank["all_reduce"] == [0] * 8
+        assert rank["all_gather_single"] == [6] * 8  # each unit gathered for forward and again for backward
+    assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
+
+
+@pytest.mark.slow
+def test_zero2_shards_state_at_rest_like_zero3():
+    ranks = run_function(train_and_measure, 2, args=("zero2", 1, None), init_process_group=False)
+    for rank in ranks:
+        assert rank["all_params_dtensor"]
+        assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
+        assert rank["reduce_scatter_single"] == [3, 3]
+        assert rank["all_gather_single"] == [3, 3]  # gathered once per step: kept from forward to backward
+
+
+@pytest.mark.slow
+def test_hsdp_with_groups_of_one_replicates_and_all_reduces_across_groups():
+    ranks = run_function(train_and_measure, 2, args=("hsdp", 1, 1), init_process_group=False)
+    for rank in ranks:
+        assert rank["all_params_dtensor"]
+        assert rank["local_bytes"] == rank["global_bytes"]  # shard groups of 1: every rank holds everything
+        assert rank["all_reduce"] == [3, 3] and rank["reduce_scatter_single"] == [0, 0]
+    assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
+
+
+def losses_with(strategy_name: str) -> list[float]:
+    from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
+
+    strategy = FastFSDPStrategy() if strategy_name == "fast_fsdp" else FastDDPStrategy()
+    losses = LossRecorder()
+    L.seed_everything(0)
+    make_trainer(strategy, max_steps=4, callbacks=[losses]).fit(tiny_gpt(), repeated_batches())
+    return losses.losses
+
+
+@pytest.mark.slow
+def test_fp32_losses_match_fast_ddp():
+    fsdp = run_function(losses_with, 2, args=("fast_fsdp",), init_process_group=False)
+    ddp = run_function(losses_with, 2, args=("fast_ddp",), init_process_group=False)
+    assert len(fsdp[0]) == 4
+    assert fsdp[0] == pytest.approx(ddp[0], rel=1e-5)
+    assert fsdp[1] == pytest.approx(ddp[1], rel=1e-5)
+
+
+class BuildOnMeta(L.Callback):
+    """Records, once training starts, whether any parameter is still on the meta device."""
+
+    def __init__(self) -> None:
+        self.meta_after_setup: bool | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        self.meta_after_setup = any(p.is_meta for p in module.parameters())
+
+
+def train_meta_initialised_model() -> dict:
+    from lightning_fastdist import FastFSDPStrategy
+    from lightning_fastdist.demo import Block, TinyGPT
+
+    class MetaBlocksGPT(TinyGPT):
+        """Builds its blocks in configure_model on the meta device, as a model too big for one rank would."""
+
+        def configure_model(self) -> None:
+            hp = self.hparams
+            with torch.device("meta"):
+                self.blocks = nn.ModuleList(Block(hp.n_embd, hp.n_head, hp.dropout) for _ in range(hp.n_layer))
+            self.blocks_were_meta = all(p.is_meta for p in self.blocks.parameters())
+
+    torch.manual_seed(0)
+    model = MetaBlocksGPT(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    probe, losses = BuildOnMeta(), LossRecorder()
+    make_trainer(FastFSDPStrategy(), max_steps=5, callbacks=[probe, losses]).fit(model, repeated_batches())
+    return {"built_on_meta": model.blocks_were_meta, "meta_after_setup": probe.meta_after_setup, "losses": losses.losses}
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_trains():
+    for rank in run_function(train_meta_initialised_model, 2, init_process_group=False):
+        assert rank["built_on_meta"] and rank["meta_after_setup"] is False
+        losses = rank["losses"]
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
