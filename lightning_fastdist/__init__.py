@@ -4,3 +4,7 @@ __version__ = "0.1.0"
 
 from lightning_fastdist.strategies.ddp import FastDDPStrategy  # noqa: E402 - also registers "fast_ddp"
 from lightning_fastdist.strategies.fsdp import FastFSDPStrategy  # noqa: E402 - also registers "fast_fsdp"
+from lightning_fastdist.callbacks.speed_monitor import SpeedMonitor  # noqa: E402
+from lightning_fastdist.callbacks.sync_free_logging import SyncFreeLogging  # noqa: E402
+from lightning_fastdist.diagnostics.host_syncs import count_host_syncs  # noqa: E402
+from lightning_fastdist.precision import FastMixedPrecision  # noqa: E402

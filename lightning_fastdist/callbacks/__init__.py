@@ -1,1 +1,4 @@
 """Lightning callbacks: sync-free logging, speed/MFU, bottleneck report, data-loader tuning."""
+
+from lightning_fastdist.callbacks.speed_monitor import SpeedMonitor  # noqa: E402
+from lightning_fastdist.callbacks.sync_free_logging import SyncFreeLogging  # noqa: E402

@@ -52,7 +52,7 @@ def missing_internals(trainer: Trainer) -> list[str]:
     for path, name, parameters, purpose in INTERNALS:
         owner = _resolve(trainer, path)
         where = f"Trainer.{path}.{name}"
-        if not hasattr(type(owner), name) and name not in vars(owner):  # no getattr: properties would run
+        if not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {}):  # no getattr: properties run
             missing.append(f"{where} (used to {purpose}) does not exist")
             continue
         if parameters is not None:

@@ -10,6 +10,8 @@ With this callback:
 
 - ``prog_bar=True`` is recorded, then passed on to Lightning as ``False``, so
   Lightning never converts those values; the tensors stay on the device.
+  Python numbers logged without ``sync_dist`` stay on the host (Lightning
+  would copy each to the device, a blocking copy on a GPU).
 - When Lightning hands metrics to the loggers (every ``log_every_n_steps``
   training batches and at the end of each epoch or evaluation), every logged
   value and every progress-bar value moves to the host in one batched copy
@@ -30,6 +32,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
@@ -72,7 +75,7 @@ class SyncFreeLogging(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         require_internals(trainer, type(self).__name__)
         connector = trainer._logger_connector
-        self._patches.replace(pl_module, "log", self._log_without_progress_bar(pl_module))
+        self._patches.replace(pl_module, "log", self._log_sync_free(pl_module))
         self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
         if stage == "fit" and trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             every = self.sigterm_check_every_n_steps or trainer.log_every_n_steps or _SIGTERM_CHECK_WHEN_NOT_LOGGING
@@ -92,8 +95,13 @@ class SyncFreeLogging(Callback):
             self._sigterm = None
         self._patches.undo()
 
-    def _log_without_progress_bar(self, pl_module: LightningModule) -> Callable[..., None]:
-        """``pl_module.log`` that records ``prog_bar=True`` here and passes ``prog_bar=False`` on."""
+    def _log_sync_free(self, pl_module: LightningModule) -> Callable[..., None]:
+        """``pl_module.log`` that records ``prog_bar=True`` here and passes ``prog_bar=False`` on.
+
+        A Python number becomes a host tensor (Lightning would copy it to the
+        device, which on a GPU blocks until the device is idle), unless it is
+        to be reduced across ranks: collectives need it on the device.
+        """
         original = pl_module.log
         signature = inspect.signature(original)
 
@@ -102,6 +110,10 @@ class SyncFreeLogging(Callback):
             if bound.arguments.get("prog_bar"):
                 self.progress_bar_names.add(bound.arguments["name"])
                 bound.arguments["prog_bar"] = False
+            value = bound.arguments["value"]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not bound.arguments.get("sync_dist"):
+                dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                bound.arguments["value"] = torch.tensor(value, dtype=dtype)  # as Lightning would, but on the host
             original(*bound.args, **bound.kwargs)
 
         return log
@@ -134,7 +146,7 @@ class SyncFreeLogging(Callback):
         connector = trainer._logger_connector
 
         def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
-            bar = {key: value for key, value in self.progress_bar_items(connector.metrics["callback"]).items()}
+            bar = self.progress_bar_items(connector.metrics["callback"])
             scalars = {
                 **{f"bar/{k}": v for k, v in bar.items() if isinstance(v, Tensor)},
                 **{f"log/{k}": v for k, v in metrics.items() if isinstance(v, Tensor) and v.numel() == 1},

@@ -1,0 +1,244 @@
+"""FastMixedPrecision: AMP whose fp16 loss scaling never waits for the GPU.
+
+torch's ``GradScaler`` decides whether to skip an optimizer step by reading the
+``found_inf`` flag on the host (one ``.item()`` per step) unless the optimizer
+is fused: fused Adam, AdamW and SGD take ``found_inf`` as a device tensor and
+skip the update inside the kernel. Lightning's ``MixedPrecision`` works with
+fused optimizers but then refuses gradient clipping. This plugin:
+
+- switches Adam, AdamW and SGD to their fused implementation under
+  ``"16-mixed"`` (and says so, or says why it cannot);
+- allows gradient clipping with fused optimizers (it unscales first, once);
+- counts skipped steps on the device and logs ``fp16/skipped_steps`` and
+  ``fp16/loss_scale`` every step, which costs no host sync;
+- refuses ``"16-mixed"`` on CPU unless a scaler is passed explicitly.
+
+Under :class:`~lightning_fastdist.FastFSDPStrategy`, the strategy reads
+:attr:`FastMixedPrecision.precision` and builds the FSDP2 mixed-precision
+policy from it (``bf16-mixed``: bf16 compute, fp32 gradient reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true")
+DEVICES = ("cuda", "cpu")
+# Optimizers whose torch implementation has a fused variant that accepts ``found_inf`` on the device.
+FUSABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# Device types with fused optimizer kernels in torch >= 2.4.
+FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
+
+
+def fuse_optimizer(optimizer: Optimizer) -> str | None:
+    """Switch ``optimizer`` in place to torch's fused implementation.
+
+    Works on an optimizer that already exists (Lightning creates it from
+    ``configure_optimizers``): LR schedulers keep their reference. Existing
+    ``step`` counters move to the parameters' device, as fused kernels need.
+
+    Args:
+        optimizer: the optimizer to switch.
+
+    Returns:
+        ``None`` on success (or if it was fused already), else the reason it cannot be fused.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    if type(optimizer) not in FUSABLE_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in FUSABLE_OPTIMIZERS)
+        return f"{type(optimizer).__name__} has no fused implementation in torch (only {names})"
+    for group in optimizer.param_groups:
+        if group.get("differentiable"):
+            return "it was created with differentiable=True, which fused kernels do not support"
+        for param in group["params"]:
+            if param.device.type not in FUSED_DEVICE_TYPES or not torch.is_floating_point(param):
+                return f"a parameter is {param.dtype} on {param.device}; fused kernels need floating point on {FUSED_DEVICE_TYPES}"
+    _set_fused_flags(optimizer)
+    optimizer.register_load_state_dict_post_hook(_set_fused_flags)  # a checkpoint's groups would reset the flags
+    return None
+
+
+def _set_fused_flags(optimizer: Optimizer) -> None:
+    for settings in (optimizer.defaults, *optimizer.param_groups):
+        settings["fused"] = True
+        settings["foreach"] = False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, Tensor):
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+    optimizer._step_supports_amp_scaling = True  # what torch sets when constructed with fused=True
+
+
+class FastMixedPrecision(Precision):
+    """Mixed or bf16 precision for Lightning with no host sync per step.
+
+    Args:
+        precision: ``"bf16-mixed"`` (autocast to bf16, fp32 weights),
+            ``"16-mixed"`` (autocast to fp16 with loss scaling) or
+            ``"bf16-true"`` (weights and compute in bf16).
+        device: device type autocast and the loss scaler act on, ``"cuda"`` or
+            ``"cpu"``; ``None`` picks ``"cuda"`` when available.
+        scaler: the ``torch.amp.GradScaler`` for ``"16-mixed"``; ``None``
+            creates one. Passing one is also how to run ``"16-mixed"`` on CPU
+            (slow; meant for testing loss scaling without a GPU).
+        fuse_optimizers: under ``"16-mixed"``, switch Adam, AdamW and SGD to
+            their fused implementations so that skipping a step needs no host
+            sync. Other optimizers keep working, with one host sync per step
+            (a warning says so).
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``device``, ``"16-mixed"`` on
+            CPU without an explicit ``scaler``, or a ``scaler`` with another precision.
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        fuse_optimizers: bool = True,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"FastMixedPrecision: precision must be one of {PRECISIONS}, got {precision!r}.")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in DEVICES:
+            raise ValueError(f"FastMixedPrecision: device must be one of {DEVICES}, got {device!r}.")
+        if precision == "16-mixed" and device == "cpu" and scaler is None:
+            raise ValueError(
+                "FastMixedPrecision: precision='16-mixed' is refused on device='cpu': fp16 on CPU is slower than fp32 "
+                "and needs loss scaling for nothing. Use precision='bf16-mixed' on CPU (or pass "
+                "scaler=torch.amp.GradScaler('cpu') to exercise fp16 loss scaling anyway)."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"FastMixedPrecision: scaler is only used with precision='16-mixed', got {precision!r}.")
+        self.precision = precision
+        self.device = device
+        self.scaler = scaler if precision != "16-mixed" or scaler is not None else torch.amp.GradScaler(device)
+        self.fuse_optimizers = fuse_optimizers
+        self._bf16_true = HalfPrecision("bf16-true") if precision == "bf16-true" else None
+        self.skipped_steps: Tensor | None = None  # on the device; created at the first fp16 step
+        self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler update
+
+    # ---------------------------------------------------------------- module and inputs
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return self._bf16_true.convert_module(module) if self._bf16_true else module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._bf16_true.tensor_init_context() if self._bf16_true else super().tensor_init_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self._bf16_true.module_init_context() if self._bf16_true else super().module_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._bf16_true.convert_input(data) if self._bf16_true else data
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self._bf16_true:
+            with self._bf16_true.forward_context():
+                yield
+            return
+        dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        with torch.autocast(self.device, dtype=dtype, cache_enabled=False):
+            yield
+
+    # ---------------------------------------------------------------- optimizers
+
+    @override
+    def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
+        device_type = next(model.parameters()).device.type
+        if self.precision != "bf16-true" and device_type != self.device:
+            raise ValueError(
+                f"FastMixedPrecision: device is {self.device!r} but the model is on {device_type!r}; "
+                f"pass device={device_type!r}."
+            )
+        if self.scaler is not None and self.fuse_optimizers:
+            for optimizer in optimizers:
+                reason = fuse_optimizer(optimizer)
+                if reason is None:
+                    rank_zero_info(f"FastMixedPrecision: {type(optimizer).__name__} runs fused (no host sync per step).")
+                else:
+                    rank_zero_warn(
+                        f"FastMixedPrecision: cannot fuse {type(optimizer).__name__}: {reason}. fp16 loss scaling "
+                        "will read found_inf on the host once per step with it."
+                    )
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def _unscale_once(self, optimizer: Optimizer) -> None:
+        if id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("FastMixedPrecision: precision='16-mixed' cannot drive LBFGS (its step re-runs the closure).")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return None  # training_step returned None: no backward, nothing to step
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Lightning's order for unfused optimizers: hooks and clipping see unscaled gradients.
+            self._unscale_once(optimizer)
+        self._after_closure(model, optimizer)
+        one = torch.ones((), device=model.device)
+        scale_before = self.scaler.scale(one)
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        self._unscaled.clear()
+        scale_after = self.scaler.scale(one)
+        # GradScaler lowers the scale (backoff_factor < 1) exactly when it skipped the step for inf/NaN gradients.
+        skipped = (scale_after < scale_before).float()
+        self.skipped_steps = skipped if self.skipped_steps is None else self.skipped_steps + skipped
+        model.log("fp16/skipped_steps", self.skipped_steps, on_step=True, on_epoch=False)
+        model.log("fp16/loss_scale", scale_after, on_step=True, on_epoch=False)
+        return step_output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None:
+            self._unscale_once(optimizer)  # clip the true gradients; a fused step then skips its own unscaling
+        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
