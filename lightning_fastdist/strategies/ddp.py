@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
@@ -34,6 +35,7 @@ from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
+from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
@@ -64,8 +66,14 @@ class FastDDPStrategy(DDPStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
             ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
             ``n`` (every n-th block); the same implementation FastFSDPStrategy uses.
-        checkpoint_modules: the blocks activation checkpointing wraps: ``"auto"`` (the classes a
-            ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's ``Block``) or class names.
+        block_modules: the blocks that activation checkpointing and per-block compile act on:
+            ``"auto"`` (the classes a ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's
+            ``Block``) or class names.
+        compile: ``false``, ``true`` (inductor) or a mapping of ``torch.compile`` arguments
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
+        compile_scope: ``"blocks"``: compile each block's forward before DDP wraps the model
+            (one graph reused by every identical block); ``"model"``: compile the module's
+            forward after wrapping, where dynamo splits the graph at DDP's bucket boundaries.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         start_method: how Lightning starts the other processes.
         accelerator: set by the Trainer.
@@ -90,7 +98,9 @@ class FastDDPStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         log_comm_bytes: bool = True,
         activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        checkpoint_modules: Union[str, Sequence[str]] = "auto",
+        block_modules: Union[str, Sequence[str]] = "auto",
+        compile: Union[bool, dict[str, Any]] = False,
+        compile_scope: Literal["blocks", "model"] = "blocks",
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
@@ -101,6 +111,8 @@ class FastDDPStrategy(DDPStrategy):
     ) -> None:
         _check_options(comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend)
         validate_activation_checkpointing(activation_checkpointing)
+        self.compile_config = normalize_compile_config(compile)
+        self.compile_scope = validate_compile_scope(compile_scope)
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -126,9 +138,11 @@ class FastDDPStrategy(DDPStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
         self.activation_checkpointing = activation_checkpointing
-        self.checkpoint_modules = checkpoint_modules
+        self.block_modules = block_modules
         self.hook_state: HookState | None = None
         self.checkpointed_blocks: list[torch.nn.Module] = []
+        self.compiled_regions: list[torch.nn.Module] = []
+        self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self._pending_hook_checkpoint: dict | None = None
 
     @classmethod
@@ -146,13 +160,10 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        # Fixed order: activation checkpointing on the bare blocks, then size buckets, wrap in DDP,
-        # register the hook. (torch.compile of the blocks will go between checkpointing and wrapping.)
-        if self.activation_checkpointing != "none":
-            block_classes = resolve_block_classes(self.model, self.checkpoint_modules, option="checkpoint_modules")
-            self.checkpointed_blocks = apply_activation_checkpointing(
-                self.model, self.activation_checkpointing, block_classes
-            )
+        # Fixed order: activation checkpointing and per-block compile on the bare blocks,
+        # then size buckets, wrap in DDP and register the hook; whole-model compile last,
+        # inside DDP, so that dynamo splits the graph at bucket boundaries.
+        self._prepare_blocks()
         if self.bucket_cap_mb == "auto":
             self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(self.model)
         super().configure_ddp()
@@ -168,6 +179,30 @@ class FastDDPStrategy(DDPStrategy):
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)
             self._pending_hook_checkpoint = None
+        if self.compile_config is not None and self.compile_scope == "model":
+            self.compiled_regions = apply_compile(self.lightning_module, self.compile_config, "model", [])
+
+    def _prepare_blocks(self) -> None:
+        wants_blocks = self.activation_checkpointing != "none" or (
+            self.compile_config is not None and self.compile_scope == "blocks"
+        )
+        if not wants_blocks:
+            return
+        block_classes = resolve_block_classes(self.model, self.block_modules, option="block_modules")
+        self.checkpointed_blocks = apply_activation_checkpointing(self.model, self.activation_checkpointing, block_classes)
+        if self.compile_config is not None and self.compile_scope == "blocks":
+            self.compiled_regions = apply_compile(self.model, self.compile_config, "blocks", block_classes)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self.compile_config is not None:
+            self.recompiles.start()
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        self.recompiles.stop()
+        super().teardown()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,165 @@
+"""torch.compile inside the strategies: option checks, same losses as eager, one region per block, recompile reports."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_fastdist import FastDDPStrategy
+from lightning_fastdist.demo import Block, TextDataModule, TinyGPT
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher, summarize_recompile
+from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
+from tests.harness import run_function
+
+
+def tiny_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(n_layer=3, n_head=2, n_embd=32, block_size=16)
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(False, None), (None, None), (True, {}), ({"backend": "eager", "dynamic": True}, {"backend": "eager", "dynamic": True})],
+)
+def test_compile_option_values(value, expected):
+    assert normalize_compile_config(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"backend": "turbo"}, "compile.backend: 'turbo' is not a torch.compile backend; accepted: .*inductor"),
+        ({"mode": "fastest"}, "compile.mode: 'fastest' is not a torch.compile mode; accepted: default, reduce-overhead"),
+        ({"fulgraph": True}, "compile: unknown option.s. fulgraph; accepted: backend, mode, fullgraph, dynamic, options"),
+        ({"mode": "max-autotune", "options": {"a": 1}}, "set either mode or options"),
+        ({"dynamic": "yes"}, "compile.dynamic: expected true, false or null"),
+        ("inductor", "compile: expected true, false or a mapping"),
+    ],
+)
+def test_bad_compile_options_are_refused_before_training(value, message):
+    with pytest.raises(ValueError, match=message):
+        normalize_compile_config(value)
+    with pytest.raises(ValueError, match=message):
+        FastDDPStrategy(compile=value)
+
+
+def test_bad_scope_is_refused():
+    with pytest.raises(ValueError, match="compile_scope: got 'layers'; accepted values: 'blocks', 'model'"):
+        validate_compile_scope("layers")
+    with pytest.raises(ValueError, match="compile_scope"):
+        FastDDPStrategy(compile=True, compile_scope="layers")
+
+
+def test_blocks_scope_compiles_each_block_and_keeps_state_dict_keys():
+    model = tiny_gpt()
+    keys = list(model.state_dict())
+    regions = apply_compile(model, {"backend": "eager"}, "blocks", [Block])
+    assert regions == list(model.blocks)
+    assert list(model.state_dict()) == keys
+
+
+def test_blocks_scope_without_blocks_says_what_to_do():
+    with pytest.raises(ValueError, match="found no block to compile in Linear.*compile_scope='model'"):
+        apply_compile(torch.nn.Linear(2, 2), {"backend": "eager"}, "blocks", [Block])
+
+
+# ---------------------------------------------------------------- recompiles
+
+
+def test_a_new_sequence_length_is_reported_once_with_its_reason():
+    torch._dynamo.reset()
+    reports: list[str] = []
+    watcher = RecompileWatcher(report=reports.append)
+    model = tiny_gpt()
+    apply_compile(model, {"backend": "eager"}, "blocks", [Block])
+    watcher.start()
+    try:
+        for length in (16, 8, 8, 12, 16):
+            model(torch.randint(0, 256, (2, length)))
+    finally:
+        watcher.stop()
+    assert watcher.count >= 1
+    assert len(reports) == len(watcher.reasons) >= 1
+    assert "size mismatch" in reports[0] and "forward" in reports[0]
+
+
+def test_recompile_summary_keeps_the_function_and_first_guard():
+    message = (
+        "Recompiling function forward in /x/model.py:87\n    triggered by the following guard failure(s):\n"
+        "    - 0/0: tensor 'x' size mismatch at index 1. expected 16, actual 8\n    - 0/1: other"
+    )
+    assert summarize_recompile(message) == "forward: tensor 'x' size mismatch at index 1. expected 16, actual 8"
+
+
+# ---------------------------------------------------------------- DDP, 2 processes
+
+
+def ddp_losses(compile_option, scope: str, checkpointing: str) -> dict:
+    torch._dynamo.reset()
+    losses: list[float] = []
+
+    class RecordLoss(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].item())
+
+    strategy = FastDDPStrategy(compile=compile_option, compile_scope=scope, activation_checkpointing=checkpointing)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[RecordLoss()],
+    )  # fmt: skip
+    trainer.fit(tiny_gpt(), TextDataModule(batch_size=4, block_size=16))
+    return {
+        "losses": losses,
+        "regions": len(strategy.compiled_regions),
+        "logged": "train_loss" in trainer.callback_metrics,
+    }
+
+
+COMPILED_SETUPS = [("eager", "blocks", "none"), ("aot_eager", "blocks", "full"), ("aot_eager", "model", "none")]
+
+
+def eager_then_compiled_setups() -> list[dict]:
+    """The eager run, then every setup of COMPILED_SETUPS, in the same two processes."""
+    runs = [ddp_losses(False, "blocks", "none")]
+    runs += [ddp_losses({"backend": backend}, scope, checkpointing) for backend, scope, checkpointing in COMPILED_SETUPS]
+    return runs
+
+
+@pytest.mark.slow
+def test_ddp_compiled_training_matches_eager():
+    for eager, *compiled_runs in run_function(eager_then_compiled_setups, world_size=2, timeout=400):
+        for (backend, scope, checkpointing), compiled in zip(COMPILED_SETUPS, compiled_runs):
+            setup = f"{backend}/{scope}/checkpointing={checkpointing}"
+            assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5), setup
+            assert compiled["regions"] == (3 if scope == "blocks" else 1), setup
+            assert compiled["logged"], setup  # self.log inside training_step still works
+
+
+# ---------------------------------------------------------------- the one real inductor test
+
+
+@pytest.mark.slow
+def test_inductor_blocks_train_like_eager_single_process():
+    torch._dynamo.reset()
+
+    def two_steps(compiled: bool) -> list[float]:
+        model = tiny_gpt()
+        if compiled:
+            apply_compile(model, {"backend": "inductor"}, "blocks", [Block])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(2):
+            tokens = torch.randint(0, 256, (4, 17), generator=generator)
+            loss = TinyGPT._loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert two_steps(compiled=True) == pytest.approx(two_steps(compiled=False), rel=1e-4)
