@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_fastdist import FastDDPStrategy
+from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.demo import Block, TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher, summarize_recompile
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
@@ -43,15 +43,17 @@ def test_compile_option_values(value, expected):
 def test_bad_compile_options_are_refused_before_training(value, message):
     with pytest.raises(ValueError, match=message):
         normalize_compile_config(value)
-    with pytest.raises(ValueError, match=message):
-        FastDDPStrategy(compile=value)
+    for strategy_class in (FastDDPStrategy, FastFSDPStrategy):
+        with pytest.raises(ValueError, match=message):
+            strategy_class(compile=value)
 
 
 def test_bad_scope_is_refused():
     with pytest.raises(ValueError, match="compile_scope: got 'layers'; accepted values: 'blocks', 'model'"):
         validate_compile_scope("layers")
-    with pytest.raises(ValueError, match="compile_scope"):
-        FastDDPStrategy(compile=True, compile_scope="layers")
+    for strategy_class in (FastDDPStrategy, FastFSDPStrategy):
+        with pytest.raises(ValueError, match="compile_scope"):
+            strategy_class(compile=True, compile_scope="layers")
 
 
 def test_blocks_scope_compiles_each_block_and_keeps_state_dict_keys():
@@ -98,7 +100,10 @@ def test_recompile_summary_keeps_the_function_and_first_guard():
 # ---------------------------------------------------------------- DDP, 2 processes
 
 
-def ddp_losses(compile_option, scope: str, checkpointing: str) -> dict:
+STRATEGIES = {"ddp": FastDDPStrategy, "fsdp": FastFSDPStrategy}
+
+
+def training_losses(strategy_name: str, compile_option, scope: str, checkpointing: str) -> dict:
     torch._dynamo.reset()
     losses: list[float] = []
 
@@ -106,7 +111,9 @@ def ddp_losses(compile_option, scope: str, checkpointing: str) -> dict:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].item())
 
-    strategy = FastDDPStrategy(compile=compile_option, compile_scope=scope, activation_checkpointing=checkpointing)
+    strategy = STRATEGIES[strategy_name](
+        compile=compile_option, compile_scope=scope, activation_checkpointing=checkpointing
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[RecordLoss()],
@@ -122,18 +129,20 @@ def ddp_losses(compile_option, scope: str, checkpointing: str) -> dict:
 COMPILED_SETUPS = [("eager", "blocks", "none"), ("aot_eager", "blocks", "full"), ("aot_eager", "model", "none")]
 
 
-def eager_then_compiled_setups() -> list[dict]:
+def eager_then_compiled_setups(strategy_name: str) -> list[dict]:
     """The eager run, then every setup of COMPILED_SETUPS, in the same two processes."""
-    runs = [ddp_losses(False, "blocks", "none")]
-    runs += [ddp_losses({"backend": backend}, scope, checkpointing) for backend, scope, checkpointing in COMPILED_SETUPS]
+    runs = [training_losses(strategy_name, False, "blocks", "none")]
+    for backend, scope, checkpointing in COMPILED_SETUPS:
+        runs.append(training_losses(strategy_name, {"backend": backend}, scope, checkpointing))
     return runs
 
 
 @pytest.mark.slow
-def test_ddp_compiled_training_matches_eager():
-    for eager, *compiled_runs in run_function(eager_then_compiled_setups, world_size=2, timeout=400):
+@pytest.mark.parametrize("strategy_name", ["ddp", "fsdp"])
+def test_compiled_training_matches_eager(strategy_name):
+    for eager, *compiled_runs in run_function(eager_then_compiled_setups, world_size=2, args=(strategy_name,), timeout=400):
         for (backend, scope, checkpointing), compiled in zip(COMPILED_SETUPS, compiled_runs):
-            setup = f"{backend}/{scope}/checkpointing={checkpointing}"
+            setup = f"{strategy_name}/{backend}/{scope}/checkpointing={checkpointing}"
             assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5), setup
             assert compiled["regions"] == (3 if scope == "blocks" else 1), setup
             assert compiled["logged"], setup  # self.log inside training_step still works

@@ -208,8 +208,10 @@ class FastDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.log_comm_bytes and self.hook_state is not None:
-            # A Python number from host-side counters: logging it needs no device sync.
-            self.lightning_module.log(BYTES_METRIC, float(self.hook_state.stats.last_step_bytes), on_step=True)
+            # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device.
+            # (A Python float would become a tensor on the accelerator.) float64 keeps byte counts exact.
+            step_bytes = torch.tensor(self.hook_state.stats.last_step_bytes, dtype=torch.float64)
+            self.lightning_module.log(BYTES_METRIC, step_bytes, on_step=True)
         return output
 
     @override

@@ -27,16 +27,19 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
+from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -73,6 +76,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in
             backward), ``"selective"`` (keep matmul/attention outputs, recompute
             the rest) or an integer ``n`` (full checkpointing of every n-th block).
+        compile: ``false``, ``true`` (inductor) or a mapping of ``torch.compile`` arguments
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
+        compile_scope: ``"blocks"`` (compile each block's forward between checkpointing and
+            sharding; FSDP's hooks stay outside the graphs) or ``"model"`` (the module's forward).
         checkpoint_format: ``"sharded"`` (a folder of per-rank shards, loadable at
             any world size) or ``"full"`` (one file gathered on rank 0).
         async_checkpointing: write sharded checkpoints in a background thread
@@ -90,6 +97,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         hsdp_group_size: Optional[int] = None,
         cpu_offload: bool = False,
         activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
+        compile: Union[bool, dict[str, Any]] = False,
+        compile_scope: Literal["blocks", "model"] = "blocks",
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
         process_group_backend: Optional[str] = None,
@@ -97,6 +106,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
         validate_activation_checkpointing(activation_checkpointing)
+        self.compile_config = normalize_compile_config(compile)
+        self.compile_scope = validate_compile_scope(compile_scope)
         if shard_modules != "auto" and (
             isinstance(shard_modules, str) or not all(isinstance(name, str) for name in shard_modules)
         ):
@@ -120,6 +131,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.async_checkpointing = async_checkpointing
         self._checkpoint_writer = ShardedCheckpointWriter()
+        self.compiled_regions: list[nn.Module] = []
+        self.recompiles = RecompileWatcher(report=rank_zero_warn)
 
     @classmethod
     @override
@@ -156,6 +169,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        if self.compile_config is not None:
+            self.recompiles.start()
         self.accelerator.setup(trainer)
         if not isinstance(self.model, FSDPModule):  # a second fit/validate reuses the sharded model
             self.model = self.precision_plugin.convert_module(self.model)
@@ -169,19 +184,21 @@ class FastFSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, model: nn.Module) -> None:
-        """Apply activation checkpointing and FSDP to ``model`` in place, in this fixed order.
+        """Apply activation checkpointing, compile and FSDP to ``model`` in place, in this fixed order.
 
         1. Activation checkpointing, per block: its hooks must sit inside the FSDP
            unit so that a recomputed block finds its parameters gathered.
-        2. (Reserved for ``torch.compile`` per block: after checkpointing so the
-           compiled block includes the recompute policy, before FSDP so FSDP's
-           collectives stay outside the compiled graph.)
+        2. ``torch.compile`` of each block's (or the model's) ``forward``: after
+           checkpointing, whose hooks then run around the compiled forward, and
+           before FSDP, whose all-gather hooks stay outside the compiled graph.
         3. FSDP: every block first, the root last (it takes what is left:
            embeddings, final norm, head). Parameters on the meta device stay
            there; :meth:`setup` materialises each rank's shard afterwards.
         """
         block_classes = resolve_block_classes(model, self.shard_modules, option="shard_modules")
         apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
+        if self.compile_config is not None:
+            self.compiled_regions = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin.precision)
         apply_fsdp(
             model,
@@ -236,6 +253,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.recompiles.stop()
         self._checkpoint_writer.wait()
         super().teardown()
 
