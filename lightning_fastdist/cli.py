@@ -6,7 +6,8 @@ flag. Without ``--model``/``--data`` they train the demo
 :class:`~lightning_fastdist.demo.TextDataModule`; any LightningModule or
 LightningDataModule can be named instead (``--model my_pkg.MyModel``).
 ``--config`` also accepts the name of a packaged recipe (``cpu_smoke``);
-``lightning-fastdist recipes`` lists them.
+``lightning-fastdist recipes`` lists them. Other subcommands
+(:data:`EXTRA_COMMANDS`) live in :mod:`lightning_fastdist.commands`.
 
 Mistakes (an unknown option, a missing or malformed recipe, a value a class
 rejects) end the command with exit status 2 and one message on stderr.
@@ -15,6 +16,7 @@ rejects) end the command with exit status 2 and one message on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,12 +26,15 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_fastdist.cli_errors import UsageError, check_yaml_file, condense_parser_error
-from lightning_fastdist.recipes import available_recipes, find_recipe, recipes_dir
+from lightning_fastdist.recipes import available_recipes, find_recipe
 
 PROGRAM = "lightning-fastdist"
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 CONFIG_FLAGS = ("--config", "-c")
+# Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
+EXTRA_COMMANDS = {"recipes": "recipes"}
+TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 class FastDistCLI(LightningCLI):
@@ -84,13 +89,6 @@ def _resolve_config_paths(argv: Sequence[str]) -> list[str]:
     return resolved
 
 
-def _print_recipes() -> None:
-    print(f"Packaged recipes (in {recipes_dir()}):")
-    for name in available_recipes():
-        print(f"  {name}")
-    print(f"Use one with: {PROGRAM} fit --config NAME")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line.
 
@@ -100,10 +98,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             ranks, so when reading it the resolved recipe paths are written back.)
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["recipes"]:
-        _print_recipes()
-        return
+    if args and args[0] in EXTRA_COMMANDS:
+        command = importlib.import_module(f"lightning_fastdist.commands.{EXTRA_COMMANDS[args[0]]}")
+        raise SystemExit(command.main(args[1:]))
     try:
+        if args and not args[0].startswith("-") and args[0] not in TRAINER_COMMANDS:
+            raise UsageError(f"unknown command {args[0]!r}; choose from {', '.join([*TRAINER_COMMANDS, *EXTRA_COMMANDS])}.")
         args = _resolve_config_paths(args)
         if argv is None:
             sys.argv[1:] = args
