@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             save_config_kwargs={"overwrite": True},
         )
     except UsageError as error:
-        subcommand = args[0] if args and not args[0].startswith("-") else ""
+        subcommand = args[0] if args and args[0] in TRAINER_COMMANDS else ""
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None
