@@ -10,6 +10,7 @@ the test failure:
   environment ``torchrun`` would give them (``RANK``, ``WORLD_SIZE``, ...).
 - :func:`run_launcher`: one command that launches its own ranks (Lightning's
   ``devices=2``), killed as a group on timeout.
+- :func:`run_processes`: different commands at once, e.g. one ``torchrun`` per "node".
 """
 
 from __future__ import annotations
@@ -203,33 +204,60 @@ def run_command(
         cwd: working directory of every rank.
     """
     port = free_port()
+    environments = [{**(env or {}), **rank_environment(rank, world_size, port)} for rank in range(world_size)]
+    return run_processes([list(command)] * world_size, environments, timeout=timeout, cwd=cwd)
+
+
+def run_processes(
+    commands: Sequence[Sequence[str]],
+    environments: Sequence[dict[str, str]] | None = None,
+    timeout: float = 180.0,
+    cwd: str | Path | None = None,
+) -> list[RankOutput]:
+    """Run several commands at once (for example one launcher per "node"); return their outputs in order.
+
+    One failing command gets the others killed after a short grace period;
+    :class:`DistributedRunError` then shows every failed command's output.
+
+    Args:
+        commands: one command line per process.
+        environments: extra environment variables per process (added to this one's).
+        timeout: seconds for the whole run; then every process is killed with its children.
+        cwd: working directory of every process.
+    """
+    environments = environments or [{}] * len(commands)
     with tempfile.TemporaryDirectory(prefix="fastdist-ranks-") as log_dir:
         processes, files = [], []
-        for rank in range(world_size):
-            stdout = open(Path(log_dir, f"rank{rank}.out"), "w+")  # noqa: SIM115 - closed below
-            stderr = open(Path(log_dir, f"rank{rank}.err"), "w+")  # noqa: SIM115 - closed below
+        for index, (command, extra_env) in enumerate(zip(commands, environments)):
+            stdout = open(Path(log_dir, f"{index}.out"), "w+")  # noqa: SIM115 - closed below
+            stderr = open(Path(log_dir, f"{index}.err"), "w+")  # noqa: SIM115 - closed below
             files.append((stdout, stderr))
-            rank_env = {**os.environ, **(env or {}), **rank_environment(rank, world_size, port)}
             processes.append(
                 subprocess.Popen(
-                    list(command), stdout=stdout, stderr=stderr, env=rank_env, cwd=cwd, start_new_session=True
+                    list(command),
+                    stdout=stdout,
+                    stderr=stderr,
+                    env={**os.environ, **extra_env},
+                    cwd=cwd,
+                    start_new_session=True,
                 )
             )
         timed_out = _wait_all(processes, timeout)
         for process in processes:
             _kill_group(process)
         outputs = []
-        for rank, (stdout, stderr) in enumerate(files):
+        for index, (stdout, stderr) in enumerate(files):
             stdout.seek(0)
             stderr.seek(0)
-            outputs.append(RankOutput(rank, processes[rank].returncode, stdout.read(), stderr.read()))
+            outputs.append(RankOutput(index, processes[index].returncode, stdout.read(), stderr.read()))
             stdout.close()
             stderr.close()
     failed = [o for o in outputs if o.returncode != 0]
     if timed_out or failed:
         reason = f"timed out after {timeout:.0f} s" if timed_out else "failed"
         parts = [f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed]
-        raise DistributedRunError(f"{' '.join(command)} {reason} on {world_size} processes:\n" + "\n".join(parts))
+        label = " ".join(commands[0]) + (f" (and {len(commands) - 1} more)" if len(set(map(tuple, commands))) > 1 else "")
+        raise DistributedRunError(f"{label} {reason} on {len(commands)} processes:\n" + "\n".join(parts))
     return outputs
 
 

@@ -21,6 +21,11 @@ def test_auto_finds_the_repeated_transformer_block():
     assert resolve_block_classes(model, "auto") == [Block]
 
 
+def test_a_one_layer_module_list_still_names_its_block():
+    assert find_repeated_blocks(TinyGPT(n_layer=1, n_head=2, n_embd=16, block_size=8)) == [Block]
+    assert find_repeated_blocks(nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])) == []
+
+
 def test_a_model_without_repeated_layers_has_no_auto_blocks():
     assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU())) == []
     assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))) == [nn.Linear]

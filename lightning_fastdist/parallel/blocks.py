@@ -18,18 +18,23 @@ LAYER_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def find_repeated_blocks(model: nn.Module) -> list[type[nn.Module]]:
-    """Classes whose instances a layer container holds at least twice, in the order first met.
+    """Classes of the model's layers, in the order first met.
 
-    A model with ``self.blocks = nn.ModuleList(Block(...) for _ in range(n))``
-    and ``n >= 2`` gives ``[Block]``. A model without such a container gives ``[]``.
+    A class counts when a layer container holds it at least twice, or when a
+    ``ModuleList`` holds only instances of it (so a one-layer model built like
+    a deep one still has its block found). A model with
+    ``self.blocks = nn.ModuleList(Block(...) for _ in range(n))`` gives
+    ``[Block]`` for any ``n >= 1``. A model without such a container gives ``[]``.
     """
     found: list[type[nn.Module]] = []
     for module in model.modules():
         if not isinstance(module, LAYER_CONTAINERS):
             continue
         child_classes = [type(child) for child in module.children()]
+        homogeneous_list = isinstance(module, nn.ModuleList) and len(set(child_classes)) == 1
         for cls in child_classes:
-            if child_classes.count(cls) >= 2 and cls not in found and cls not in LAYER_CONTAINERS:
+            repeated = homogeneous_list or child_classes.count(cls) >= 2
+            if repeated and cls not in found and cls not in LAYER_CONTAINERS:
                 found.append(cls)
     return found
 
