@@ -33,7 +33,7 @@ DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 CONFIG_FLAGS = ("--config", "-c")
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
-EXTRA_COMMANDS = {"recipes": "recipes"}
+EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench", "doctor": "doctor"}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
 

@@ -1,0 +1,100 @@
+"""BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
+
+Per rank it measures, with no per-step device sync: the mean step time over a
+window after warm-up (the clock is read at the window's two ends, with one
+device synchronisation each), tokens per second, peak memory, the gradient
+bytes the strategy all-reduced per step (FastDDPStrategy counts them), host
+syncs per step (counted from the start of the third-to-last step to the start
+of the last, after the timing window because counting slows dispatch, and
+before the end-of-training flush), and the last loss. Rank 0 writes the
+results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
+
+SYNC_COUNT_STEPS = 2
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this rank and what it measures (CUDA allocator peak, or peak process RSS on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+class BenchProbe(L.Callback):
+    """Measure one benchmark setup and write its numbers to ``output`` (rank 0).
+
+    Args:
+        output: JSON file to write.
+        warmup_steps: steps left out of the timing window (compilation, allocator warm-up).
+    """
+
+    def __init__(self, output: str, warmup_steps: int = 2) -> None:
+        self.output = Path(output)
+        self.warmup_steps = warmup_steps
+        self._window_start: float | None = None
+        self._window_steps = 0
+        self._step_time: float | None = None
+        self._tokens_per_step = 0
+        self._syncs: HostSyncCounter | None = None
+        self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
+        self._last_loss: torch.Tensor | None = None
+
+    def _timing_ends_at(self, trainer: L.Trainer) -> int:
+        return max(trainer.max_steps - SYNC_COUNT_STEPS - 1, self.warmup_steps + 1)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
+            self._syncs.__exit__(None, None, None)
+            self._sync_count = self._syncs.count
+        if step == self.warmup_steps:
+            _synchronize(pl_module.device)
+            self._window_start = time.perf_counter()
+        elif step == self._timing_ends_at(trainer) and self._window_start is not None:
+            _synchronize(pl_module.device)
+            self._step_time = (time.perf_counter() - self._window_start) / self._window_steps
+            self._syncs = count_host_syncs()
+            self._syncs.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._window_start is not None and self._step_time is None:
+            self._window_steps += 1
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        self._tokens_per_step = inputs.numel() * trainer.world_size
+        self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        peak, peak_kind = peak_memory_bytes(pl_module.device)
+        hook_state = getattr(trainer.strategy, "hook_state", None)
+        result = {
+            "steps": trainer.global_step,
+            "step_time_s": self._step_time,
+            "tokens_per_s": self._tokens_per_step / self._step_time if self._step_time else None,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": peak_kind,
+            "comm_bytes_per_step": hook_state.stats.last_step_bytes if hook_state is not None else None,
+            "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
+            "final_loss": self._last_loss.item() if self._last_loss is not None else None,
+        }
+        per_rank = trainer.strategy.all_gather(torch.tensor(float(peak), device=pl_module.device))
+        result["peak_memory_bytes_max_rank"] = int(per_rank.max().item()) if per_rank.dim() else peak
+        if trainer.is_global_zero:
+            self.output.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,48 @@
+"""lightning-fastdist bench: argument checks, and a real side-by-side run on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_fastdist.commands.bench import main
+from lightning_fastdist.parallel.buckets import gradient_bytes
+from lightning_fastdist.demo import TinyGPT
+from tests.harness import cli_command, run_launcher
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--setups", "ddp,zero4"], "--setups: unknown zero4; known: ddp, ddp-fp16"),
+        (["--steps", "5"], "--steps: must be >= 6"),
+        (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
+    ],
+)
+def test_bad_arguments_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_compares_setups_and_writes_json_and_plot(in_tmp_dir):
+    model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+                  "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
+    result = run_launcher(
+        cli_command("bench", "--steps", "7", "--setups", "ddp,ddp-fp16,fsdp-zero3,deepspeed-zero3", "--", *model_args),
+        timeout=300,
+    )
+    assert "setup" in result.stdout and "ddp-fp16" in result.stdout
+    rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
+    assert set(rows) == {"ddp", "ddp-fp16", "fsdp-zero3", "deepspeed-zero3"}
+    full = gradient_bytes(TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    assert rows["ddp"]["comm_bytes_per_step"] == full
+    assert rows["ddp-fp16"]["comm_bytes_per_step"] == full // 2
+    for name in ("ddp", "ddp-fp16", "fsdp-zero3"):
+        assert rows[name]["steps"] == 7 and rows[name]["tokens_per_s"] > 0 and rows[name]["final_loss"] > 0
+        assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
+    assert "deepspeed" in rows["deepspeed-zero3"]["skipped"].lower()
+    assert (in_tmp_dir / "bench_results" / "bench.png").stat().st_size > 10_000
