@@ -1,0 +1,65 @@
+"""Time the training loop spends waiting for batches, from two callback hooks.
+
+Between ``on_train_batch_end`` of one batch and ``on_train_batch_start`` of the
+next, Lightning fetches the next batch from the DataLoader (and does a little
+bookkeeping); everything from ``on_train_batch_start`` to ``on_train_batch_end``
+is the step itself. :class:`DataWaitClock` records both with the host's
+monotonic clock: two ``perf_counter`` calls per batch, no device access.
+
+On a GPU the host usually runs ahead of the device, so a host-side wait that is
+shorter than the queued device work costs nothing; the wait fraction is then an
+upper bound of the time the GPU starves.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class DataWaitClock:
+    """Per-batch data-wait and step seconds, measured on the host.
+
+    Call :meth:`batch_started` from ``on_train_batch_start`` and
+    :meth:`batch_ended` from ``on_train_batch_end``; :meth:`pause` when the loop
+    leaves training (validation), so that the next wait is not counted.
+    """
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.steps: list[float] = []
+        self._last_end: float | None = None
+        self._start: float | None = None
+
+    def batch_started(self) -> None:
+        """Note the start of a step; the time since the previous step's end is a data wait."""
+        self._start = time.perf_counter()
+        if self._last_end is not None:
+            self.waits.append(self._start - self._last_end)
+
+    def batch_ended(self) -> None:
+        """Note the end of a step."""
+        self._last_end = time.perf_counter()
+        if self._start is not None:
+            self.steps.append(self._last_end - self._start)
+            self._start = None
+
+    def pause(self) -> None:
+        """Forget the previous step's end (the loop is about to do something other than fetch a batch)."""
+        self._last_end = None
+
+    def reset(self) -> None:
+        """Drop everything recorded so far."""
+        self.waits.clear()
+        self.steps.clear()
+        self._last_end = self._start = None
+
+    @property
+    def mean_wait(self) -> float:
+        """Mean seconds waited per batch (0.0 before two batches were seen)."""
+        return sum(self.waits) / len(self.waits) if self.waits else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the training loop's time spent waiting for data: waits / (waits + steps)."""
+        total = sum(self.waits) + sum(self.steps)
+        return sum(self.waits) / total if total > 0 else 0.0

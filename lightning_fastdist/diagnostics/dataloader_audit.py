@@ -1,0 +1,121 @@
+"""Check a ``torch.utils.data.DataLoader``'s settings against the machine and propose better ones.
+
+Rules (each finding names the setting, the value found, the value proposed and why):
+
+- ``num_workers == 0`` on a map-style dataset: batches are loaded in the
+  training process, between steps. Proposed: the rank's share of the CPU cores
+  minus one for the training loop, between 1 and 8. (Iterable datasets are only
+  reported: extra workers would each yield the whole stream unless the dataset
+  splits itself with ``get_worker_info()``.)
+- ``num_workers`` above the rank's share of the cores: workers of all ranks on
+  the node compete for the cores. Proposed: the share.
+- ``pin_memory`` off when training on a GPU: host-to-device copies cannot be
+  asynchronous from pageable memory. Proposed: on.
+- ``persistent_workers`` off with workers: the worker processes are started
+  again every epoch (and, for a validation loader, every validation run).
+  Proposed: on.
+- ``prefetch_factor`` below 2 with workers: a worker has at most one batch
+  ready, so any hiccup stalls the step. Proposed: 2 (torch's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils.data import DataLoader, IterableDataset
+
+MAX_WORKERS = 8
+MIN_PREFETCH = 2
+
+
+@dataclass(frozen=True)
+class DataLoaderFinding:
+    """One setting of one DataLoader that should change.
+
+    Attributes:
+        loader: which loader (``"train"``, ``"val"``, ...).
+        setting: the DataLoader argument.
+        found: its current value.
+        proposed: the value to use, or ``None`` when only a report is possible.
+        reason: why, in one sentence.
+    """
+
+    loader: str
+    setting: str
+    found: object
+    proposed: object
+    reason: str
+
+    def describe(self) -> str:
+        """One line: ``train.num_workers: 0 -> 1 (reason)``."""
+        change = f"{self.found!r} -> {self.proposed!r}" if self.proposed is not None else f"{self.found!r} (left as is)"
+        return f"{self.loader}.{self.setting}: {change}: {self.reason}"
+
+
+def workers_for(cores_per_rank: int) -> int:
+    """Workers for one rank: its cores minus one for the training loop, in [1, :data:`MAX_WORKERS`]."""
+    return max(1, min(MAX_WORKERS, cores_per_rank - 1))
+
+
+def audit_dataloader(loader: DataLoader, name: str, accelerator: str, cores_per_rank: int) -> list[DataLoaderFinding]:
+    """Findings for ``loader`` (empty when its settings are sound).
+
+    Args:
+        loader: the DataLoader to check.
+        name: how findings refer to it (``"train"``, ``"val"``).
+        accelerator: the device type the batches go to (``"cuda"``, ``"cpu"``, ...).
+        cores_per_rank: CPU cores available to this rank (the node's cores / processes on the node).
+    """
+    findings: list[DataLoaderFinding] = []
+    workers = loader.num_workers
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if workers == 0:
+        if iterable:
+            findings.append(DataLoaderFinding(
+                name, "num_workers", 0, None,
+                "batches load in the training process; an IterableDataset needs to split its stream with "
+                "get_worker_info() before workers can be added",
+            ))  # fmt: skip
+        else:
+            findings.append(DataLoaderFinding(
+                name, "num_workers", 0, workers_for(cores_per_rank),
+                f"batches load in the training process between steps; {cores_per_rank} core(s) per rank allow workers",
+            ))  # fmt: skip
+    elif workers > cores_per_rank:
+        findings.append(DataLoaderFinding(
+            name, "num_workers", workers, max(1, cores_per_rank),
+            f"more workers than this rank's {cores_per_rank} core(s): ranks' workers compete for the CPU",
+        ))  # fmt: skip
+    effective_workers = next((f.proposed for f in findings if f.setting == "num_workers" and f.proposed), workers)
+    if accelerator == "cuda" and not loader.pin_memory:
+        findings.append(DataLoaderFinding(
+            name, "pin_memory", False, True, "copies to the GPU cannot overlap compute from pageable host memory",
+        ))  # fmt: skip
+    if effective_workers > 0 and not loader.persistent_workers:
+        findings.append(DataLoaderFinding(
+            name, "persistent_workers", False, True, "worker processes would be started again every epoch / validation run",
+        ))  # fmt: skip
+    if workers > 0 and loader.prefetch_factor is not None and loader.prefetch_factor < MIN_PREFETCH:
+        findings.append(DataLoaderFinding(
+            name, "prefetch_factor", loader.prefetch_factor, MIN_PREFETCH, "one batch ready per worker: any slow batch stalls the step",
+        ))  # fmt: skip
+    return findings
+
+
+def tuned_settings(loader: DataLoader, findings: list[DataLoaderFinding]) -> dict:
+    """The loader's ``num_workers``/``pin_memory``/``persistent_workers``/``prefetch_factor`` with the findings applied.
+
+    Consistent for DataLoader's checks: without workers, ``persistent_workers`` is off and ``prefetch_factor`` unset.
+    """
+    settings = {
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "persistent_workers": loader.persistent_workers,
+        "prefetch_factor": loader.prefetch_factor,
+    }
+    for finding in findings:
+        if finding.proposed is not None:
+            settings[finding.setting] = finding.proposed
+    if settings["num_workers"] == 0:
+        settings["persistent_workers"], settings["prefetch_factor"] = False, None
+    return settings
