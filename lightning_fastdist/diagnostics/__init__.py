@@ -2,3 +2,4 @@
 
 from lightning_fastdist.diagnostics.host_syncs import HostSync, HostSyncCounter, count_host_syncs  # noqa: E402
 from lightning_fastdist.diagnostics.peak_flops import peak_flops  # noqa: E402
+from lightning_fastdist.diagnostics.memory_model import MemoryEstimate, TrainingShape, estimate_memory  # noqa: E402
