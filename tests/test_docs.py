@@ -1,4 +1,4 @@
-"""Every ```python snippet in docs/ runs as written."""
+"""Every ```python snippet in docs/ and the README runs as written."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SNIPPET = re.compile(r"```python\n(.*?)```", re.DOTALL)
 SNIPPETS = [
     pytest.param(code, id=f"{page.stem}-{index}")
-    for page in sorted(DOCS.glob("*.md"))
+    for page in PAGES
     for index, code in enumerate(SNIPPET.findall(page.read_text()))
 ]
 
