@@ -3,8 +3,12 @@
 Every save is written under a staging name next to its target
 (``<name>.partial``) and renamed onto the target only once complete. A
 process killed mid-save leaves at most a ``.partial`` entry; every checkpoint
-published earlier is intact. When the target already exists, it is moved
-aside to ``<name>.replaced``, the new one renamed in, and the old one deleted.
+published earlier is intact. A file replaces an existing file in one atomic
+rename, so a path such as ``last.ckpt`` always names a complete checkpoint. A
+folder (or a change between file and folder) is swapped in atomically where the
+OS can exchange two paths (Linux ``renameat2(RENAME_EXCHANGE)``) and the old one
+deleted; elsewhere the old one is moved aside to ``<name>.replaced`` for the
+instant between two renames.
 
 :class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders
 (every rank writes its own shards), optionally in a background thread;
@@ -13,13 +17,17 @@ aside to ``<name>.replaced``, the new one renamed in, and the old one deleted.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import fsspec.utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -39,10 +47,40 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def is_local_path(path: Any) -> bool:
+    """Whether ``path`` is on the local file system (no ``s3://``-style protocol), where renames are atomic."""
+    return fsspec.utils.get_protocol(str(path)) in ("file", "local")
+
+
+def _is_file(path: Path) -> bool:
+    return path.is_file() or path.is_symlink()
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (Linux ``renameat2``); ``False`` where the OS cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # file system or kernel without the flag
+        return False
+    raise OSError(code, os.strerror(code), str(a))
+
+
 def publish(staged: Path, path: Path) -> None:
     """Rename the complete save ``staged`` onto ``path``, replacing whatever ``path`` held."""
-    if not (path.exists() or path.is_symlink()):
-        os.replace(staged, path)
+    if not (path.exists() or path.is_symlink()) or (_is_file(staged) and _is_file(path)):
+        os.replace(staged, path)  # atomic, also over an existing file
+        return
+    if _exchange(staged, path):
+        _remove(staged)  # now the previous checkpoint
         return
     replaced = path.with_name(path.name + REPLACED_SUFFIX)
     _remove(replaced)
@@ -58,6 +96,8 @@ def save_file_atomically(write: Callable[[Path], None], path: Path) -> None:
     staged = staging_path(path)
     _remove(staged)
     write(staged)
+    with open(staged, "rb") as written:
+        os.fsync(written.fileno())  # on disk before it is published: a power cut cannot publish a torn file
     publish(staged, path)
 
 

@@ -16,10 +16,13 @@ confirm (``tests/test_fast_ddp.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -27,16 +30,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
+from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
 from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
+from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
 BYTES_METRIC = "comm/allreduce_bytes_per_step"
@@ -75,6 +81,9 @@ class FastDDPStrategy(DDPStrategy):
             (one graph reused by every identical block); ``"model"``: compile the module's
             forward after wrapping, where dynamo splits the graph at DDP's bucket boundaries.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
+            process fails with an error instead of hanging (a rank that died or is stuck); ``None``
+            keeps torch's 30 minutes. Jobs that restart themselves want a few minutes.
         start_method: how Lightning starts the other processes.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -102,6 +111,7 @@ class FastDDPStrategy(DDPStrategy):
         compile: Union[bool, dict[str, Any]] = False,
         compile_scope: Literal["blocks", "model"] = "blocks",
         process_group_backend: str | None = None,
+        timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -113,6 +123,7 @@ class FastDDPStrategy(DDPStrategy):
         validate_activation_checkpointing(activation_checkpointing)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
+        self.timeout = collective_timeout(timeout, "FastDDPStrategy")
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -127,6 +138,7 @@ class FastDDPStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
+            timeout=self.timeout,
             start_method=start_method,
             **ddp_kwargs,
         )
@@ -228,7 +240,19 @@ class FastDDPStrategy(DDPStrategy):
                 "comm_hook": self.comm_hook,
                 "per_rank": self._gather_to_rank_zero(self.hook_state.state_dict()),
             }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
+            return
+        if self.is_global_zero:
+            # Written under <name>.partial and renamed onto <name> once complete (last.ckpt included).
+            save_file_atomically(
+                lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options), Path(filepath)
+            )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_lost_peer(exception, self.timeout, self.global_rank)
+        super().on_exception(exception)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

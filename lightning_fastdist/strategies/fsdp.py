@@ -19,7 +19,6 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -39,8 +38,10 @@ from lightning_fastdist.parallel.activation_checkpointing import (
 )
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
+from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
+from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 
@@ -85,7 +86,9 @@ class FastFSDPStrategy(ModelParallelStrategy):
         async_checkpointing: write sharded checkpoints in a background thread
             (training continues once the state is copied to host memory).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
-        timeout: timeout of the collectives of the process group.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
+            process fails with an error instead of hanging (a rank that died or is stuck); ``None``
+            keeps torch's 30 minutes. Jobs that restart themselves want a few minutes.
     """
 
     strategy_name = "fast_fsdp"
@@ -102,9 +105,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta, None] = None,
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
+        self.timeout = collective_timeout(timeout, "FastFSDPStrategy")
         validate_activation_checkpointing(activation_checkpointing)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
@@ -121,7 +125,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.timeout,
         )
         self.shard_modules = shard_modules
         self.sharding = sharding
@@ -250,6 +254,11 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._checkpoint_writer.wait()
         self.barrier()
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_lost_peer(exception, self.timeout, self.global_rank)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
