@@ -7,6 +7,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fastdist.data import EpochShuffleSampler, ResumableDataLoader
 from lightning_fastdist.demo.corpus import load_corpus
 
 
@@ -48,13 +49,19 @@ class TextDataModule(LightningDataModule):
     ``predict`` use the validation bytes. Under several processes Lightning
     gives each rank a disjoint shard through ``DistributedSampler``.
 
+    The training order depends only on ``seed`` and the epoch, and the training
+    loader is a :class:`~lightning_fastdist.data.ResumableDataLoader`: a run
+    resumed from a mid-epoch checkpoint continues with exactly the batches the
+    uninterrupted run would have seen next.
+
     Args:
         batch_size: sequences per batch on each process.
         block_size: bytes per sequence; must not exceed the model's ``block_size``.
         num_workers: DataLoader worker processes per rank (0 loads in the main process).
         val_fraction: share of the corpus held out for validation, in (0, 0.5].
         corpus_path: a text file to train on instead of the standard library sources.
-        seed: seed of the training shuffle order.
+        seed: seed of the training shuffle order on one process (under several processes
+            Lightning's ``DistributedSampler`` shuffles with the ``seed_everything`` seed).
     """
 
     def __init__(
@@ -84,27 +91,27 @@ class TextDataModule(LightningDataModule):
         self.train_set = ByteWindows(data[:split], self.hparams.block_size)
         self.val_set = ByteWindows(data[split:], self.hparams.block_size)
 
-    def _loader(self, dataset: ByteWindows, shuffle: bool) -> DataLoader:
+    def _loader_options(self) -> dict:
         workers = self.hparams.num_workers
-        return DataLoader(
-            dataset,
+        return dict(
             batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.hparams.seed) if shuffle else None,
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
-            drop_last=shuffle,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> ResumableDataLoader:
+        sampler = EpochShuffleSampler(self.train_set, seed=self.hparams.seed)
+        return ResumableDataLoader(self.train_set, sampler=sampler, drop_last=True, **self._loader_options())
+
+    def _evaluation_loader(self) -> DataLoader:
+        return DataLoader(self.val_set, **self._loader_options())  # evaluation always runs whole, in order
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._evaluation_loader()
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._evaluation_loader()
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._evaluation_loader()
