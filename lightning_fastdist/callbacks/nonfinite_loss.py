@@ -1,0 +1,146 @@
+"""NonFiniteLoss: skip or stop on a NaN/inf training loss without reading the loss on the host every step.
+
+Lightning's ``detect_anomaly`` and the usual ``if not torch.isfinite(loss)``
+both wait for the device on every step. Here every check stays on the device:
+
+- each micro-batch's loss is tested with ``torch.isfinite`` into a device flag;
+- before each optimizer step the flag is all-reduced (max) over the ranks, so
+  every rank takes the same decision even when only one rank's loss was bad
+  (under FSDP each rank holds other gradient shards, so they must agree);
+- ``action="skip"``: the flag is handed to the optimizer as ``found_inf``, the
+  same device tensor ``torch.amp.GradScaler`` uses, and the fused Adam/AdamW/SGD
+  kernels skip the update (parameters, moments and step count untouched). The
+  optimizers are switched to their fused implementation for this;
+- ``action="stop"``: nothing changes per step; at the check interval the count
+  of bad steps is read once and, if any, every rank raises :class:`NonFiniteLossError`
+  at the same step.
+
+The number of bad steps is logged as ``nonfinite_loss/steps`` on every step (a
+device tensor; it reaches the loggers at their interval) and, at the check
+interval, a warning names how many steps were skipped since the last check.
+The learning-rate scheduler still advances on a skipped step, as it does when
+the fp16 GradScaler skips one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fastdist.precision import fuse_optimizer
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("skip", "stop", "off")
+METRIC = "nonfinite_loss/steps"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised on every rank by ``NonFiniteLoss(action="stop")``."""
+
+
+class NonFiniteLoss(Callback):
+    """Skip the optimizer step, or stop training, when the training loss is NaN or inf.
+
+    Args:
+        action: ``"skip"`` (leave the weights and optimizer state of that step
+            untouched and go on), ``"stop"`` (raise :class:`NonFiniteLossError` on
+            every rank at the next check) or ``"off"`` (no check at all).
+        check_every_n_steps: optimizer steps between two host reads of the count
+            of bad steps (warning for ``"skip"``, error for ``"stop"``); ``None``
+            uses the trainer's ``log_every_n_steps`` so the read lands where the
+            loggers read their values anyway.
+    """
+
+    def __init__(self, action: Literal["skip", "stop", "off"] = "skip", check_every_n_steps: int | None = None) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"NonFiniteLoss: action must be one of {', '.join(map(repr, ACTIONS))}, got {action!r}.")
+        if check_every_n_steps is not None and (
+            isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1
+        ):
+            raise ValueError(f"NonFiniteLoss: check_every_n_steps must be an integer >= 1 or None, got {check_every_n_steps!r}.")
+        self.action = action
+        self.check_every_n_steps = check_every_n_steps
+        self._bad_now: Tensor | None = None  # 1.0 if a loss since the last optimizer step was not finite
+        self._bad_steps: Tensor | None = None  # optimizer steps with a non-finite loss in this fit, on the device
+        self._restored = 0  # bad steps counted before the checkpoint this fit resumed from
+        self._reported = 0  # bad steps already reported (host side)
+        self._last_check_step = 0
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.action != "skip":
+            return
+        for optimizer in trainer.optimizers:
+            reason = fuse_optimizer(optimizer)
+            if reason is not None:
+                raise ValueError(
+                    f"NonFiniteLoss: action='skip' skips steps on the device through a fused optimizer, but {reason}. "
+                    "Use Adam, AdamW or SGD, or action='stop'."
+                )
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        if self.action == "off":
+            return
+        bad = torch.logical_not(torch.isfinite(loss.detach())).float()
+        self._bad_now = bad if self._bad_now is None else torch.maximum(self._bad_now, bad)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        if self._bad_now is None:
+            return
+        bad, self._bad_now = self._bad_now, None
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # one scalar; every rank decides alike
+        if self.action == "skip":
+            optimizer.found_inf = bad  # read by the fused kernel, which then leaves everything unchanged
+        self._bad_steps = bad.clone() if self._bad_steps is None else self._bad_steps + bad
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._bad_steps is None:
+            return
+        pl_module.log(METRIC, self._bad_steps + self._restored, on_step=True, on_epoch=False)
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        if trainer.global_step % every == 0 and trainer.global_step != self._last_check_step:
+            self._check(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._bad_steps is not None:
+            self._check(trainer)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for optimizer in trainer.optimizers:
+            optimizer.__dict__.pop("found_inf", None)
+
+    def _check(self, trainer: Trainer) -> None:
+        """The one host read: report new bad steps (``skip``) or stop (``stop``)."""
+        assert self._bad_steps is not None
+        total = self._restored + int(self._bad_steps.item())
+        new, first, self._reported, self._last_check_step = total - self._reported, self._last_check_step, total, trainer.global_step
+        if new == 0:
+            return
+        where = f"{new} optimizer step(s) between steps {first} and {trainer.global_step} had a NaN/inf training loss"
+        if self.action == "stop":
+            raise NonFiniteLossError(f"NonFiniteLoss(action='stop'): {where}; stopping (rank {trainer.global_rank}).")
+        if trainer.is_global_zero:
+            log.warning(f"NonFiniteLoss: {where}; skipped them ({total} skipped so far).")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Read when a checkpoint is written (which waits for the device anyway), not per step.
+        return {"bad_steps": self._restored + (0 if self._bad_steps is None else int(self._bad_steps.item()))}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = self._reported = int(state_dict["bad_steps"])
