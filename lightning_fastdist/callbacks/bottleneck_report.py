@@ -242,8 +242,9 @@ class BottleneckReport(Callback):
             dist.all_gather_object(ranks, mine)
         self.rows = self._rows(trainer, ranks)
         self.details = {"window": {"start_step": self.start_step, "num_steps": self.num_steps, "host_sync_steps": self.host_sync_steps}, "ranks": ranks}
+        directory = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective under DDP: every rank asks
         if trainer.is_global_zero:
-            self._write(trainer)
+            self._write(trainer, directory)
 
     def _rows(self, trainer: Trainer, ranks: list[dict]) -> list[checks.CheckRow]:
         slowest_data = max(ranks, key=lambda r: r["wait_fraction"])
@@ -268,8 +269,7 @@ class BottleneckReport(Callback):
             checks.check_precision(str(trainer.precision), bf16_available(device_type), device_type),
         ]
 
-    def _write(self, trainer: Trainer) -> None:
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
+    def _write(self, trainer: Trainer, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         title = f"Bottleneck report (batches {self.start_step}-{self._end - 1}, {trainer.world_size} rank(s))"
         json_path, markdown_path = directory / f"{self.filename}.json", directory / f"{self.filename}.md"
