@@ -33,7 +33,9 @@ PROG = "lightning-fastdist doctor"
 DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEMO_DATA = "lightning_fastdist.demo.TextDataModule"
 DEMO_VOCAB = 256
-DEMO_HEAD_WIDTH = 32
+SMALL_HEAD_WIDTH = 16
+LARGE_HEAD_WIDTH = 64
+LARGE_MODEL_WIDTH = 256
 DEFAULT_SEQ_LEN = 128
 DEFAULT_MICRO_BATCH = 16
 DEFAULT_PARAMETERS = 836_352  # the demo TinyGPT's default size
@@ -113,17 +115,28 @@ def build_parser() -> _Parser:
 # ---------------------------------------------------------------- model
 
 
-def demo_model_shape(parameters: int, seq_len: int, layers: int | None = None, hidden: int | None = None) -> tuple[int, int]:
-    """``(layers, hidden)`` of a demo TinyGPT with about ``parameters`` parameters (hidden a multiple of 32)."""
+def _demo_parameters(layers: int, hidden: int, seq_len: int) -> int:
+    """TinyGPT's parameter count: 12 L h^2 + 13 L h per block, tied embedding/head, positions, final norm."""
+    return 12 * layers * hidden**2 + (13 * layers + DEMO_VOCAB + seq_len + 2) * hidden
+
+
+def demo_model_shape(parameters: int, seq_len: int, layers: int | None = None, hidden: int | None = None) -> tuple[int, int, int]:
+    """``(layers, hidden, heads)`` of a demo TinyGPT with about ``parameters`` parameters.
+
+    Heads are 16 wide below 256 and 64 wide from there (GPT-2's head width); ``hidden`` is the
+    multiple of the head width whose parameter count is closest to ``parameters``.
+    """
     if layers is None:
         # GPT-like aspect ratio: hidden ~ 64 x layers, with 12 x layers x hidden^2 parameters in the blocks.
         layers = max(1, round((parameters / (12 * 64**2)) ** (1 / 3)))
     if hidden is None:
-        # parameters = 12 L h^2 + (13 L + vocab + seq_len + 2) h: solve for h.
         a, b = 12 * layers, 13 * layers + DEMO_VOCAB + seq_len + 2
         width = (-b + math.sqrt(b * b + 4 * a * parameters)) / (2 * a)
-        hidden = max(DEMO_HEAD_WIDTH, DEMO_HEAD_WIDTH * round(width / DEMO_HEAD_WIDTH))
-    return layers, hidden
+        step = SMALL_HEAD_WIDTH if width < LARGE_MODEL_WIDTH else LARGE_HEAD_WIDTH
+        candidates = {max(step, step * math.floor(width / step)), step * math.ceil(width / step)}
+        hidden = min(candidates, key=lambda h: abs(_demo_parameters(layers, h, seq_len) - parameters))
+    head_width = SMALL_HEAD_WIDTH if hidden < LARGE_MODEL_WIDTH or hidden % LARGE_HEAD_WIDTH else LARGE_HEAD_WIDTH
+    return layers, hidden, max(1, hidden // head_width) if hidden % head_width == 0 else 1
 
 
 def _import(class_path: str) -> type:
@@ -267,11 +280,11 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
         parameters = args.params or DEFAULT_PARAMETERS
         seq_len = args.seq_len or DEFAULT_SEQ_LEN
         micro_batch = args.micro_batch or DEFAULT_MICRO_BATCH
-        layers, hidden = demo_model_shape(parameters, seq_len, args.layers, args.hidden)
+        layers, hidden, heads = demo_model_shape(parameters, seq_len, args.layers, args.hidden)
         vocab = args.vocab_size or DEMO_VOCAB
         model_section = {
             "class_path": DEMO_MODEL,
-            "init_args": {"n_layer": layers, "n_embd": hidden, "n_head": max(1, hidden // DEMO_HEAD_WIDTH), "block_size": seq_len},
+            "init_args": {"n_layer": layers, "n_embd": hidden, "n_head": heads, "block_size": seq_len},
         }
         data_section = {"class_path": DEMO_DATA, "init_args": {"block_size": seq_len}}
     shape = TrainingShape(parameters, layers, hidden, seq_len, micro_batch, vocab_size=vocab)
