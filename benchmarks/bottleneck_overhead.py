@@ -50,7 +50,9 @@ def main() -> None:
     setups = {
         "no report": lambda: None,
         "report, window beyond the run": lambda: BottleneckReport(start_step=10**9),
-        "report measuring (40 timed + 10 sync-counted batches)": lambda: BottleneckReport(start_step=5, num_steps=40, host_sync_steps=10),
+        "report measuring (40 timed + 10 sync-counted batches)": lambda: BottleneckReport(
+            start_step=5, num_steps=40, host_sync_steps=10
+        ),
     }
     best = {name: float("inf") for name in setups}
     for _ in range(REPEATS):

@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_fastdist import BottleneckReport, FastDDPStrategy, FastMixedPrecision, SyncFreeLogging
-from lightning_fastdist.diagnostics import bottleneck_checks as checks
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from lightning_fastdist.diagnostics import bottleneck_checks as checks
 from tests.harness import run_function
 
 SLOW_SAMPLE_SECONDS = 0.01  # x 16 samples per batch: far longer than a step of this model
@@ -125,7 +125,11 @@ def test_each_bottleneck_is_flagged_and_a_clean_run_is_not(tmp_path):
                 assert flagged == set(), (rank, by_case[name]["measured"])
             else:
                 # More all-reduces (tiny buckets, one per micro-batch) may also, rightly, cost communication time.
-                assert expected in flagged and flagged <= {expected, "gradient communication"}, (rank, name, by_case[name]["measured"])
+                assert expected in flagged and flagged <= {expected, "gradient communication"}, (
+                    rank,
+                    name,
+                    by_case[name]["measured"],
+                )
     rank0 = results[0]
     assert "test_bottleneck_report.py" in rank0["host_sync"]["measured"]["host syncs"]  # names the line with .item()
     assert rank0["allreduce_every_micro_batch"]["measured"]["all-reduce rounds"].startswith("2.00 per optimizer step")

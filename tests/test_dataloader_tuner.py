@@ -25,11 +25,15 @@ def settings(findings) -> dict:
     return {f.setting: (f.found, f.proposed) for f in findings}
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create 12 worker processes")  # torch's own warning, same reason
+@pytest.mark.filterwarnings(
+    "ignore:This DataLoader will create 12 worker processes"
+)  # torch's own warning, same reason
 def test_audit_proposes_workers_persistence_pinning_and_prefetch():
     found = settings(audit_dataloader(DataLoader(DATASET, batch_size=4), "train", "cuda", cores_per_rank=6))
     assert found == {"num_workers": (0, 5), "pin_memory": (False, True), "persistent_workers": (False, True)}
-    loader = DataLoader(DATASET, batch_size=4, num_workers=12, prefetch_factor=1, pin_memory=True, persistent_workers=True)
+    loader = DataLoader(
+        DATASET, batch_size=4, num_workers=12, prefetch_factor=1, pin_memory=True, persistent_workers=True
+    )
     assert settings(audit_dataloader(loader, "val", "cuda", cores_per_rank=4)) == {
         "num_workers": (12, 4), "prefetch_factor": (1, 2),
     }  # fmt: skip
@@ -72,7 +76,12 @@ def fit_with_tuner(mode: str, slow: bool) -> dict:
     trainer.fit(TinyGPT(n_layer=1, n_embd=32, n_head=2, block_size=32), data)
     train, val = trainer.train_dataloader, trainer.val_dataloaders
     return {
-        "train": (type(train).__name__, train.num_workers, train.persistent_workers, isinstance(train.sampler, DistributedSampler)),
+        "train": (
+            type(train).__name__,
+            train.num_workers,
+            train.persistent_workers,
+            isinstance(train.sampler, DistributedSampler),
+        ),
         "val": (val.num_workers, val.persistent_workers),
         "applied": {name: [f.setting for f in found] for name, found in tuner.applied.items()},
         "advice": {name: [f.setting for f in found] for name, found in tuner.findings.items()},
@@ -84,7 +93,11 @@ def fit_with_tuner(mode: str, slow: bool) -> dict:
 
 
 def three_fits() -> dict:
-    return {"audit": fit_with_tuner("audit", slow=False), "auto": fit_with_tuner("auto", slow=False), "slow": fit_with_tuner("audit", slow=True)}
+    return {
+        "audit": fit_with_tuner("audit", slow=False),
+        "auto": fit_with_tuner("auto", slow=False),
+        "slow": fit_with_tuner("audit", slow=True),
+    }
 
 
 @pytest.mark.slow
@@ -92,13 +105,19 @@ def test_auto_rebuilds_loaders_keeps_the_data_and_measures_waits():
     for result in run_function(three_fits, world_size=2, timeout=240, init_process_group=False):
         audit, auto, slow = result["audit"], result["auto"], result["slow"]
         # Audit only: the demo loaders (no workers) are reported and left alone.
-        assert audit["train"] == ("ResumableDataLoader", 0, False, True) and audit["applied"] == {"train": [], "val": []}
+        assert audit["train"] == ("ResumableDataLoader", 0, False, True) and audit["applied"] == {
+            "train": [],
+            "val": [],
+        }
         assert audit["advice"]["train"] == ["num_workers", "persistent_workers"]
         assert "[advice] train.num_workers: 0 -> 1" in audit["report"]
         # Auto: same class, a worker that persists, Lightning's DistributedSampler still added, same batches.
         assert auto["train"] == ("ResumableDataLoader", 1, True, True)
         assert auto["val"] == (1, True)
-        assert auto["applied"] == {"train": ["num_workers", "persistent_workers"], "val": ["num_workers", "persistent_workers"]}
+        assert auto["applied"] == {
+            "train": ["num_workers", "persistent_workers"],
+            "val": ["num_workers", "persistent_workers"],
+        }
         assert "[changed] train.num_workers: 0 -> 1" in auto["report"]
         assert auto["seen"] == audit["seen"] and len(auto["seen"]) == 4
         assert auto["data_methods_restored"]

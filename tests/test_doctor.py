@@ -23,7 +23,9 @@ def test_environment_is_read_without_failing():
     env = detect_environment()
     assert env.torch_version and env.lightning_version and env.cpu_cores >= 1
     assert "gloo" in env.backends
-    assert env.as_dict()["gpus"] == [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "bf16": g.bf16} for g in env.gpus]
+    assert env.as_dict()["gpus"] == [
+        {"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "bf16": g.bf16} for g in env.gpus
+    ]
 
 
 @pytest.mark.parametrize("parameters", [200_000, 10**6, 124 * 10**6, 7 * 10**9])
@@ -52,10 +54,30 @@ def test_recommendation_moves_from_ddp_to_sharding_to_smaller_micro_batches():
 
 
 def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, capsys):
-    args = ["--params", "13B", "--seq-len", "2048", "--micro-batch", "4", "--gpus", "8", "--gpu-memory", "80", "--output", "plan.yaml"]
+    args = [
+        "--params",
+        "13B",
+        "--seq-len",
+        "2048",
+        "--micro-batch",
+        "4",
+        "--gpus",
+        "8",
+        "--gpu-memory",
+        "80",
+        "--output",
+        "plan.yaml",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    for expected in ("Environment", "torch.distributed backends:", "CPU cores:", "NVLink:", "zero3  full", "Wrote plan.yaml"):
+    for expected in (
+        "Environment",
+        "torch.distributed backends:",
+        "CPU cores:",
+        "NVLink:",
+        "zero3  full",
+        "Wrote plan.yaml",
+    ):
         assert expected in printed
     recipe = recipe_at(in_tmp_dir / "plan.yaml")
     assert recipe["trainer"]["accelerator"] == "gpu" and recipe["trainer"]["devices"] == 8

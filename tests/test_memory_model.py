@@ -53,11 +53,26 @@ def test_checkpointing_and_bf16_lower_the_activations():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: TrainingShape(parameters=0, layers=1, hidden=1, seq_len=1, micro_batch=1), "parameters must be an integer >= 1, got 0"),
-        (lambda: TrainingShape(1, 1, 1, 1, 1, precision="fp8"), "precision must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, got 'fp8'"),
-        (lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "zero1"), "mode must be one of ddp, zero2, zero3, got 'zero1'"),
-        (lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "ddp", cpu_offload=True), "cpu_offload needs mode zero2 or zero3"),
-        (lambda: activation_bytes(TrainingShape(1, 1, 1, 1, 1), "half"), "activation_checkpointing must be one of none, selective, full"),
+        (
+            lambda: TrainingShape(parameters=0, layers=1, hidden=1, seq_len=1, micro_batch=1),
+            "parameters must be an integer >= 1, got 0",
+        ),
+        (
+            lambda: TrainingShape(1, 1, 1, 1, 1, precision="fp8"),
+            "precision must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, got 'fp8'",
+        ),
+        (
+            lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "zero1"),
+            "mode must be one of ddp, zero2, zero3, got 'zero1'",
+        ),
+        (
+            lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "ddp", cpu_offload=True),
+            "cpu_offload needs mode zero2 or zero3",
+        ),
+        (
+            lambda: activation_bytes(TrainingShape(1, 1, 1, 1, 1), "half"),
+            "activation_checkpointing must be one of none, selective, full",
+        ),
     ],
 )
 def test_bad_input_names_the_field_and_the_accepted_values(call, message):

@@ -63,8 +63,14 @@ class BottleneckReport(Callback):
         filename: stem of the files written into the log directory.
     """
 
-    def __init__(self, start_step: int = 10, num_steps: int = 20, host_sync_steps: int = 5, filename: str = "bottleneck_report") -> None:
-        for name, value, minimum in (("start_step", start_step, 0), ("num_steps", num_steps, 2), ("host_sync_steps", host_sync_steps, 1)):
+    def __init__(
+        self, start_step: int = 10, num_steps: int = 20, host_sync_steps: int = 5, filename: str = "bottleneck_report"
+    ) -> None:
+        for name, value, minimum in (
+            ("start_step", start_step, 0),
+            ("num_steps", num_steps, 2),
+            ("host_sync_steps", host_sync_steps, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"BottleneckReport: {name} must be an integer >= {minimum}, got {value!r}.")
         if not filename or "/" in filename:
@@ -121,7 +127,9 @@ class BottleneckReport(Callback):
             self._marks[-1].before_optimizer = self._clock.mark()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         batch_number = self._batch
         self._batch += 1
         if not self.start_step <= batch_number < self._end:
@@ -210,9 +218,17 @@ class BottleneckReport(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            return {"peak_bytes": torch.cuda.max_memory_allocated(device), "capacity_bytes": total, "memory_what": "allocated on the GPU"}
+            return {
+                "peak_bytes": torch.cuda.max_memory_allocated(device),
+                "capacity_bytes": total,
+                "memory_what": "allocated on the GPU",
+            }
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB  # Linux reports KiB
-        return {"peak_bytes": peak, "capacity_bytes": host_memory_bytes(), "memory_what": "peak RSS of this process vs host memory"}
+        return {
+            "peak_bytes": peak,
+            "capacity_bytes": host_memory_bytes(),
+            "memory_what": "peak RSS of this process vs host memory",
+        }
 
     def _stop_measuring(self) -> None:
         if self._counting:
@@ -241,8 +257,17 @@ class BottleneckReport(Callback):
             ranks = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(ranks, mine)
         self.rows = self._rows(trainer, ranks)
-        self.details = {"window": {"start_step": self.start_step, "num_steps": self.num_steps, "host_sync_steps": self.host_sync_steps}, "ranks": ranks}
-        directory = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective under DDP: every rank asks
+        self.details = {
+            "window": {
+                "start_step": self.start_step,
+                "num_steps": self.num_steps,
+                "host_sync_steps": self.host_sync_steps,
+            },
+            "ranks": ranks,
+        }
+        directory = Path(
+            trainer.log_dir or trainer.default_root_dir
+        )  # log_dir is a collective under DDP: every rank asks
         if trainer.is_global_zero:
             self._write(trainer, directory)
 
@@ -257,7 +282,9 @@ class BottleneckReport(Callback):
         device_type = trainer.strategy.root_device.type
         return [
             checks.check_data_wait(
-                slowest_data["wait_fraction"], slowest_data["mean_wait_s"], workers_for(cpu_cores() // max(1, trainer.num_devices))
+                slowest_data["wait_fraction"],
+                slowest_data["mean_wait_s"],
+                workers_for(cpu_cores() // max(1, trainer.num_devices)),
             ),
             checks.check_host_syncs(most_syncs["syncs_median"], most_syncs["top_sync_origin"]),
             checks.check_buckets(first["bucket_bytes"], first["gradient_bytes"]),

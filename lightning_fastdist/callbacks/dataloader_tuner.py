@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -95,6 +95,11 @@ class DataLoaderTuner(Callback):
 
     def _tune(self, name: str, loader: DataLoader) -> DataLoader:
         rebuild = self.mode == "auto" and hasattr(loader, SAVED_ARGS)
+        if self.mode == "auto" and not rebuild:
+            rank_zero_warn(
+                f"DataLoaderTuner: cannot rebuild the {name} loader: Lightning did not record its constructor "
+                f"arguments ({SAVED_ARGS}; tested with Lightning 2.6). Reporting only."
+            )
         findings = self._record(name, loader, rebuilt=rebuild)
         if not rebuild or not any(f.proposed is not None for f in findings):
             return loader
@@ -140,10 +145,14 @@ class DataLoaderTuner(Callback):
         self.clock.batch_started()
         if self.log_data_wait and len(self.clock.waits) > waits_before:
             # A host tensor: logging it never touches the device.
-            pl_module.log(WAIT_METRIC, torch.tensor(self.clock.waits[-1] * 1e3, dtype=torch.float64), on_step=True, on_epoch=False)
+            pl_module.log(
+                WAIT_METRIC, torch.tensor(self.clock.waits[-1] * 1e3, dtype=torch.float64), on_step=True, on_epoch=False
+            )
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.clock.batch_ended()
 
     @override

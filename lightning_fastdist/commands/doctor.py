@@ -93,22 +93,44 @@ def parse_parameter_count(text: str) -> int:
 def build_parser() -> _Parser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (a recipe, or a size)")
-    model.add_argument("--config", metavar="RECIPE", help="a recipe YAML (path or packaged name): its model, data and devices")
+    model.add_argument(
+        "--config", metavar="RECIPE", help="a recipe YAML (path or packaged name): its model, data and devices"
+    )
     model.add_argument("--params", type=parse_parameter_count, help="trainable parameters, e.g. 124M, 1.3B, 7e9")
-    model.add_argument("--layers", type=_positive_int, help="transformer blocks (default: from the recipe or sized from --params)")
-    model.add_argument("--hidden", type=_positive_int, help="hidden width (default: from the recipe or sized from --params)")
-    model.add_argument("--vocab-size", type=_positive_int, help=f"output vocabulary (default: the recipe's, else {DEMO_VOCAB})")
-    model.add_argument("--seq-len", type=_positive_int, help=f"tokens per sample (default: the recipe's, else {DEFAULT_SEQ_LEN})")
-    model.add_argument("--micro-batch", type=_positive_int, help=f"samples per device per forward (default: the recipe's, else {DEFAULT_MICRO_BATCH})")
-    model.add_argument("--global-batch", type=_positive_int, help="samples per optimizer step over all devices (default: no accumulation)")
+    model.add_argument(
+        "--layers", type=_positive_int, help="transformer blocks (default: from the recipe or sized from --params)"
+    )
+    model.add_argument(
+        "--hidden", type=_positive_int, help="hidden width (default: from the recipe or sized from --params)"
+    )
+    model.add_argument(
+        "--vocab-size", type=_positive_int, help=f"output vocabulary (default: the recipe's, else {DEMO_VOCAB})"
+    )
+    model.add_argument(
+        "--seq-len", type=_positive_int, help=f"tokens per sample (default: the recipe's, else {DEFAULT_SEQ_LEN})"
+    )
+    model.add_argument(
+        "--micro-batch",
+        type=_positive_int,
+        help=f"samples per device per forward (default: the recipe's, else {DEFAULT_MICRO_BATCH})",
+    )
+    model.add_argument(
+        "--global-batch",
+        type=_positive_int,
+        help="samples per optimizer step over all devices (default: no accumulation)",
+    )
     devices = parser.add_argument_group("devices (default: what this machine has)")
     devices.add_argument("--gpus", type=_positive_int, help="GPUs per node to plan for")
     devices.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
     devices.add_argument("--gpu-memory", type=_positive_float, metavar="GIB", help="memory of one GPU in GiB")
     devices.add_argument("--no-bf16", action="store_true", help="the planned GPUs have no bfloat16 (V100, T4)")
     output = parser.add_argument_group("output")
-    output.add_argument("--output", default="doctor-recipe.yaml", help="where to write the recipe (default doctor-recipe.yaml)")
-    output.add_argument("--max-steps", type=_positive_int, default=300, help="trainer.max_steps in the recipe (default 300)")
+    output.add_argument(
+        "--output", default="doctor-recipe.yaml", help="where to write the recipe (default doctor-recipe.yaml)"
+    )
+    output.add_argument(
+        "--max-steps", type=_positive_int, default=300, help="trainer.max_steps in the recipe (default 300)"
+    )
     return parser
 
 
@@ -120,7 +142,9 @@ def _demo_parameters(layers: int, hidden: int, seq_len: int) -> int:
     return 12 * layers * hidden**2 + (13 * layers + DEMO_VOCAB + seq_len + 2) * hidden
 
 
-def demo_model_shape(parameters: int, seq_len: int, layers: int | None = None, hidden: int | None = None) -> tuple[int, int, int]:
+def demo_model_shape(
+    parameters: int, seq_len: int, layers: int | None = None, hidden: int | None = None
+) -> tuple[int, int, int]:
     """``(layers, hidden, heads)`` of a demo TinyGPT with about ``parameters`` parameters.
 
     Heads are 16 wide below 256 and 64 wide from there (GPT-2's head width); ``hidden`` is the
@@ -197,7 +221,9 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe_de
             memory = min(gpu.memory_bytes for gpu in environment.gpus)
         else:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
-        bf16 = (all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True) and not args.no_bf16
+        bf16 = (
+            all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True
+        ) and not args.no_bf16
         return Target("gpu", devices, memory, bf16, environment.cpu_cores, args.nodes)
     devices = min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
@@ -271,7 +297,9 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
         layers, hidden = args.layers or facts["layers"], args.hidden or facts["hidden"]
         missing = [flag for flag, value in (("--layers", layers), ("--hidden", hidden)) if value is None]
         if missing:
-            raise DoctorError(f"--config: the model's shape is not in its hyper-parameters; pass {' and '.join(missing)}.")
+            raise DoctorError(
+                f"--config: the model's shape is not in its hyper-parameters; pass {' and '.join(missing)}."
+            )
         seq_len = args.seq_len or data_section["init_args"].get("block_size") or facts["seq_len"] or DEFAULT_SEQ_LEN
         micro_batch = args.micro_batch or data_section["init_args"].get("batch_size") or DEFAULT_MICRO_BATCH
         vocab = args.vocab_size or facts["vocab_size"] or DEMO_VOCAB

@@ -115,7 +115,9 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
         )
     usable = int(target.device_memory_bytes * (1 - HEADROOM))
     preference = SINGLE_DEVICE_PREFERENCE if target.world_size == 1 else PREFERENCE
-    reasons = [f"precision {precision}: " + ("the devices compute in bf16" if target.bf16 else "no bf16 on these devices")]
+    reasons = [
+        f"precision {precision}: " + ("the devices compute in bf16" if target.bf16 else "no bf16 on these devices")
+    ]
     micro_batch = shape.micro_batch
     while True:
         trial = replace(shape, micro_batch=micro_batch)
@@ -143,7 +145,13 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
 
 
 def _finish(
-    estimate: MemoryEstimate, shape: TrainingShape, global_batch: int, target: Target, fits: bool, usable: int, reasons: list[str]
+    estimate: MemoryEstimate,
+    shape: TrainingShape,
+    global_batch: int,
+    target: Target,
+    fits: bool,
+    usable: int,
+    reasons: list[str],
 ) -> Recommendation:
     accumulate = global_batch // (shape.micro_batch * target.world_size)
     if accumulate > 1:
@@ -205,7 +213,10 @@ def build_recipe(
         "max_steps": max_steps,
         "accumulate_grad_batches": recommendation.accumulate_grad_batches,
         "log_every_n_steps": 10,
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": log_dir, "name": "doctor"}},
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": log_dir, "name": "doctor"},
+        },
         "callbacks": [
             {"class_path": "lightning_fastdist.SyncFreeLogging"},
             {"class_path": "lightning_fastdist.SpeedMonitor"},
@@ -218,7 +229,10 @@ def build_recipe(
     else:
         device = "cuda" if target.accelerator == "gpu" else "cpu"
         trainer["plugins"] = [
-            {"class_path": "lightning_fastdist.FastMixedPrecision", "init_args": {"precision": precision, "device": device}}
+            {
+                "class_path": "lightning_fastdist.FastMixedPrecision",
+                "init_args": {"precision": precision, "device": device},
+            }
         ]
     data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
     data["init_args"]["batch_size"] = recommendation.shape.micro_batch

@@ -141,7 +141,12 @@ def host_memory_bytes() -> int | None:
 def _backends() -> list[str]:
     if not dist.is_available():
         return []
-    checks = {"nccl": "is_nccl_available", "gloo": "is_gloo_available", "mpi": "is_mpi_available", "ucc": "is_ucc_available"}
+    checks = {
+        "nccl": "is_nccl_available",
+        "gloo": "is_gloo_available",
+        "mpi": "is_mpi_available",
+        "ucc": "is_ucc_available",
+    }
     return [name for name, check in checks.items() if getattr(dist, check, lambda: False)()]
 
 

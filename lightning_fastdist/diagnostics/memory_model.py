@@ -95,7 +95,9 @@ class TrainingShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingShape: {name} must be an integer >= 1, got {value!r}.")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"TrainingShape: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
+            raise ValueError(
+                f"TrainingShape: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}."
+            )
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,9 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
         selective = SELECTIVE_UNITS_PER_LAYER * 2 * tokens_x_hidden
         residual_unit = 4
     logits_bytes = 2 if shape.precision in ("bf16-mixed", "16-mixed", "bf16-true") else 4
-    head = HEAD_UNITS * residual_unit * tokens_x_hidden + shape.micro_batch * shape.seq_len * shape.vocab_size * (logits_bytes + 4)
+    head = HEAD_UNITS * residual_unit * tokens_x_hidden + shape.micro_batch * shape.seq_len * shape.vocab_size * (
+        logits_bytes + 4
+    )
     if activation_checkpointing == "none":
         return shape.layers * per_layer + head
     block_inputs = shape.layers * residual_unit * tokens_x_hidden
