@@ -54,6 +54,22 @@ def test_bad_mode_names_the_accepted_values():
         DataLoaderTuner(mode="fast")
 
 
+def test_loaders_passed_to_fit_are_audited_but_not_rebuilt():
+    tuner = DataLoaderTuner(mode="auto")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[tuner],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = TextDataModule(batch_size=4, block_size=32)
+    data.setup("fit")
+    train, val = DataLoader(data.train_set, batch_size=4), DataLoader(data.val_set, batch_size=4)
+    trainer.fit(TinyGPT(n_layer=1, n_embd=32, n_head=2, block_size=32), train_dataloaders=train, val_dataloaders=val)
+    expected = ["num_workers", "persistent_workers"]
+    assert [f.setting for f in tuner.findings["train"]] == expected == [f.setting for f in tuner.findings["val"]]
+    assert tuner.applied == {"train": [], "val": []} and trainer.train_dataloader.num_workers == 0
+    assert "[advice] train.num_workers: 0 -> 1" in tuner.report()
+
+
 class FirstTokens(L.Callback):
     """Record the first token of every sample of every training batch (which data each step saw)."""
 

@@ -14,7 +14,7 @@ returned it. The rebuild calls the loader's own class with the constructor
 arguments Lightning recorded while the hook ran (the mechanism Lightning uses
 to add its ``DistributedSampler``), with the tuned settings replacing the old
 ones, so DataLoader subclasses keep their behaviour. The wrappers are removed
-when fit ends. Loaders passed directly to ``trainer.fit(train_dataloaders=...)``
+when fit ends. Loaders passed directly to ``trainer.fit(train_dataloaders=..., val_dataloaders=...)``
 are audited at ``on_train_start`` and reported only.
 
 Data wait: the host time from one training batch's end to the next batch's
@@ -82,9 +82,10 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if "train" not in self.findings and isinstance(trainer.train_dataloader, DataLoader):
-            # Passed straight to fit(): Lightning never called a hook we could wrap.
-            self._record("train", trainer.train_dataloader, rebuilt=False)
+        # Loaders passed straight to fit(): Lightning never called a hook we could wrap.
+        for name, loader in (("train", trainer.train_dataloader), ("val", trainer.val_dataloaders)):
+            if name not in self.findings and isinstance(loader, DataLoader):
+                self._record(name, loader, rebuilt=False)
         self._report()
 
     def _tuned(self, name: str, original: Callable[[], Any]) -> Callable[[], Any]:
