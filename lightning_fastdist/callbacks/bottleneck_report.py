@@ -101,6 +101,7 @@ class BottleneckReport(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
         self._batch = 0
+        self._paused = False
         self._marks.clear()
         self.rows, self.details, self.paths = [], {}, []
 

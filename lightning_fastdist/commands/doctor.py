@@ -94,7 +94,9 @@ def build_parser() -> _Parser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (a recipe, or a size)")
     model.add_argument(
-        "--config", metavar="RECIPE", help="a recipe YAML (path or packaged name): its model, data and devices"
+        "--config",
+        metavar="RECIPE",
+        help="a recipe YAML (path or packaged name): its model, batch and (for GPUs) device count",
     )
     model.add_argument("--params", type=parse_parameter_count, help="trainable parameters, e.g. 124M, 1.3B, 7e9")
     model.add_argument(
