@@ -8,5 +8,6 @@ from lightning_fastdist.callbacks.speed_monitor import SpeedMonitor  # noqa: E40
 from lightning_fastdist.callbacks.sync_free_logging import SyncFreeLogging  # noqa: E402
 from lightning_fastdist.callbacks.bottleneck_report import BottleneckReport  # noqa: E402
 from lightning_fastdist.callbacks.dataloader_tuner import DataLoaderTuner  # noqa: E402
+from lightning_fastdist.callbacks.nonfinite_loss import NonFiniteLoss  # noqa: E402
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs  # noqa: E402
 from lightning_fastdist.precision import FastMixedPrecision  # noqa: E402

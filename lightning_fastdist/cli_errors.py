@@ -23,6 +23,14 @@ _NOISE = (
     re.compile(r"^Given value type: "),
     re.compile(r"^Given value: (NestedArg|Namespace)\("),
     re.compile(r"^Expected a path but .* either not accessible or invalid$"),
+    # A class-typed option (trainer.strategy, trainer.plugins) also tries its plain-string and other-base-class branches.
+    re.compile(r"^Expected a <class 'str'>$"),
+    re.compile(r"^Given value: [\[{]"),
+    re.compile(r"^Not a valid subclass of \w+$"),
+    re.compile(r"^Subclass types expect one of:"),
+    re.compile(r"^a class path \(str\)$"),
+    re.compile(r"^a dict (with|without) (class_path|parameters accepted by the base class)"),
+    re.compile(r"^Import path \S+ does not correspond to a subclass of \w+$"),
 )
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":\s*')
 
