@@ -1,4 +1,5 @@
-"""NonFiniteLoss on 2 gloo processes: a NaN loss on one rank skips that step on both, with no host sync per step."""
+"""NonFiniteLoss on 2 gloo processes: a NaN loss on one rank skips that step on both (DDP and FSDP), with no host
+sync per step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_fastdist import FastDDPStrategy, SyncFreeLogging, count_host_syncs
+from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SyncFreeLogging, count_host_syncs
 from lightning_fastdist.callbacks.nonfinite_loss import METRIC, NonFiniteLoss
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from tests.harness import DistributedRunError, run_function
@@ -44,10 +45,11 @@ class LabelSteps(L.Callback):
         self.syncs.label = trainer.global_step
 
 
-def train_with_nan(action: str, log_dir: str) -> dict:
+def train_with_nan(action: str, log_dir: str, kind: str = "ddp") -> dict:
     syncs = count_host_syncs(device="cpu")
+    strategy = FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(timeout=60)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=FastDDPStrategy(timeout=60), max_steps=STEPS, log_every_n_steps=LOG_EVERY,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, log_every_n_steps=LOG_EVERY,
         logger=CSVLogger(log_dir, name="", version=""), enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[LabelSteps(syncs), SyncFreeLogging(), NonFiniteLoss(action)],
     )  # fmt: skip
@@ -69,8 +71,9 @@ def read_metric(log_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_skip_leaves_the_bad_step_out_on_every_rank_and_never_syncs_between_log_steps(tmp_path, caplog):
-    results = run_function(train_with_nan, 2, args=("skip", str(tmp_path)), init_process_group=False, timeout=240)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_skip_leaves_the_bad_step_out_on_every_rank_and_never_syncs_between_log_steps(tmp_path, kind):
+    results = run_function(train_with_nan, 2, args=("skip", str(tmp_path), kind), init_process_group=False, timeout=240)
     for rank, result in enumerate(results):
         assert result["unchanged"], f"rank {rank} changed its weights on the step with the NaN loss"
         assert result["finite"]
