@@ -10,6 +10,7 @@ in docs/bad-inputs.md, so the table and the code cannot drift apart.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,8 +126,18 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(row, in_tmp_dir, capsy
     assert len(errors) == 1 and row.message in errors[0], errors
 
 
+@pytest.fixture
+def restore_environment():
+    """Lightning's process launcher writes MASTER_PORT, LOCAL_RANK, ... into ``os.environ`` even for one
+    device; left behind, they make later tests' launches believe they are ranks of an external job."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.mark.parametrize("row", [r for r in ROWS if r.raises is not None], ids=lambda r: r.id)
-def test_bad_input_seen_at_setup_raises_one_error_naming_the_field(row, in_tmp_dir):
+def test_bad_input_seen_at_setup_raises_one_error_naming_the_field(row, in_tmp_dir, restore_environment):
     with pytest.raises(row.raises) as error:
         main(arguments(row, in_tmp_dir))
     assert row.message in str(error.value)

@@ -8,7 +8,6 @@ and for FastFSDPStrategy with a sharded checkpoint.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -19,20 +18,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, FastMixedPrecision
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from tests.fault_runs import BATCH, BLOCK, write_corpus
 from tests.harness import run_function
 
-BLOCK, BATCH, WORLD = 16, 4, 2
-BATCHES_PER_EPOCH = 8  # per rank
+WORLD = 2
+BATCHES_PER_EPOCH = 8  # per rank (what write_corpus holds)
 TOTAL_STEPS, RESUME_AT = 12, 6  # the resume falls in the middle of the first epoch
-
-
-def write_corpus(path: Path) -> str:
-    """Random bytes: ``BATCHES_PER_EPOCH`` batches per rank in the training split (val_fraction=0.1)."""
-    train_bytes = WORLD * BATCH * BATCHES_PER_EPOCH * BLOCK + 1
-    generator = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (int(train_bytes / 0.9) + 1,), generator=generator)
-    path.write_bytes(bytes(data.tolist()))
-    return str(path)
 
 
 class RecordBatches(L.Callback):
@@ -88,7 +79,7 @@ def train(kind: str, corpus: str, folder: str, max_steps: int, resume: bool) -> 
 
 
 def run(kind: str, tmp_path: Path) -> tuple[list[dict], list[dict], list[dict]]:
-    corpus = write_corpus(tmp_path / "corpus.bin")
+    corpus = str(write_corpus(tmp_path / "corpus.bin", BATCHES_PER_EPOCH, WORLD))
     straight = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "straight"), TOTAL_STEPS, False), init_process_group=False, timeout=240)
     first = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "split"), RESUME_AT, False), init_process_group=False, timeout=240)
     second = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "split"), TOTAL_STEPS, True), init_process_group=False, timeout=240)

@@ -9,6 +9,8 @@ before the test's own deadline.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from lightning_fastdist.strategies.lost_peer import lost_peer_message
@@ -20,8 +22,6 @@ FAULT_STEP = 3
 
 
 def survivor_message() -> str:
-    from datetime import timedelta
-
     return lost_peer_message(timedelta(seconds=COLLECTIVE_TIMEOUT_S), 0)
 
 

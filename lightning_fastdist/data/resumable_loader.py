@@ -14,6 +14,10 @@ and :class:`~lightning_fastdist.data.EpochShuffleSampler` have one; Lightning
 sets it before each epoch), so a checkpoint taken at the very end of an epoch
 does not make the next epoch skip anything. With a sampler that has no
 ``epoch``, the saved position applies to the next epoch that starts.
+
+Skipping by index goes through ``DataLoader._index_sampler``, the (private,
+stable since torch 1.x) property every DataLoader iterator reads its batch
+indices from; ``tests/test_resumable_loader.py`` fails if torch changes it.
 """
 
 from __future__ import annotations

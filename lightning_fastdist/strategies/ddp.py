@@ -5,8 +5,10 @@ Lightning's ``DDPStrategy`` takes a comm hook only as a Python callable and
 registers it only on CUDA (on CPU/gloo it is silently dropped). This subclass
 registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and
 backend, saves the hook's state (PowerSGD error feedback and ``Q`` factors, per
-rank) in checkpoints and restores it on resume, and logs the bytes each rank
-all-reduced in the last optimizer step as ``comm/allreduce_bytes_per_step``.
+rank) in checkpoints and restores it on resume, writes checkpoints atomically
+(``<name>.partial`` renamed onto ``<name>``, so ``last.ckpt`` is always complete),
+and logs the bytes each rank all-reduced in the last optimizer step as
+``comm/allreduce_bytes_per_step``.
 
 Gradient accumulation needs nothing extra: Lightning runs non-final
 micro-batches under DDP's ``no_sync()``, which the byte and round counters
@@ -30,11 +32,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
-from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
 from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
+from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
