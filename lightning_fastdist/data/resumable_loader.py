@@ -17,7 +17,8 @@ does not make the next epoch skip anything. With a sampler that has no
 
 Skipping by index goes through ``DataLoader._index_sampler``, the (private,
 stable since torch 1.x) property every DataLoader iterator reads its batch
-indices from; ``tests/test_resumable_loader.py`` fails if torch changes it.
+indices from; if an iterator stops reading it, resuming raises instead of
+skipping nothing (and ``tests/test_resumable_loader.py`` fails).
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class ResumableDataLoader(DataLoader):
         skip = pending["batches"] if pending is not None and pending["epoch"] == epoch else 0
         self._epoch, self._batches, self._skip_next = epoch, skip, skip
         for batch in super().__iter__():
+            if self._skip_next:
+                # The iterator drew its indices without going through _index_sampler (a torch change):
+                # fail loudly rather than resume at the wrong position.
+                raise RuntimeError("ResumableDataLoader: this torch's DataLoader bypasses _index_sampler; cannot resume mid-epoch.")
             self._batches += 1  # counted before it is handed out: a checkpoint taken during its step includes it
             yield batch
 
