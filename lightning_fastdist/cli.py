@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
@@ -54,11 +55,12 @@ class FastDistCLI(LightningCLI):
             raise UsageError(condense_parser_error(str(error))) from None
 
     def instantiate_classes(self) -> None:
-        # Constructor arguments are validated by the classes themselves (ValueError);
-        # report those like parser errors rather than as a traceback.
+        # Constructor arguments are validated by the classes themselves: ours raise ValueError,
+        # Lightning's Trainer also TypeError (``devices: two``) and MisconfigurationException.
+        # Report those like parser errors rather than as a traceback.
         try:
             super().instantiate_classes()
-        except ValueError as error:
+        except (ValueError, TypeError, MisconfigurationException) as error:
             raise UsageError(condense_parser_error(str(error))) from None
 
 

@@ -15,3 +15,18 @@ def in_tmp_dir(tmp_path, monkeypatch):
     """Run the test with the working directory set to a fresh temporary folder."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Undo changes a test makes to ``os.environ``.
+
+    Lightning's launcher writes MASTER_PORT, LOCAL_RANK, NODE_RANK, ... into the
+    environment of the process that calls ``fit`` with a DDP or FSDP strategy,
+    even for one device; left behind, they make a later test's processes believe
+    they are ranks of an external job (hangs, "address already in use").
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

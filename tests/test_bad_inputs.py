@@ -10,7 +10,6 @@ in docs/bad-inputs.md, so the table and the code cannot drift apart.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +81,7 @@ ROWS = [
     Row("zero-batch-size", "TextDataModule: batch_size must be >= 1, got 0.", data(batch_size=0)),
     Row("impossible-validation-share", "TextDataModule: val_fraction must be in (0, 0.5], got 0.9.", data(val_fraction=0.9)),
     Row("trainer-wrong-type", "trainer.max_steps: Expected a <class 'int'>. Got value: lots", {"trainer": {"max_steps": "lots"}}),
+    Row("devices-not-a-number", "`devices` selected with `CPUAccelerator` should be an int > 0.", {"trainer": {"devices": "two"}}),
     Row("unknown-nonfinite-action", "Parser key \"action\": Expected a typing.Literal['skip', 'stop', 'off']. Got value: ignore",
         {"trainer": {"callbacks": [{"class_path": "lightning_fastdist.NonFiniteLoss", "init_args": {"action": "ignore"}}]}}),
     Row("missing-recipe-file", "--config: recipe file 'no_such_recipe.yaml' not found.", args=["fit", "--config", "no_such_recipe.yaml"]),
@@ -126,18 +126,8 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(row, in_tmp_dir, capsy
     assert len(errors) == 1 and row.message in errors[0], errors
 
 
-@pytest.fixture
-def restore_environment():
-    """Lightning's process launcher writes MASTER_PORT, LOCAL_RANK, ... into ``os.environ`` even for one
-    device; left behind, they make later tests' launches believe they are ranks of an external job."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("row", [r for r in ROWS if r.raises is not None], ids=lambda r: r.id)
-def test_bad_input_seen_at_setup_raises_one_error_naming_the_field(row, in_tmp_dir, restore_environment):
+def test_bad_input_seen_at_setup_raises_one_error_naming_the_field(row, in_tmp_dir):
     with pytest.raises(row.raises) as error:
         main(arguments(row, in_tmp_dir))
     assert row.message in str(error.value)
