@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -40,10 +39,12 @@ from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_fi
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, register_comm_hook
+from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
+from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
@@ -121,7 +122,7 @@ class FastDDPStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        _check_options(comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend)
+        check_ddp_options(comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend)
         validate_activation_checkpointing(activation_checkpointing)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
@@ -170,7 +171,7 @@ class FastDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.comm_hook == "bf16":
-            _check_bf16_backend(self._get_process_group_backend(), self.root_device)
+            check_bf16_backend(self._get_process_group_backend(), self.root_device)
 
     @override
     def configure_ddp(self) -> None:
@@ -240,7 +241,7 @@ class FastDDPStrategy(DDPStrategy):
         if isinstance(self.hook_state, PowerSGDState):
             checkpoint[CHECKPOINT_KEY] = {
                 "comm_hook": self.comm_hook,
-                "per_rank": self._gather_to_rank_zero(self.hook_state.state_dict()),
+                "per_rank": gather_to_rank_zero(self.hook_state.state_dict(), self.world_size, self.global_rank),
             }
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
@@ -267,64 +268,8 @@ class FastDDPStrategy(DDPStrategy):
                 self._restore_hook_state(saved)
         return checkpoint
 
-    def _gather_to_rank_zero(self, state: dict) -> list[dict] | None:
-        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
-            return [state]
-        gathered: list[dict] | None = [{} for _ in range(self.world_size)] if self.global_rank == 0 else None
-        dist.gather_object(state, gathered, dst=0)
-        return gathered
-
     def _restore_hook_state(self, saved: dict) -> None:
-        if not isinstance(self.hook_state, PowerSGDState) or saved["comm_hook"] != "powersgd":
-            rank_zero_warn(f"The checkpoint holds {saved['comm_hook']!r} hook state; comm_hook={self.comm_hook!r} ignores it.")
-            return
-        per_rank = saved["per_rank"]
-        if len(per_rank) == self.world_size:
-            self.hook_state.load_state_dict(per_rank[self.global_rank], self.root_device)
-            return
-        rank_zero_warn(
-            f"PowerSGD state was saved by {len(per_rank)} ranks and is resumed by {self.world_size}: "
-            "keeping the step count and Q factors, restarting error feedback from zero."
-        )
-        self.hook_state.load_state_dict({**per_rank[0], "errors": {}}, self.root_device)
-
-
-def _check_options(
-    comm_hook: str, powersgd_rank: int, powersgd_start_iter: int, bucket_cap_mb: Any, backend: str | None
-) -> None:
-    """Reject bad options at construction, before any process is started."""
-    if comm_hook not in COMM_HOOK_NAMES:
-        raise ValueError(
-            f"FastDDPStrategy: comm_hook={comm_hook!r} is not supported; accepted values: "
-            f"{', '.join(map(repr, COMM_HOOK_NAMES))}."
-        )
-    if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
-        raise ValueError(f"FastDDPStrategy: powersgd_rank must be an integer >= 1, got {powersgd_rank!r}.")
-    if isinstance(powersgd_start_iter, bool) or not isinstance(powersgd_start_iter, int) or powersgd_start_iter < 2:
-        raise ValueError(
-            f"FastDDPStrategy: powersgd_start_iter must be an integer >= 2, got {powersgd_start_iter!r} "
-            "(the first synchronisations are exact while DDP settles its buckets)."
-        )
-    if bucket_cap_mb != "auto" and (
-        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0
-    ):
-        raise ValueError(f"FastDDPStrategy: bucket_cap_mb must be a number > 0 or 'auto', got {bucket_cap_mb!r}.")
-    if comm_hook == "bf16" and backend is not None:
-        _check_bf16_backend(backend)
-
-
-def _check_bf16_backend(backend: str, device: torch.device | None = None) -> None:
-    """Refuse ``comm_hook='bf16'`` where bfloat16 cannot be all-reduced."""
-    if backend not in BF16_BACKENDS:
-        raise ValueError(
-            f"FastDDPStrategy: comm_hook='bf16' needs process_group_backend in "
-            f"{', '.join(map(repr, BF16_BACKENDS))} (they reduce bfloat16), got {backend!r}."
-        )
-    if device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(
-            "FastDDPStrategy: comm_hook='bf16' needs a GPU with bfloat16 support "
-            f"({torch.cuda.get_device_name(device)} has none); use comm_hook='fp16'."
-        )
+        restore_hook_state(self.hook_state, self.comm_hook, saved, self.world_size, self.global_rank, self.root_device)
 
 
 FastDDPStrategy.register_strategies(StrategyRegistry)
