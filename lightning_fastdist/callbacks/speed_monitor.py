@@ -16,7 +16,6 @@ utilisation per device, when the FLOPs per token and the device's peak are known
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastdist.callbacks.lightning_internals import require_internals
+from lightning_fastdist.callbacks.step_clock import CudaEventClock, WallClock, clock_for
 from lightning_fastdist.diagnostics.peak_flops import TERA, matmul_dtype, peak_flops
 
 
@@ -50,24 +50,6 @@ class _Window:
     tokens: int
 
 
-class _WallClock:
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: float, end: float) -> float | None:
-        return end - start
-
-
-class _CudaEventClock:
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
-        return start.elapsed_time(end) / 1000.0 if end.query() else None  # query() does not wait
-
-
 class SpeedMonitor(Callback):
     """Log training throughput and MFU on logging steps, never synchronising the device.
 
@@ -86,7 +68,7 @@ class SpeedMonitor(Callback):
                 raise ValueError(f"SpeedMonitor: {name} must be > 0 or None, got {value}.")
         self.flops_per_token = flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
-        self._clock: _WallClock | _CudaEventClock = _WallClock()
+        self._clock: WallClock | CudaEventClock = WallClock()
         self._start: Any = None
         self._samples = 0
         self._tokens = 0
@@ -96,7 +78,7 @@ class SpeedMonitor(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_internals(trainer, type(self).__name__)
         root = trainer.strategy.root_device
-        self._clock = _CudaEventClock() if root.type == "cuda" else _WallClock()
+        self._clock = clock_for(root)
         if self.flops_per_token is None:
             self.flops_per_token = getattr(pl_module, "flops_per_token", None)
         if self.peak_flops_per_device is None and root.type == "cuda":
@@ -138,9 +120,9 @@ class SpeedMonitor(Callback):
         seconds = samples = tokens = 0
         while self._pending:
             window = self._pending[0]
-            elapsed = self._clock.seconds(window.start, window.end)
-            if elapsed is None:
+            if not self._clock.reached(window.end):
                 break
+            elapsed = self._clock.seconds(window.start, window.end)
             self._pending.pop(0)
             seconds, samples, tokens = seconds + elapsed, samples + window.samples, tokens + window.tokens
         if seconds <= 0:

@@ -1,7 +1,8 @@
 """Marks in time that are read later: the wall clock on CPU, CUDA events on a GPU.
 
 A CUDA event is recorded on the stream and read only when the measurement is
-over (:meth:`CudaEventClock.resolve` synchronises once), so the marks show when
+over (:meth:`CudaEventClock.resolve` synchronises once, or :meth:`CudaEventClock.reached`
+asks without waiting), so the marks show when
 the *device* reached each point: a gap between one step's end and the next
 step's start is time the GPU sat idle. The CUDA path is untested on a GPU here.
 """
@@ -24,6 +25,10 @@ class WallClock:
     def resolve(self) -> None:
         """Nothing to wait for."""
 
+    def reached(self, mark: float) -> bool:
+        """Whether time has passed ``mark`` (always, for the wall clock)."""
+        return True
+
     def seconds(self, start: float, end: float) -> float:
         """Seconds from ``start`` to ``end``."""
         return end - start
@@ -41,6 +46,10 @@ class CudaEventClock:
     def resolve(self) -> None:
         """Wait for the device to pass every recorded mark (one sync, at the end of a measurement)."""
         torch.cuda.synchronize()
+
+    def reached(self, mark: torch.cuda.Event) -> bool:
+        """Whether the device has passed ``mark``; asks without waiting."""
+        return mark.query()
 
     def seconds(self, start: Any, end: Any) -> float:
         """Seconds between two recorded events (after :meth:`resolve`)."""
