@@ -91,6 +91,20 @@ def _resolve_config_paths(argv: Sequence[str]) -> list[str]:
     return resolved
 
 
+def _close_process_group(wait_for_peers: bool) -> None:
+    """Close the process group Lightning leaves open after fit/validate/test/predict.
+
+    A gloo group still alive at interpreter exit can abort the process ("terminate called
+    without an active exception"), and so can one rank tearing its connections down while
+    another is still using them: after a normal run, all ranks meet at a barrier first.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if wait_for_peers:
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line.
 
@@ -118,16 +132,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser_kwargs={"prog": PROGRAM},
             save_config_kwargs={"overwrite": True},
         )
+        _close_process_group(wait_for_peers=True)
     except UsageError as error:
         subcommand = args[0] if args and args[0] in TRAINER_COMMANDS else ""
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None
     finally:
-        # Lightning leaves the process group open after validate/test/predict; a gloo
-        # group still alive at interpreter exit can abort the process ("terminate called").
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _close_process_group(wait_for_peers=False)
 
 
 if __name__ == "__main__":
