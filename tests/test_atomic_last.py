@@ -21,7 +21,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist.parallel.atomic_checkpoint import publish, staging_path
-from tests.fsdp_workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import DistributedRunError, run_function
 
 KILL_ON_LAST_SAVE = 3

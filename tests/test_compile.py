@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ from lightning_fastdist.demo import Block, TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher, summarize_recompile
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from tests.harness import run_function
+from tests.workloads import LossRecorder, make_trainer
 
 
 def tiny_gpt() -> TinyGPT:
@@ -105,22 +105,14 @@ STRATEGIES = {"ddp": FastDDPStrategy, "fsdp": FastFSDPStrategy}
 
 def training_losses(strategy_name: str, compile_option, scope: str, checkpointing: str) -> dict:
     torch._dynamo.reset()
-    losses: list[float] = []
-
-    class RecordLoss(L.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(outputs["loss"].item())
-
+    record = LossRecorder()
     strategy = STRATEGIES[strategy_name](
         compile=compile_option, compile_scope=scope, activation_checkpointing=checkpointing
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[RecordLoss()],
-    )  # fmt: skip
+    trainer = make_trainer(strategy, callbacks=[record])
     trainer.fit(tiny_gpt(), TextDataModule(batch_size=4, block_size=16))
     return {
-        "losses": losses,
+        "losses": record.losses,
         "regions": len(strategy.compiled_regions),
         "logged": "train_loss" in trainer.callback_metrics,
     }

@@ -11,6 +11,7 @@ from lightning_fastdist.cli import main
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.parallel.buckets import gradient_bytes
 from lightning_fastdist.strategies.ddp import BYTES_METRIC
+from tests import workloads
 from tests.harness import run_function
 
 
@@ -25,11 +26,8 @@ class RecordComm(L.Callback):
 
 
 def make_trainer(strategy: FastDDPStrategy, callbacks=(), **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, deterministic=True,
-    )  # fmt: skip
-    return L.Trainer(strategy=strategy, callbacks=list(callbacks), **{**options, **kwargs})
+    """The shared quiet CPU Trainer, deterministic, running until ``max_steps``/``max_epochs`` given here."""
+    return workloads.make_trainer(strategy, callbacks=list(callbacks), deterministic=True, **{"max_steps": -1, **kwargs})
 
 
 def small_data() -> TextDataModule:
@@ -181,19 +179,14 @@ def test_resume_continues_with_the_same_powersgd_state_as_an_uninterrupted_run(t
 
 
 def losses_with_checkpointing(mode) -> list[float]:
-    losses: list[float] = []
-
-    class RecordLoss(L.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(outputs["loss"].item())
-
+    record = workloads.LossRecorder()
     torch.manual_seed(0)
     model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
     strategy = FastDDPStrategy(activation_checkpointing=mode)
-    trainer = make_trainer(strategy, [RecordLoss()], max_steps=3)
+    trainer = make_trainer(strategy, [record], max_steps=3)
     trainer.fit(model, TextDataModule(batch_size=4, block_size=16))
     assert all(block in list(model.blocks) for block in strategy.checkpointed_blocks)
-    return [len(strategy.checkpointed_blocks), *losses]
+    return [len(strategy.checkpointed_blocks), *record.losses]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist.parallel.atomic_checkpoint import publish, save_file_atomically, staging_path
-from tests.fsdp_workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import DistributedRunError, run_function
 
 SAVE_FORMATS = {

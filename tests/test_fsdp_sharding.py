@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tests.fsdp_workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import run_function
 
 

@@ -1,4 +1,4 @@
-"""Small deterministic Lightning workloads shared by the FastFSDPStrategy tests (run inside spawned ranks)."""
+"""Small deterministic Lightning workloads shared by the strategy tests (run inside spawned ranks)."""
 
 from __future__ import annotations
 
