@@ -47,13 +47,13 @@ class MeasureShards(L.Callback):
 class CountCollectives(L.Callback):
     """Counts the real FSDP collective calls (``torch.distributed`` functions, wrapped) during each micro-batch."""
 
-    NAMES = ("reduce_scatter_single", "all_reduce", "all_gather_single")
+    NAMES = ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor")
 
     def __init__(self) -> None:
         self.per_batch: dict[str, list[int]] = {name: [] for name in self.NAMES}
         self._counts = dict.fromkeys(self.NAMES, 0)
         for name in self.NAMES:
-            setattr(dist, name, self._counting(name, getattr(dist, name)))  # FSDP2 calls dist.<name>(...)
+            setattr(dist, name, self._counting(name, getattr(dist, name)))  # called as dist.<name>(...)
 
     def _counting(self, name, original):
         def counting(*args, **kwargs):
@@ -78,8 +78,20 @@ def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | Non
     trainer = make_trainer(
         strategy, max_steps=2, accumulate_grad_batches=accumulate, callbacks=[shards, collectives, losses]
     )
-    trainer.fit(tiny_gpt(), repeated_batches())
-    return {**shards.report, **collectives.per_batch, "losses": losses.losses}
+    model = tiny_gpt()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer.fit(model, repeated_batches())
+    counted = {name: (t.calls, t.bytes) for name, t in strategy.comm_stats.last_step.items()}
+    logged = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("comm/")}
+    return {
+        **shards.report,
+        **collectives.per_batch,
+        "losses": losses.losses,
+        "parameter_bytes": parameter_bytes,
+        "counted_last_step": counted,
+        "logged": logged,
+        "rounds": strategy.comm_stats.rounds,
+    }
 
 
 @pytest.mark.slow
@@ -90,9 +102,15 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
         assert rank["units"] == ["", "blocks.0", "blocks.1"]  # two blocks, then the root
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
         # 2 optimizer steps x 4 micro-batches; one reduce-scatter per unit, on micro-batches 4 and 8 only
-        assert rank["reduce_scatter_single"] == [0, 0, 0, 3, 0, 0, 0, 3]
+        assert rank["reduce_scatter_tensor"] == [0, 0, 0, 3, 0, 0, 0, 3]
         assert rank["all_reduce"] == [0] * 8
-        assert rank["all_gather_single"] == [6] * 8  # each unit gathered for forward and again for backward
+        assert rank["all_gather_into_tensor"] == [6] * 8  # each unit gathered for forward and again for backward
+        # Bytes per optimizer step: every parameter gathered twice per micro-batch, every gradient
+        # reduce-scattered once per step (fp32, no padding: every dim 0 is even).
+        size = rank["parameter_bytes"]
+        assert rank["counted_last_step"] == {"allgather": (24, 4 * 2 * size), "reduce_scatter": (3, size)}
+        assert rank["logged"] == {"comm/allgather_bytes_per_step": 8 * size, "comm/reduce_scatter_bytes_per_step": size}
+        assert rank["rounds"] == 2  # one gradient synchronisation per optimizer step
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 
 
@@ -102,8 +120,10 @@ def test_zero2_shards_state_at_rest_like_zero3():
     for rank in ranks:
         assert rank["all_params_dtensor"]
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
-        assert rank["reduce_scatter_single"] == [3, 3]
-        assert rank["all_gather_single"] == [3, 3]  # gathered once per step: kept from forward to backward
+        assert rank["reduce_scatter_tensor"] == [3, 3]
+        assert rank["all_gather_into_tensor"] == [3, 3]  # gathered once per step: kept from forward to backward
+        size = rank["parameter_bytes"]
+        assert rank["counted_last_step"] == {"allgather": (3, size), "reduce_scatter": (3, size)}
 
 
 @pytest.mark.slow
@@ -112,7 +132,9 @@ def test_hsdp_with_groups_of_one_replicates_and_all_reduces_across_groups():
     for rank in ranks:
         assert rank["all_params_dtensor"]
         assert rank["local_bytes"] == rank["global_bytes"]  # shard groups of 1: every rank holds everything
-        assert rank["all_reduce"] == [3, 3] and rank["reduce_scatter_single"] == [0, 0]
+        assert rank["all_reduce"] == [3, 3] and rank["reduce_scatter_tensor"] == [0, 0]
+        assert rank["counted_last_step"]["allreduce"] == (3, rank["parameter_bytes"])
+        assert "reduce_scatter" not in rank["counted_last_step"]
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 
 

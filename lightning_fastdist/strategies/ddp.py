@@ -39,16 +39,18 @@ from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_fi
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats, metric_name
 from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
+from lightning_fastdist.strategies.comm_metrics import log_step_bytes
 from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
-BYTES_METRIC = "comm/allreduce_bytes_per_step"
+BYTES_METRIC = metric_name(ALL_REDUCE)
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
@@ -223,10 +225,7 @@ class FastDDPStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.log_comm_bytes and self.hook_state is not None:
-            # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device.
-            # (A Python float would become a tensor on the accelerator.) float64 keeps byte counts exact.
-            step_bytes = torch.tensor(self.hook_state.stats.last_step_bytes, dtype=torch.float64)
-            self.lightning_module.log(BYTES_METRIC, step_bytes, on_step=True)
+            log_step_bytes(self.lightning_module, self.hook_state.stats, [ALL_REDUCE])
         return output
 
     @override
@@ -267,6 +266,11 @@ class FastDDPStrategy(DDPStrategy):
             else:
                 self._restore_hook_state(saved)
         return checkpoint
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """This rank's all-reduce bytes and rounds (``None`` until DDP wraps the model)."""
+        return self.hook_state.stats if self.hook_state is not None else None
 
     def _restore_hook_state(self, saved: dict) -> None:
         restore_hook_state(self.hook_state, self.comm_hook, saved, self.world_size, self.global_rank, self.root_device)

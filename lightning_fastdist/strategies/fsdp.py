@@ -4,8 +4,9 @@ Lightning's ``ModelParallelStrategy`` runs FSDP2 but asks the user to call
 ``fully_shard`` in ``configure_model`` and reduce-scatters gradients on every
 accumulation micro-batch. This strategy shards the unchanged model itself
 (see :meth:`FastFSDPStrategy.parallelize` for the order), skips gradient
-communication on non-final micro-batches, and writes checkpoints atomically,
-optionally in the background.
+communication on non-final micro-batches, counts the bytes of every all-gather
+and reduce-scatter, and writes checkpoints atomically, optionally in the
+background.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ from lightning_fastdist.parallel.activation_checkpointing import (
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
+from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
+from lightning_fastdist.strategies.comm_metrics import log_step_bytes
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -89,6 +93,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
             process fails with an error instead of hanging (a rank that died or is stuck); ``None``
             keeps torch's 30 minutes. Jobs that restart themselves want a few minutes.
+        log_comm_bytes: log the bytes of the last optimizer step's parameter all-gathers and
+            gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
+            ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
+            counts, no device sync. Needs torch >= 2.9 (FSDP2's custom collectives).
     """
 
     strategy_name = "fast_fsdp"
@@ -106,6 +114,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         async_checkpointing: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
+        log_comm_bytes: bool = True,
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
         self.timeout = collective_timeout(timeout, "FastFSDPStrategy")
@@ -137,6 +146,9 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.compiled_regions: list[nn.Module] = []
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
+        self.log_comm_bytes = log_comm_bytes
+        self._comm_stats = CommStats()
+        self._comm_counted = False
 
     @classmethod
     @override
@@ -204,7 +216,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if self.compile_config is not None:
             self.compiled_regions = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin.precision)
-        apply_fsdp(
+        units = apply_fsdp(
             model,
             self.device_mesh,
             block_classes,
@@ -213,6 +225,39 @@ class FastFSDPStrategy(ModelParallelStrategy):
             reduce_dtype=reduce_dtype,
             cpu_offload=self.cpu_offload,
         )
+        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.sharding == "hsdp")
+
+    @property
+    def comm_stats(self) -> Optional[CommStats]:
+        """This rank's FSDP collective bytes and gradient rounds (``None`` when this torch cannot count them)."""
+        return self._comm_stats if self._comm_counted else None
+
+    @property
+    def _collectives(self) -> tuple[str, ...]:
+        return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.sharding == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_comm_bytes and self.comm_stats is not None:
+            log_step_bytes(self.lightning_module, self.comm_stats, self._collectives)
+        return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # FSDP issues a unit's reduce-scatter from its post-backward hook, so a backward that
+        # synchronised gradients has recorded their bytes by the time it returns.
+        sent_before = self._comm_stats.gradient_bytes_so_far()
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._comm_stats.gradient_bytes_so_far() > sent_before:
+            self._comm_stats.finish_round()
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._comm_stats.end_step()
+        return output
 
     @contextmanager
     @override
