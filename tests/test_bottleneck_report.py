@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from lightning_fastdist import BottleneckReport, FastDDPStrategy, FastMixedPrecision, SyncFreeLogging
+from lightning_fastdist import BottleneckReport, FastDDPStrategy, FastFSDPStrategy, FastMixedPrecision, SyncFreeLogging
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics import bottleneck_checks as checks
 from tests.harness import run_function
@@ -29,7 +29,7 @@ class ReadsLossEveryStep(TinyGPT):
 
 
 class AccumulatesWithoutNoSync(TinyGPT):
-    """Manual optimization that accumulates 2 micro-batches but lets DDP all-reduce after each backward."""
+    """Manual optimization that accumulates 2 micro-batches but lets DDP (or FSDP) sync gradients after each backward."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -86,6 +86,8 @@ def run_case(name: str, root: str) -> dict:
         plugins = []
     elif name == "allreduce_every_micro_batch":
         module, accumulate = model(AccumulatesWithoutNoSync), 1
+    elif name == "fsdp_reduce_scatter_every_micro_batch":
+        module, accumulate, strategy = model(AccumulatesWithoutNoSync), 1, FastFSDPStrategy()
     report = BottleneckReport(start_step=2, num_steps=6, host_sync_steps=3)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, plugins=plugins, max_steps=6, accumulate_grad_batches=accumulate,
@@ -107,7 +109,8 @@ CASES = {  # case -> the row that must be flagged
     "data_bound": "data wait",
     "tiny_bucket": "gradient buckets",
     "fp32": "precision",
-    "allreduce_every_micro_batch": "all-reduce rounds",
+    "allreduce_every_micro_batch": "gradient sync rounds",
+    "fsdp_reduce_scatter_every_micro_batch": "gradient sync rounds",
 }
 
 
@@ -125,14 +128,16 @@ def test_each_bottleneck_is_flagged_and_a_clean_run_is_not(tmp_path):
                 assert flagged == set(), (rank, by_case[name]["measured"])
             else:
                 # More all-reduces (tiny buckets, one per micro-batch) may also, rightly, cost communication time.
-                assert expected in flagged and flagged <= {expected, "gradient communication"}, (
+                assert expected in flagged and flagged <= {expected, "communication"}, (
                     rank,
                     name,
                     by_case[name]["measured"],
                 )
     rank0 = results[0]
     assert "test_bottleneck_report.py" in rank0["host_sync"]["measured"]["host syncs"]  # names the line with .item()
-    assert rank0["allreduce_every_micro_batch"]["measured"]["all-reduce rounds"].startswith("2.00 per optimizer step")
+    for name in ("allreduce_every_micro_batch", "fsdp_reduce_scatter_every_micro_batch"):
+        assert rank0[name]["measured"]["gradient sync rounds"].startswith("2.00 per optimizer step")
+        assert rank0[name]["statuses"]["communication"] in ("OK", "WARN")  # counted, so re-sent and timed
     assert "bucket_cap_mb: auto" in rank0["tiny_bucket"]["fixes"]["gradient buckets"]
     assert "precision: bf16-mixed" in rank0["fp32"]["fixes"]["precision"]
     assert results[1]["clean"]["paths"] == []  # only rank 0 writes
@@ -151,6 +156,9 @@ def test_checks_turn_measurements_into_rows():
     assert "num_workers: 3" in checks.check_data_wait(0.5, 0.1, 3).fix
     assert checks.check_data_wait(0.05, 0.001, 3).status == "OK"
     assert checks.check_comm_rounds(None, 4).status == "N/A"
+    assert "comm_hook: bf16" in checks.check_comm_time(0.5, 1.0).fix
+    assert "sharding: zero2" in checks.check_comm_time(0.5, 1.0, sharded=True).fix
+    assert checks.check_comm_time(0.1, 1.0, sharded=True).status == "OK"
     assert checks.check_comm_rounds(8, 4).status == "WARN" and checks.check_comm_rounds(4, 4).status == "OK"
     assert checks.check_buckets(2**20, 10 * 2**20).status == "OK"
     assert checks.check_buckets(10_000, 10 * 2**20).status == "WARN"

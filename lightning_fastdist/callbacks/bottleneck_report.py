@@ -4,10 +4,11 @@ Two consecutive windows, counted in training batches after ``start_step`` warm-u
 
 1. ``num_steps`` timed batches: data wait (gap between one batch's end and the
    next one's start), step and optimizer time (``on_before_optimizer_step`` to
-   the batch end), gradient all-reduce rounds and bytes per optimizer step (from
-   FastDDPStrategy's counters), recompiles, peak memory. At its end every rank
-   re-sends one step's gradient bytes, in the same buckets, to time the
-   communication alone (:mod:`~lightning_fastdist.diagnostics.comm_probe`).
+   the batch end), gradient sync rounds and collective bytes per optimizer step
+   (from FastDDPStrategy's or FastFSDPStrategy's ``comm_stats``), recompiles,
+   peak memory. At its end every rank re-sends one step's collectives, the same
+   bytes in the same number of calls, to time the communication alone
+   (:mod:`~lightning_fastdist.diagnostics.comm_probe`).
 2. ``host_sync_steps`` batches under :func:`~lightning_fastdist.count_host_syncs`
    (kept apart because counting slows every op down).
 
@@ -35,12 +36,13 @@ from typing_extensions import override
 
 from lightning_fastdist.callbacks.step_clock import clock_for
 from lightning_fastdist.diagnostics import bottleneck_checks as checks
-from lightning_fastdist.diagnostics.comm_probe import time_gradient_all_reduce
+from lightning_fastdist.diagnostics.comm_probe import time_collectives
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
 from lightning_fastdist.diagnostics.environment import bf16_available, cpu_cores, host_memory_bytes
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.buckets import gradient_bytes
+from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, CommStats, Traffic
 
 KIB = 1024
 
@@ -162,15 +164,15 @@ class BottleneckReport(Callback):
 
     # ------------------------------------------------------------ measuring
 
-    def _stats(self, trainer: Trainer) -> Any:
-        return getattr(getattr(trainer.strategy, "hook_state", None), "stats", None)
+    def _stats(self, trainer: Trainer) -> CommStats | None:
+        return getattr(trainer.strategy, "comm_stats", None)
 
     def _open_timing(self, trainer: Trainer) -> None:
         stats = self._stats(trainer)
         self._at_start = {
             "global_step": trainer.global_step,
             "rounds": stats.rounds if stats is not None else None,
-            "bytes": stats.total_bytes if stats is not None else None,
+            "totals": dict(stats.totals) if stats is not None else None,
         }
         self._watcher.start()
         self._watching = True
@@ -186,19 +188,19 @@ class BottleneckReport(Callback):
         optimizer = [seconds(m.before_optimizer, m.end) for m in self._marks if m.before_optimizer is not None]
         optimizer_steps = trainer.global_step - self._at_start["global_step"]
         stats = self._stats(trainer)
-        rounds = step_bytes = None
-        if stats is not None:
+        rounds = step_traffic = None
+        if stats is not None and self._at_start["totals"] is not None:
             rounds = stats.rounds - self._at_start["rounds"]
-            step_bytes = (stats.total_bytes - self._at_start["bytes"]) // max(1, optimizer_steps)
+            step_traffic = self._traffic_per_step(stats, optimizer_steps)
         ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
         bucket_bytes = getattr(ddp, "bucket_bytes_cap", None) if ddp is not None else None
         comm_s, why = None, ""
-        if step_bytes is None:
-            why = "communication bytes are counted by FastDDPStrategy only"
+        if step_traffic is None:
+            why = "communication is counted by FastDDPStrategy and FastFSDPStrategy only"
         elif trainer.world_size < 2:
             why = "a single process has nothing to communicate"
         else:
-            comm_s = time_gradient_all_reduce(step_bytes, bucket_bytes or step_bytes, trainer.strategy.root_device)
+            comm_s = time_collectives(step_traffic, trainer.strategy.root_device)
         self._timing = {
             "wait_fraction": sum(waits) / (sum(waits) + sum(steps)) if steps else 0.0,
             "mean_wait_s": statistics.fmean(waits) if waits else 0.0,
@@ -206,7 +208,8 @@ class BottleneckReport(Callback):
             "optimizer_s": sum(optimizer),
             "optimizer_steps": optimizer_steps,
             "rounds": rounds,
-            "step_bytes": step_bytes,
+            "step_bytes": sum(t.bytes for t in step_traffic.values()) if step_traffic is not None else None,
+            "sharded": step_traffic is not None and ALL_GATHER in step_traffic,
             "comm_s": comm_s,
             "comm_unmeasured": why,
             "bucket_bytes": bucket_bytes,
@@ -214,6 +217,12 @@ class BottleneckReport(Callback):
             "recompiles": self._watcher.count,
             **self._peak_memory(trainer),
         }
+
+    def _traffic_per_step(self, stats: CommStats, optimizer_steps: int) -> dict[str, Traffic]:
+        """Each collective's calls and bytes in the window, divided by its optimizer steps."""
+        steps = max(1, optimizer_steps)
+        window = {name: total - self._at_start["totals"].get(name, Traffic()) for name, total in stats.totals.items()}
+        return {name: Traffic(t.calls // steps, t.bytes // steps) for name, t in window.items() if t.calls}
 
     def _peak_memory(self, trainer: Trainer) -> dict:
         device = trainer.strategy.root_device
@@ -290,7 +299,9 @@ class BottleneckReport(Callback):
             checks.check_host_syncs(most_syncs["syncs_median"], most_syncs["top_sync_origin"]),
             checks.check_buckets(first["bucket_bytes"], first["gradient_bytes"]),
             checks.check_comm_rounds(first["rounds"], first["optimizer_steps"]),
-            checks.check_comm_time(comm_s, max(r["loop_s"] for r in ranks) / steps, first["comm_unmeasured"]),
+            checks.check_comm_time(
+                comm_s, max(r["loop_s"] for r in ranks) / steps, first["comm_unmeasured"], sharded=first["sharded"]
+            ),
             checks.check_optimizer_time(optimizer_heavy["optimizer_s"], optimizer_heavy["loop_s"]),
             checks.check_memory(peak["peak_bytes"], peak["capacity_bytes"], peak["memory_what"]),
             checks.check_recompiles(max(r["recompiles"] for r in ranks)),

@@ -2,8 +2,9 @@
 
 Per rank it measures, with no per-step device sync: the mean step time over a
 window after warm-up (the clock is read at the window's two ends, with one
-device synchronisation each), tokens per second, peak memory, the gradient
-bytes the strategy all-reduced per step (FastDDPStrategy counts them), host
+device synchronisation each), tokens per second, peak memory, the bytes of
+the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
+FastFSDPStrategy's all-gathers and reduce-scatters), host
 syncs per step (counted from the start of the third-to-last step to the start
 of the last, after the timing window because counting slows dispatch, and
 before the end-of-training flush), and the last loss. Rank 0 writes the
@@ -83,14 +84,15 @@ class BenchProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak, peak_kind = peak_memory_bytes(pl_module.device)
-        hook_state = getattr(trainer.strategy, "hook_state", None)
+        comm = getattr(trainer.strategy, "comm_stats", None)
         result = {
             "steps": trainer.global_step,
             "step_time_s": self._step_time,
             "tokens_per_s": self._tokens_per_step / self._step_time if self._step_time else None,
             "peak_memory_bytes": peak,
             "peak_memory_kind": peak_kind,
-            "comm_bytes_per_step": hook_state.stats.last_step_bytes if hook_state is not None else None,
+            "comm_bytes_per_step": comm.last_step_bytes if comm is not None else None,
+            "comm_bytes_by_collective": {k: t.bytes for k, t in comm.last_step.items()} if comm is not None else None,
             "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
             "final_loss": self._last_loss.item() if self._last_loss is not None else None,
         }

@@ -5,8 +5,8 @@ Thresholds, each a module constant:
 - data wait above :data:`DATA_WAIT_WARN` of the loop's time;
 - any host sync on an ordinary step (the median over the measured steps);
 - gradient buckets smaller than :data:`MIN_BUCKET_BYTES` when the gradients need more than one;
-- more than one gradient all-reduce round per optimizer step (accumulation without ``no_sync``);
-- gradient communication (re-sent without overlap) above :data:`COMM_WARN` of the step time;
+- more than one gradient synchronisation per optimizer step (accumulation without ``no_sync``);
+- communication (re-sent without overlap) above :data:`COMM_WARN` of the step time;
 - optimizer step above :data:`OPTIMIZER_WARN` of the loop's time;
 - peak memory above :data:`MEMORY_WARN` of the device's memory;
 - any recompile inside the window;
@@ -87,11 +87,11 @@ def check_buckets(bucket_cap_bytes: int | None, gradient_bytes: int) -> CheckRow
 
 
 def check_comm_rounds(rounds: int | None, optimizer_steps: int) -> CheckRow:
-    """Gradient all-reduce rounds per optimizer step (1 expected; more means accumulation all-reduces every micro-batch)."""
+    """Gradient synchronisations per optimizer step (1 expected; more means accumulation syncs every micro-batch)."""
     if rounds is None:
-        return CheckRow("all-reduce rounds", "not counted: use FastDDPStrategy, whose comm hook counts rounds", "N/A")
+        return CheckRow("gradient sync rounds", "not counted: FastDDPStrategy and FastFSDPStrategy count them", "N/A")
     if optimizer_steps == 0:
-        return CheckRow("all-reduce rounds", f"{rounds} round(s) and no optimizer step in the window", "N/A")
+        return CheckRow("gradient sync rounds", f"{rounds} round(s) and no optimizer step in the window", "N/A")
     per_step = rounds / optimizer_steps
     fix = (
         "# accumulate with Lightning (it skips the all-reduce on non-final micro-batches):\n"
@@ -99,24 +99,34 @@ def check_comm_rounds(rounds: int | None, optimizer_steps: int) -> CheckRow:
         "# with manual optimization, wrap non-final backwards in `with self.trainer.strategy.block_backward_sync():`"
     )
     return _row(
-        "all-reduce rounds",
+        "gradient sync rounds",
         f"{per_step:.2f} per optimizer step ({rounds} rounds / {optimizer_steps} steps)",
         per_step > 1.0,
         fix,
     )
 
 
-def check_comm_time(comm_s: float | None, step_s: float, why_unmeasured: str = "") -> CheckRow:
-    """Time to all-reduce one optimizer step's gradient bytes, without overlap, against the step time."""
+def check_comm_time(comm_s: float | None, step_s: float, why_unmeasured: str = "", sharded: bool = False) -> CheckRow:
+    """Time to re-send one optimizer step's collectives, without overlap, against the step time.
+
+    ``sharded``: the traffic is FSDP's (parameter all-gathers), which changes the fix.
+    """
     if comm_s is None:
-        return CheckRow("gradient communication", f"not measured: {why_unmeasured}", "N/A")
+        return CheckRow("communication", f"not measured: {why_unmeasured}", "N/A")
     share = comm_s / step_s if step_s > 0 else 0.0
-    fix = (
-        "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
-        "    init_args:\n      comm_hook: bf16        # half the bytes; powersgd sends 10-30x fewer"
-    )
+    if sharded:
+        fix = (
+            "trainer:\n  precision: bf16-mixed       # parameters gathered in bf16: half the all-gather bytes\n"
+            "  strategy:\n    class_path: lightning_fastdist.FastFSDPStrategy\n"
+            "    init_args:\n      sharding: zero2        # gather each block once per step, not twice (more memory)"
+        )
+    else:
+        fix = (
+            "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
+            "    init_args:\n      comm_hook: bf16        # half the bytes; powersgd sends 10-30x fewer"
+        )
     return _row(
-        "gradient communication",
+        "communication",
         f"{comm_s * 1e3:.1f} ms per step if not overlapped ({share:.0%} of a step)",
         share > COMM_WARN,
         fix,

@@ -1,49 +1,77 @@
-"""Time one optimizer step's gradient all-reduce by sending the same bytes, in the same buckets, again.
+"""Time one optimizer step's communication by sending the same bytes, in the same number of calls, again.
 
-DDP overlaps its all-reduces with the backward pass, so their cost cannot be
-read off the step time. :func:`time_gradient_all_reduce` measures what the
-communication alone costs: it all-reduces ``step_bytes`` split into buckets of
-``bucket_bytes`` (launched together, as DDP does, then waited for), and keeps the
-fastest of ``repeats`` runs. Every rank of the group must call it at the same point.
+DDP overlaps its all-reduces with the backward pass and FSDP its all-gathers
+with compute, so their cost cannot be read off the step time.
+:func:`time_collectives` measures what the communication alone costs: for each
+collective it launches the step's calls together (as DDP and FSDP do), each of
+the step's mean size, waits for all, and keeps the fastest of ``repeats`` runs.
+Every rank of the group must call it at the same point with the same traffic.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
+from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Traffic
+
 FLOAT_BYTES = 4
 
 
-def time_gradient_all_reduce(
-    step_bytes: int, bucket_bytes: int, device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
+def _buffers(size: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-size float32 buffer of about ``size`` elements (a multiple of ``world``) and one shard of it."""
+    size = -(-size // world) * world
+    return torch.zeros(size, device=device), torch.zeros(size // world, device=device)
+
+
+def _launch(collective: str, full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+    """Start one asynchronous ``collective`` on ``full`` (and ``shard``)."""
+    if collective == ALL_REDUCE:
+        return dist.all_reduce(full, group=group, async_op=True)
+    if collective == ALL_GATHER:
+        return dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+    if collective == REDUCE_SCATTER:
+        return dist.reduce_scatter_tensor(shard, full, group=group, async_op=True)
+    raise ValueError(f"collective: got {collective!r}; use one of {ALL_REDUCE!r}, {ALL_GATHER!r}, {REDUCE_SCATTER!r}.")
+
+
+def time_collectives(
+    step_traffic: Mapping[str, Traffic],
+    device: torch.device,
+    repeats: int = 3,
+    group: dist.ProcessGroup | None = None,
 ) -> float:
-    """Seconds to all-reduce ``step_bytes`` in buckets of ``bucket_bytes`` on ``device`` (fastest of ``repeats``).
+    """Seconds to run one step's ``step_traffic`` on ``device`` without overlap (fastest of ``repeats``).
+
+    The calls of one collective all use one buffer of their mean size, so the probe needs
+    the memory of one call per collective, not of the whole step (the contents are not used).
 
     Args:
-        step_bytes: payload of one optimizer step's gradient communication.
-        bucket_bytes: bytes per all-reduce (DDP's bucket cap).
+        step_traffic: calls and bytes per collective name in one optimizer step (see
+            :class:`~lightning_fastdist.parallel.comm_accounting.CommStats`).
         device: where the buffers live (the training device: NCCL needs CUDA tensors).
         repeats: runs to take the fastest of.
-        group: the process group; ``None`` is the default group.
+        group: the process group; ``None`` is the default group. (HSDP runs its collectives
+            in smaller groups, so timing them on the whole world gives an upper bound.)
     """
-    if step_bytes <= 0:
+    world = dist.get_world_size(group)
+    plan = [
+        (collective, traffic.calls, _buffers(max(1, traffic.bytes // traffic.calls // FLOAT_BYTES), world, device))
+        for collective, traffic in step_traffic.items()
+        if traffic.calls > 0 and traffic.bytes > 0
+    ]
+    if not plan:
         return 0.0
-    bucket_elements = max(1, bucket_bytes // FLOAT_BYTES)
-    total_elements = max(1, step_bytes // FLOAT_BYTES)
-    sizes = [bucket_elements] * (total_elements // bucket_elements)
-    if total_elements % bucket_elements:
-        sizes.append(total_elements % bucket_elements)
-    buffers = [torch.zeros(size, device=device) for size in sizes]
     best = float("inf")
     for _ in range(repeats):
         dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        works = [dist.all_reduce(buffer, group=group, async_op=True) for buffer in buffers]
+        works = [_launch(name, *buffers, group) for name, calls, buffers in plan for _ in range(calls)]
         for work in works:
             work.wait()
         if device.type == "cuda":
