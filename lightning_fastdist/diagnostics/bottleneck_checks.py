@@ -94,7 +94,7 @@ def check_comm_rounds(rounds: int | None, optimizer_steps: int) -> CheckRow:
         return CheckRow("gradient sync rounds", f"{rounds} round(s) and no optimizer step in the window", "N/A")
     per_step = rounds / optimizer_steps
     fix = (
-        "# accumulate with Lightning (it skips the all-reduce on non-final micro-batches):\n"
+        "# accumulate with Lightning (it skips the gradient sync on non-final micro-batches):\n"
         "trainer:\n  accumulate_grad_batches: 4\n"
         "# with manual optimization, wrap non-final backwards in `with self.trainer.strategy.block_backward_sync():`"
     )
