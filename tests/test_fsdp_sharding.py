@@ -193,3 +193,34 @@ def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_tra
         assert rank["built_on_meta"] and rank["meta_after_setup"] is False
         losses = rank["losses"]
         assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+class OffloadedUnits(L.Callback):
+    """Records whether every parameter of every FSDP unit is marked for CPU offload (read from FSDP2's state)."""
+
+    def __init__(self) -> None:
+        self.all_offloaded: bool | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        params = [p for u in units for group in u._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+        self.all_offloaded = bool(params) and all(p.offload_to_cpu for p in params)
+
+
+def train_with_offload(cpu_offload: bool) -> dict:
+    from lightning_fastdist import FastFSDPStrategy
+
+    probe, losses = OffloadedUnits(), LossRecorder()
+    make_trainer(FastFSDPStrategy(cpu_offload=cpu_offload), max_steps=4, callbacks=[probe, losses]).fit(
+        tiny_gpt(), repeated_batches()
+    )
+    return {"all_offloaded": probe.all_offloaded, "losses": losses.losses}
+
+
+@pytest.mark.slow
+def test_cpu_offload_runs_on_a_cpu_mesh_with_the_losses_of_no_offload():
+    offloaded = run_function(train_with_offload, 2, args=(True,), init_process_group=False)
+    kept = run_function(train_with_offload, 2, args=(False,), init_process_group=False)
+    for rank in range(2):
+        assert offloaded[rank]["all_offloaded"] is True and kept[rank]["all_offloaded"] is False
+        assert offloaded[rank]["losses"] == pytest.approx(kept[rank]["losses"], rel=1e-6)

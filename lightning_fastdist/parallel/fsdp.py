@@ -84,14 +84,17 @@ def apply_fsdp(
         param_dtype: dtype that forward and backward compute in (``None``: the parameters' own dtype).
         reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
         cpu_offload: keep the sharded parameters, gradients and optimizer step on
-            the CPU and copy each unit to the device for its compute.
+            the CPU and copy each unit to the device for its compute (on a CPU mesh
+            nothing moves, which lets a GPU recipe run unchanged on CPU).
 
     Returns:
         The modules that were sharded, the root last.
     """
     validate_sharding(sharding, None)
     mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
+    # torch cannot pin, and the "offloaded" state is where it already was.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     reshard_after_forward = sharding != "zero2"
     # Children before parents: fully_shard must see a block's own parameters
     # before an enclosing unit claims them.
