@@ -10,6 +10,7 @@ import yaml
 from lightning_fastdist.commands.doctor import demo_model_shape, main
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.diagnostics.advisor import Target, recommend
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB, TrainingShape
 from tests.harness import cli_command, run_launcher
@@ -79,6 +80,9 @@ def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, ca
         "Wrote plan.yaml",
     ):
         assert expected in printed
+    ddp_row = next(line for line in printed.splitlines() if line.lstrip().startswith("ddp    none"))
+    sent = estimate_comm(TrainingShape(13 * 10**9, 1, 1, 2048, 4, world_size=8, precision="bf16-mixed"), "ddp")  # N, W, precision
+    assert ddp_row.endswith(f"{sent.sent_per_device / 2**30:9.3f}G")  # the sent/step column
     recipe = recipe_at(in_tmp_dir / "plan.yaml")
     assert recipe["trainer"]["accelerator"] == "gpu" and recipe["trainer"]["devices"] == 8
     assert recipe["trainer"]["strategy"]["class_path"] == "lightning_fastdist.FastFSDPStrategy"

@@ -9,6 +9,8 @@ import torch
 from lightning_fastdist import FastDDPStrategy
 from lightning_fastdist.cli import main
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
+from lightning_fastdist.diagnostics.memory_model import TrainingShape
 from lightning_fastdist.parallel.buckets import gradient_bytes
 from lightning_fastdist.strategies.ddp import BYTES_METRIC
 from tests import workloads
@@ -131,6 +133,8 @@ def test_accumulation_of_4_over_100_micro_batches_all_reduces_25_times():
     for result in run_function(rounds_with_accumulation, world_size=2, args=(4, 100), timeout=300):
         assert result["rounds"] == 25
         assert result["total_bytes"] == 25 * result["model_bytes"]
+        shape = TrainingShape(result["model_bytes"] // 4, layers=1, hidden=16, seq_len=8, micro_batch=2, world_size=2)
+        assert result["total_bytes"] == 25 * estimate_comm(shape, "ddp", accumulation=4).allreduce  # doctor's model
 
 
 # ---------------------------------------------------------------- resume

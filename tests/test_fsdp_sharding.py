@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
+from lightning_fastdist.diagnostics.memory_model import TrainingShape
 from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import run_function
 
@@ -70,6 +72,12 @@ class CountCollectives(L.Callback):
             self.per_batch[name].append(count)
 
 
+def doctor_estimate(parameter_bytes: int, mode: str, accumulation: int) -> dict[str, int]:
+    """What ``lightning-fastdist doctor``'s communication model predicts for tiny_gpt (fp32) on 2 ranks."""
+    shape = TrainingShape(parameter_bytes // 4, layers=2, hidden=32, seq_len=16, micro_batch=4, world_size=2)
+    return estimate_comm(shape, mode, accumulation).by_collective()
+
+
 def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | None) -> dict:
     from lightning_fastdist import FastFSDPStrategy
 
@@ -109,21 +117,26 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
         # reduce-scattered once per step (fp32, no padding: every dim 0 is even).
         size = rank["parameter_bytes"]
         assert rank["counted_last_step"] == {"allgather": (24, 4 * 2 * size), "reduce_scatter": (3, size)}
+        assert {name: b for name, (_, b) in rank["counted_last_step"].items()} == doctor_estimate(size, "zero3", 4)
         assert rank["logged"] == {"comm/allgather_bytes_per_step": 8 * size, "comm/reduce_scatter_bytes_per_step": size}
         assert rank["rounds"] == 2  # one gradient synchronisation per optimizer step
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 
 
 @pytest.mark.slow
-def test_zero2_shards_state_at_rest_like_zero3():
-    ranks = run_function(train_and_measure, 2, args=("zero2", 1, None), init_process_group=False)
-    for rank in ranks:
+def test_zero2_shards_state_at_rest_like_zero3_and_gathers_once_per_accumulated_step():
+    zero2 = run_function(train_and_measure, 2, args=("zero2", 4, None), init_process_group=False)
+    zero3 = run_function(train_and_measure, 2, args=("zero3", 4, None), init_process_group=False)
+    for rank, zero3_rank in zip(zero2, zero3):
         assert rank["all_params_dtensor"]
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
-        assert rank["reduce_scatter_tensor"] == [3, 3]
-        assert rank["all_gather_into_tensor"] == [3, 3]  # gathered once per step: kept from forward to backward
+        assert rank["reduce_scatter_tensor"] == [0, 0, 0, 3, 0, 0, 0, 3]
+        # Gathered on the first micro-batch and kept, through backward, until the step's last one.
+        assert rank["all_gather_into_tensor"] == [3, 0, 0, 0, 3, 0, 0, 0]
         size = rank["parameter_bytes"]
         assert rank["counted_last_step"] == {"allgather": (3, size), "reduce_scatter": (3, size)}
+        assert {name: b for name, (_, b) in rank["counted_last_step"].items()} == doctor_estimate(size, "zero2", 4)
+        assert rank["losses"] == pytest.approx(zero3_rank["losses"], rel=1e-6)
 
 
 @pytest.mark.slow

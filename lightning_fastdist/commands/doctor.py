@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from lightning_fastdist.diagnostics.advisor import Recommendation, Target, build_recipe, recommend
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB, TrainingShape, estimate_table
 from lightning_fastdist.recipes import available_recipes, find_recipe
@@ -257,17 +258,22 @@ def format_environment(env: Environment) -> str:
     return "\n".join(lines)
 
 
-def format_estimates(shape: TrainingShape, usable: int) -> str:
+def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> str:
+    """The memory table, one row per configuration, with what each device sends per optimizer step."""
     lines = [
         f"Memory per device (N={shape.parameters:,} parameters, {shape.layers} layers x {shape.hidden} wide, "
         f"seq {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.world_size} ranks, {shape.precision}; "
-        f"usable {usable / GiB:.2f} GiB); formula in docs/doctor.md",
-        f"  {'mode':6} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} {'total':>10}  fits",
+        f"usable {usable / GiB:.2f} GiB) and bytes each device sends per optimizer step "
+        f"({accumulation} micro-batch(es), ring collectives); formulas in docs/doctor.md",
+        f"  {'mode':6} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} {'total':>10}  fits"
+        f" {'sent/step':>10}",
     ]
     for e in estimate_table(shape):
+        sent = estimate_comm(shape, e.mode, accumulation).sent_per_device
         lines.append(
             f"  {e.mode:6} {e.activation_checkpointing:10} {'yes' if e.cpu_offload else 'no':7} {e.state / GiB:9.3f}G "
-            f"{e.gathered_weights / GiB:9.3f}G {e.activations / GiB:10.3f}G {e.total / GiB:9.3f}G  {'yes' if e.total <= usable else 'NO'}"
+            f"{e.gathered_weights / GiB:9.3f}G {e.activations / GiB:10.3f}G {e.total / GiB:9.3f}G  "
+            f"{'yes' if e.total <= usable else 'NO':4} {sent / GiB:9.3f}G"
         )
     return "\n".join(lines)
 
@@ -333,7 +339,7 @@ def run(argv: list[str]) -> int:
     except ValueError as error:
         raise DoctorError(f"--global-batch: {error}") from None
     print()
-    print(format_estimates(recommendation.shape, recommendation.usable_bytes))
+    print(format_estimates(recommendation.shape, recommendation.usable_bytes, recommendation.accumulate_grad_batches))
     print()
     print(f"Recommendation for {target.nodes} x {target.devices} {target.accelerator}(s):")
     for reason in recommendation.reasons:

@@ -7,10 +7,13 @@ micro-batch (raising gradient accumulation so the global batch stays the same)
 and try again; at micro-batch 1 the most frugal configuration is recommended
 with a warning that it does not fit.
 
-Order and why: DDP communicates least; ZeRO-2 shards the state at the cost of
-one all-gather per block per step; ZeRO-3 gathers twice but holds only two
-blocks' weights; activation checkpointing costs about one extra forward (~33%
-more compute); CPU offload moves the optimizer step to the host (slowest).
+Order and why: DDP puts no collective in front of any forward and overlaps its
+one all-reduce with backward; ZeRO-2 shards the state at the cost of one
+all-gather per block per step; ZeRO-3 gathers twice per micro-batch but holds
+only two blocks' weights (bytes per mode:
+:mod:`~lightning_fastdist.diagnostics.comm_model`); activation checkpointing
+costs about one extra forward (~33% more compute); CPU offload moves the
+optimizer step to the host (slowest).
 On one device sharding saves nothing, so only DDP (a plain single-device run),
 checkpointing and offload are considered.
 """

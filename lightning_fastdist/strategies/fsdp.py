@@ -262,15 +262,26 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduce-scatter (and HSDP all-reduce) on a non-final accumulation micro-batch."""
+        """Skip the gradient reduce-scatter (and HSDP all-reduce) on a non-final accumulation micro-batch.
+
+        Under ``zero2`` the gathered weights also stay gathered after such a micro-batch's
+        backward: the next forward needs them unchanged (no optimizer step in between), so one
+        all-gather per optimizer step replaces one per micro-batch. Memory does not grow: ZeRO-2
+        holds every gathered weight at the end of each forward anyway.
+        """
         if not isinstance(self.model, FSDPModule):
             yield
             return
+        keep_gathered = self.sharding == "zero2"
         self.model.set_requires_gradient_sync(False)
+        if keep_gathered:
+            self.model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+            if keep_gathered:
+                self.model.set_reshard_after_backward(True)
 
     @override
     def save_checkpoint(

@@ -1,0 +1,88 @@
+"""Estimate each device's communication per optimizer step under DDP, ZeRO-2 and ZeRO-3.
+
+Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm_accounting`):
+each collective's full-size tensor, for ``N`` parameters, ``k`` micro-batches per
+optimizer step, compute bytes ``c`` (2 under a bf16/fp16 policy or bf16-true,
+else 4) and gradient bytes ``g`` (2 under bf16-true, else 4; FSDP reduces in
+fp32 under mixed precision, DDP all-reduces the fp32 gradients):
+
+- ``ddp``: one all-reduce of the gradients per step, ``g N``;
+- ``zero2``: an all-gather of the weights per optimizer step, ``c N`` (FastFSDPStrategy
+  keeps them gathered across accumulation micro-batches), and a reduce-scatter of
+  the gradients per step, ``g N``;
+- ``zero3``: the weights are gathered for every micro-batch's forward and again
+  for its backward, ``2 k c N``, plus ``g N``.
+
+On a ring each device sends ``2 (W - 1) / W`` of an all-reduce and ``(W - 1) / W``
+of an all-gather or reduce-scatter (:attr:`CommEstimate.sent_per_device`), so at
+``k = 1`` in fp32 ZeRO-2 sends what DDP sends and ZeRO-3 1.5 times as much.
+FSDP pads each tensor's first dimension to a multiple of ``W``; that is left out.
+A single device communicates nothing.
+
+Checked exactly against the strategies' counters on 2 CPU ranks
+(``tests/test_fsdp_sharding.py``, ``tests/test_fast_ddp.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_fastdist.diagnostics.memory_model import MODES, TrainingShape
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Bytes per optimizer step of each collective (full-size tensors) on one device.
+
+    Attributes:
+        mode: ``"ddp"``, ``"zero2"`` or ``"zero3"``.
+        world_size: devices sharing the work.
+        allreduce: gradient all-reduce bytes.
+        allgather: weight all-gather bytes.
+        reduce_scatter: gradient reduce-scatter bytes.
+    """
+
+    mode: str
+    world_size: int
+    allreduce: int = 0
+    allgather: int = 0
+    reduce_scatter: int = 0
+
+    def by_collective(self) -> dict[str, int]:
+        """The collectives this mode runs and their bytes, named as the strategies log them."""
+        named = {"allreduce": self.allreduce, "allgather": self.allgather, "reduce_scatter": self.reduce_scatter}
+        return {name: value for name, value in named.items() if value}
+
+    @property
+    def sent_per_device(self) -> int:
+        """Bytes each device sends per optimizer step with ring collectives."""
+        w = self.world_size
+        return (2 * (w - 1) * self.allreduce + (w - 1) * (self.allgather + self.reduce_scatter)) // w
+
+
+def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
+    """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see the module docstring).
+
+    Args:
+        shape: the run (parameters, world size and precision are used).
+        mode: one of :data:`~lightning_fastdist.diagnostics.memory_model.MODES`.
+        accumulation: micro-batches per optimizer step (``accumulate_grad_batches``).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}.")
+    if shape.world_size == 1:
+        return CommEstimate(mode, 1)
+    n = shape.parameters
+    compute_bytes = 4 if shape.precision == "32-true" else 2
+    gradient_bytes = 2 if shape.precision == "bf16-true" else 4
+    if mode == "ddp":
+        return CommEstimate(mode, shape.world_size, allreduce=gradient_bytes * n)
+    gathers = 2 * accumulation if mode == "zero3" else 1
+    return CommEstimate(
+        mode,
+        shape.world_size,
+        allgather=gathers * compute_bytes * n,
+        reduce_scatter=gradient_bytes * n,
+    )

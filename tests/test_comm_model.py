@@ -1,0 +1,48 @@
+"""The doctor's communication model: the ring arithmetic, precision, accumulation and bad input.
+
+Its byte counts are checked against the strategies' real counters in test_fsdp_sharding.py and test_fast_ddp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
+from lightning_fastdist.diagnostics.memory_model import TrainingShape
+
+
+def shape(world_size: int = 8, precision: str = "32-true") -> TrainingShape:
+    return TrainingShape(1_000_000, layers=4, hidden=128, seq_len=64, micro_batch=2, world_size=world_size, precision=precision)
+
+
+def test_in_fp32_zero2_sends_what_ddp_sends_and_zero3_half_as_much_again():
+    ddp, zero2, zero3 = (estimate_comm(shape(), mode).sent_per_device for mode in ("ddp", "zero2", "zero3"))
+    assert ddp == 2 * 7 * 4_000_000 // 8
+    assert zero2 == ddp and zero3 == ddp * 3 // 2
+
+
+def test_mixed_precision_gathers_in_two_bytes_and_reduces_in_four():
+    zero3 = estimate_comm(shape(precision="bf16-mixed"), "zero3")
+    assert zero3.by_collective() == {"allgather": 2 * 2 * 1_000_000, "reduce_scatter": 4 * 1_000_000}
+    assert estimate_comm(shape(precision="bf16-true"), "ddp").allreduce == 2 * 1_000_000
+
+
+def test_accumulation_multiplies_only_zero3s_gathers():
+    once, four = estimate_comm(shape(), "zero3", 1), estimate_comm(shape(), "zero3", 4)
+    assert four.allgather == 4 * once.allgather and four.reduce_scatter == once.reduce_scatter
+    for mode in ("ddp", "zero2"):  # zero2 keeps the weights gathered across micro-batches
+        assert estimate_comm(shape(), mode, 4) == estimate_comm(shape(), mode, 1)
+
+
+def test_one_device_communicates_nothing():
+    assert estimate_comm(shape(world_size=1), "zero3").sent_per_device == 0
+    assert estimate_comm(shape(world_size=1), "ddp").by_collective() == {}
+
+
+@pytest.mark.parametrize(
+    "mode, accumulation, message",
+    [("zero4", 1, "mode must be one of ddp, zero2, zero3, got 'zero4'"), ("ddp", 0, "accumulation must be an integer >= 1, got 0")],
+)
+def test_bad_arguments_name_the_field(mode, accumulation, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_comm(shape(), mode, accumulation)
