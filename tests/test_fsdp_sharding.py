@@ -88,6 +88,7 @@ def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | Non
     )
     model = tiny_gpt()
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
     trainer.fit(model, repeated_batches())
     counted = {name: (t.calls, t.bytes) for name, t in strategy.comm_stats.last_step.items()}
     logged = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("comm/")}
@@ -96,6 +97,7 @@ def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | Non
         **collectives.per_batch,
         "losses": losses.losses,
         "parameter_bytes": parameter_bytes,
+        "root_parameter_bytes": parameter_bytes - block_bytes,
         "counted_last_step": counted,
         "logged": logged,
         "rounds": strategy.comm_stats.rounds,
@@ -112,13 +114,15 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
         # 2 optimizer steps x 4 micro-batches; one reduce-scatter per unit, on micro-batches 4 and 8 only
         assert rank["reduce_scatter_tensor"] == [0, 0, 0, 3, 0, 0, 0, 3]
         assert rank["all_reduce"] == [0] * 8
-        assert rank["all_gather_into_tensor"] == [6] * 8  # each unit gathered for forward and again for backward
-        # Bytes per optimizer step: every parameter gathered twice per micro-batch, every gradient
-        # reduce-scattered once per step (fp32, no padding: every dim 0 is even).
-        size = rank["parameter_bytes"]
-        assert rank["counted_last_step"] == {"allgather": (24, 4 * 2 * size), "reduce_scatter": (3, size)}
+        # Each block gathered for forward and again for backward; the root once, kept from the end
+        # of forward (the head) to the start of backward.
+        assert rank["all_gather_into_tensor"] == [5] * 8
+        # Bytes per optimizer step, fp32, no padding (every dim 0 is even): the blocks' parameters
+        # twice and the root's once per micro-batch; every gradient reduce-scattered once per step.
+        size, root = rank["parameter_bytes"], rank["root_parameter_bytes"]
+        assert rank["counted_last_step"] == {"allgather": (20, 4 * (2 * size - root)), "reduce_scatter": (3, size)}
         assert {name: b for name, (_, b) in rank["counted_last_step"].items()} == doctor_estimate(size, "zero3", 4)
-        assert rank["logged"] == {"comm/allgather_bytes_per_step": 8 * size, "comm/reduce_scatter_bytes_per_step": size}
+        assert rank["logged"] == {"comm/allgather_bytes_per_step": 4 * (2 * size - root), "comm/reduce_scatter_bytes_per_step": size}
         assert rank["rounds"] == 2  # one gradient synchronisation per optimizer step
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 

@@ -10,8 +10,10 @@ fp32 under mixed precision, DDP all-reduces the fp32 gradients):
 - ``zero2``: an all-gather of the weights per optimizer step, ``c N`` (FastFSDPStrategy
   keeps them gathered across accumulation micro-batches), and a reduce-scatter of
   the gradients per step, ``g N``;
-- ``zero3``: the weights are gathered for every micro-batch's forward and again
-  for its backward, ``2 k c N``, plus ``g N``.
+- ``zero3``: the blocks' weights are gathered for every micro-batch's forward
+  and again for its backward, the root's (embeddings, final norm, head: ``R``
+  parameters) once, ``k c (2 N - R)``, plus ``g N``. ``R`` is taken as
+  ``(V + s) h + 2 h``: a GPT with learned positions and a tied head.
 
 On a ring each device sends ``2 (W - 1) / W`` of an all-reduce and ``(W - 1) / W``
 of an all-gather or reduce-scatter (:attr:`CommEstimate.sent_per_device`), so at
@@ -60,6 +62,11 @@ class CommEstimate:
         return (2 * (w - 1) * self.allreduce + (w - 1) * (self.allgather + self.reduce_scatter)) // w
 
 
+def root_parameters(shape: TrainingShape) -> int:
+    """Parameters outside the blocks of a GPT with learned positions and a tied head: embeddings and final norm."""
+    return (shape.vocab_size + shape.seq_len) * shape.hidden + 2 * shape.hidden
+
+
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
     """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see the module docstring).
 
@@ -79,10 +86,10 @@ def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> Com
     gradient_bytes = 2 if shape.precision == "bf16-true" else 4
     if mode == "ddp":
         return CommEstimate(mode, shape.world_size, allreduce=gradient_bytes * n)
-    gathers = 2 * accumulation if mode == "zero3" else 1
+    gathered = n if mode == "zero2" else accumulation * (2 * n - min(n, root_parameters(shape)))
     return CommEstimate(
         mode,
         shape.world_size,
-        allgather=gathers * compute_bytes * n,
+        allgather=gathered * compute_bytes,
         reduce_scatter=gradient_bytes * n,
     )

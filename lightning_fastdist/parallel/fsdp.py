@@ -95,11 +95,14 @@ def apply_fsdp(
     # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
     # torch cannot pin, and the "offloaded" state is where it already was.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
-    reshard_after_forward = sharding != "zero2"
     # Children before parents: fully_shard must see a block's own parameters
     # before an enclosing unit claims them.
     units = [*reversed(block_modules(model, block_classes)), model]
     for unit in units:
+        # The root (embeddings, final norm, head) ends the forward and starts the backward:
+        # resharding it in between would only gather the same weights again at once, so it
+        # stays gathered, as FSDP2 does for a root by default.
+        reshard_after_forward = sharding != "zero2" and unit is not model
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision, offload_policy=offload
         )
