@@ -78,13 +78,13 @@ def doctor_estimate(parameter_bytes: int, mode: str, accumulation: int) -> dict[
     return estimate_comm(shape, mode, accumulation).by_collective()
 
 
-def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | None) -> dict:
+def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | None, world_size: int = 2) -> dict:
     from lightning_fastdist import FastFSDPStrategy
 
     shards, collectives, losses = MeasureShards(), CountCollectives(), LossRecorder()
     strategy = FastFSDPStrategy(sharding=sharding, hsdp_group_size=hsdp_group_size)
     trainer = make_trainer(
-        strategy, max_steps=2, accumulate_grad_batches=accumulate, callbacks=[shards, collectives, losses]
+        strategy, world_size, max_steps=2, accumulate_grad_batches=accumulate, callbacks=[shards, collectives, losses]
     )
     model = tiny_gpt()
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -153,6 +153,23 @@ def test_hsdp_with_groups_of_one_replicates_and_all_reduces_across_groups():
         assert rank["counted_last_step"]["allreduce"] == (3, rank["parameter_bytes"])
         assert "reduce_scatter" not in rank["counted_last_step"]
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_ranks_reduce_scatters_in_pairs_and_all_reduces_the_shards_across_them():
+    hsdp = run_function(train_and_measure, 4, args=("hsdp", 1, 2, 4), init_process_group=False, timeout=240)
+    zero3 = run_function(train_and_measure, 2, args=("zero3", 1, None), init_process_group=False)
+    for rank in hsdp:
+        assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05  # sharded within a pair of ranks
+        assert rank["reduce_scatter_tensor"] == [3, 3] and rank["all_reduce"] == [3, 3]
+        size, root = rank["parameter_bytes"], rank["root_parameter_bytes"]
+        assert rank["counted_last_step"] == {
+            "allgather": (5, 2 * size - root),
+            "reduce_scatter": (3, size),
+            "allreduce": (3, size // 2),  # each pair's gradient shards, across the two pairs
+        }
+        # Every rank sees the same batch, so the averaged gradient, and the loss, do not depend on the layout.
+        assert rank["losses"] == pytest.approx(zero3[0]["losses"], rel=1e-5)
 
 
 def losses_with(strategy_name: str) -> list[float]:
