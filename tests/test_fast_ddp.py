@@ -12,7 +12,7 @@ from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.memory_model import TrainingShape
 from lightning_fastdist.parallel.buckets import gradient_bytes
-from lightning_fastdist.strategies.ddp import BYTES_METRIC
+from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, metric_name
 from tests import workloads
 from tests.harness import run_function
 
@@ -90,7 +90,7 @@ def bytes_per_step_by_hook() -> dict:
         trainer.fit(model, small_data())
         results[hook] = {
             "step_bytes": record.step_bytes,
-            "logged": trainer.callback_metrics[BYTES_METRIC].item(),
+            "logged": trainer.callback_metrics[metric_name(ALL_REDUCE)].item(),
             "rounds": strategy.hook_state.stats.rounds,
             "model_bytes": gradient_bytes(model),
         }

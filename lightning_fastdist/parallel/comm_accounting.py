@@ -22,7 +22,6 @@ from torch import Tensor
 ALL_REDUCE = "allreduce"
 ALL_GATHER = "allgather"
 REDUCE_SCATTER = "reduce_scatter"
-COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
 
 
 @dataclass(frozen=True)

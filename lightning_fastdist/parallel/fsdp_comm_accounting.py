@@ -21,28 +21,31 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 
-class CountingAllGather:
-    """FSDP2's all-gather of a unit's parameter shards (its ``AllGather`` interface), recording the gathered bytes."""
+
+class _CountingComm:
+    """What FSDP2's communication interface needs besides the call: plain ``torch.empty`` buffers.
+
+    Args:
+        stats: where each call's bytes are recorded.
+    """
 
     def __init__(self, stats: CommStats) -> None:
         self.stats = stats
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(_CountingComm):
+    """FSDP2's all-gather of a unit's parameter shards (its ``AllGather`` interface), recording the gathered bytes."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         self.stats.record(output_tensor, ALL_GATHER)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter:
+class CountingReduceScatter(_CountingComm):
     """FSDP2's reduce-scatter of a unit's gradients (its ``ReduceScatter`` interface), recording the full gradient's bytes."""
-
-    def __init__(self, stats: CommStats) -> None:
-        self.stats = stats
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         self.stats.record(input_tensor, REDUCE_SCATTER)

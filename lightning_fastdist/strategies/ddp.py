@@ -39,7 +39,7 @@ from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_fi
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats, metric_name
+from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
 from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
@@ -50,7 +50,6 @@ from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
-BYTES_METRIC = metric_name(ALL_REDUCE)
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
