@@ -37,6 +37,14 @@ SETUPS = [
     ("fast_ddp bf16", lambda: FastDDPStrategy(comm_hook="bf16")),
     ("fast_ddp powersgd r2", lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=10)),
     ("fast_ddp powersgd r8", lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10)),
+    (
+        "fast_ddp powersgd r8 fp16 factors",
+        lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="fp16"),
+    ),
+    (
+        "fast_ddp powersgd r8 bf16 factors",
+        lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="bf16"),
+    ),
 ]
 WARMUP_STEPS = 5
 LOSS_WINDOW = 10
@@ -85,10 +93,10 @@ def benchmark(steps: int) -> None:
         return
     baseline, no_hook = results["lightning DDPStrategy"], results["fast_ddp none"]
     print(f"\nTinyGPT {gradient_bytes(TinyGPT()) / 2**20:.2f} MiB of fp32 gradients, 2 CPU processes (gloo), {steps} steps")
-    print(f"{'setup':24} {'bytes/step':>12} {'vs none':>8} {'step ms':>8} {'vs DDP':>7} {'loss':>7} {'d loss':>7}")
+    print(f"{'setup':34} {'bytes/step':>12} {'vs none':>8} {'step ms':>8} {'vs DDP':>7} {'loss':>7} {'d loss':>7}")
     for name, r in results.items():
         print(
-            f"{name:24} {r['bytes']:>12,} {r['bytes'] / no_hook['bytes']:>8.3f} {1000 * r['step_time']:>8.1f} "
+            f"{name:34} {r['bytes']:>12,} {r['bytes'] / no_hook['bytes']:>8.3f} {1000 * r['step_time']:>8.1f} "
             f"{r['step_time'] / baseline['step_time']:>7.2f} {r['loss']:>7.3f} {r['loss'] - no_hook['loss']:>+7.3f}"
         )
 

@@ -91,6 +91,8 @@ ROWS = [
     Row("shard-class-matches-nothing", "shard_modules: 'Blok' matches no module class in TinyGPT; the classes found are: ",
         strategy("FastFSDPStrategy", shard_modules=["Blok"]), raises=ValueError),
     Row("missing-corpus-file", "TextDataModule: corpus_path '/no/such/corpus.txt' is not a readable file.", data(corpus_path="/no/such/corpus.txt"), raises=FileNotFoundError),
+    Row("bf16-factors-on-mpi", "FastDDPStrategy: powersgd_factor_dtype='bf16' needs process_group_backend in 'gloo', 'nccl'",
+        strategy("FastDDPStrategy", comm_hook="powersgd", powersgd_factor_dtype="bf16", process_group_backend="mpi")),
 ]  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb, gradient_bytes
 from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
-from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.parallel.powersgd import PowerSGDState, _is_compressible
 from tests.harness import run_function
 
 # Relative error of one averaged gradient, by hook: fp16 keeps 11 significant
@@ -76,11 +76,13 @@ def test_precision_hooks_average_within_their_precision_and_count_bytes(name):
         assert max(r["worst"] for r in results) > 0  # the compressed path really ran
 
 
-def check_powersgd(start_iter: int, steps: int) -> dict:
+def check_powersgd(start_iter: int, steps: int, factor_dtype: str = "fp32") -> dict:
     model = tiny_model()
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
-    state = register_comm_hook(ddp, "powersgd", powersgd_rank=2, powersgd_start_iter=start_iter)
+    state = register_comm_hook(
+        ddp, "powersgd", powersgd_rank=2, powersgd_start_iter=start_iter, powersgd_factor_dtype=factor_dtype
+    )
     assert isinstance(state, PowerSGDState)
     parameters = list(model.parameters())
     applied_sum = [torch.zeros_like(p) for p in parameters]
@@ -115,14 +117,20 @@ def check_powersgd(start_iter: int, steps: int) -> dict:
 
 @pytest.mark.slow
 def test_powersgd_sends_low_rank_updates_and_error_feedback_loses_nothing():
-    results = run_function(check_powersgd, world_size=2, args=(2, 6))
+    fp32, fp16 = (run_function(check_powersgd, world_size=2, args=(2, 6, dtype)) for dtype in ("fp32", "fp16"))
     full = gradient_bytes(tiny_model())
-    for result in results:
-        assert result["iteration"] == 6
-        assert result["low_rank"]
-        assert result["gap"] < 1e-4, result["gap"]
-        assert result["bytes"][:2] == [full, full]  # exact rounds before start_iter
+    # Averaged exactly, in fp32, whatever the factors travel in: vectors and matrices too small to gain.
+    exact = sum(p.numel() * 4 for p in tiny_model().parameters() if not _is_compressible(p, rank=2))
+    for result, half in zip(fp32, fp16):
+        for run in (result, half):
+            assert run["iteration"] == 6
+            assert run["low_rank"]
+            # Every rank applies the same averaged factors, so the identity holds however they were rounded.
+            assert run["gap"] < 1e-4, run["gap"]
+            assert run["bytes"][:2] == [full, full]  # exact rounds before start_iter
         assert all(b < 0.5 * full for b in result["bytes"][2:])  # tiny model: small matrices, modest gain
+        # fp16 factors: the exact part unchanged, the factors' bytes halved.
+        assert [exact + (b - exact) // 2 for b in result["bytes"][2:]] == half["bytes"][2:]
 
 
 def test_auto_bucket_size_aims_at_eight_buckets_within_bounds():

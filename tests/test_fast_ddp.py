@@ -53,6 +53,7 @@ def test_registered_as_fast_ddp():
         (dict(bucket_cap_mb=-5), "bucket_cap_mb must be a number > 0 or 'auto', got -5"),
         (dict(bucket_cap_mb="big"), "bucket_cap_mb must be a number > 0 or 'auto', got 'big'"),
         (dict(comm_hook="bf16", process_group_backend="mpi"), "comm_hook='bf16' needs process_group_backend in 'gloo', 'nccl'"),
+        (dict(powersgd_factor_dtype="fp8"), "powersgd_factor_dtype='fp8' is not supported; accepted values: 'fp32', 'fp16', 'bf16'"),
     ],
 )
 def test_bad_options_are_refused_at_construction(options, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -14,6 +15,8 @@ from lightning_fastdist.parallel.comm_hooks import (
 from lightning_fastdist.parallel.powersgd import PowerSGDState, powersgd_hook
 
 COMM_HOOK_NAMES = ("none", "fp16", "bf16", "powersgd")
+# What PowerSGD's P and Q factors may travel in.
+POWERSGD_FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Backends known to all-reduce bfloat16 tensors.
 BF16_BACKENDS = ("gloo", "nccl")
 
@@ -26,6 +29,7 @@ def register_comm_hook(
     powersgd_start_iter: int = 1000,
     powersgd_error_feedback: bool = True,
     powersgd_warm_start: bool = True,
+    powersgd_factor_dtype: str = "fp32",
 ) -> HookState:
     """Register the hook called ``name`` on ``ddp_module`` and return its state (with byte counters).
 
@@ -38,6 +42,7 @@ def register_comm_hook(
         powersgd_start_iter: exact synchronisations before PowerSGD compresses (>= 2).
         powersgd_error_feedback: PowerSGD error feedback on/off.
         powersgd_warm_start: PowerSGD warm start on/off.
+        powersgd_factor_dtype: a key of :data:`POWERSGD_FACTOR_DTYPES`: what P and Q are all-reduced in.
     """
     if name not in COMM_HOOK_NAMES:
         raise ValueError(f"comm_hook={name!r} is not supported; accepted values: {', '.join(map(repr, COMM_HOOK_NAMES))}.")
@@ -48,6 +53,7 @@ def register_comm_hook(
             start_iter=powersgd_start_iter,
             error_feedback=powersgd_error_feedback,
             warm_start=powersgd_warm_start,
+            factor_dtype=POWERSGD_FACTOR_DTYPES[powersgd_factor_dtype],
         )
         state.index_parameters(ddp_module.module)
         ddp_module.register_comm_hook(state, powersgd_hook)

@@ -41,6 +41,9 @@ class PowerSGDState(HookState):
         error_feedback: add each rank's compression error to its next gradient.
         warm_start: reuse the previous step's ``Q`` instead of a fresh random one.
         seed: seed of the random initial ``Q`` (identical on every rank).
+        factor_dtype: dtype ``P`` and ``Q`` are all-reduced in; float16/bfloat16 halve
+            the bytes, while the products, orthonormalisation and error feedback stay in
+            the gradients' dtype.
     """
 
     rank: int = 2
@@ -48,6 +51,7 @@ class PowerSGDState(HookState):
     error_feedback: bool = True
     warm_start: bool = True
     seed: int = 0
+    factor_dtype: torch.dtype = torch.float32
     iteration: int = 0
     errors: dict[int, Tensor] = field(default_factory=dict)
     q_memory: dict[int, Tensor] = field(default_factory=dict)
@@ -112,6 +116,12 @@ def _unflatten_into(flat: Tensor, targets: list[Tensor]) -> None:
         offset += target.numel()
 
 
+def _average_factors(state: PowerSGDState, factors: list[Tensor]) -> None:
+    """Average ``factors`` over ranks in place, sending them in ``state.factor_dtype``; waits for the result."""
+    sent = _flatten(factors).to(state.factor_dtype)
+    _unflatten_into(launch_mean_all_reduce(state, sent).wait(), factors)
+
+
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tensor]:
     """Average one bucket with rank-``r`` PowerSGD compression (exact before ``start_iter``)."""
     is_last = bucket.is_last()
@@ -139,11 +149,11 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tenso
     # The P and Q rounds run in this (autograd) thread and wait: a collective launched
     # from a future's callback thread could interleave with the next bucket's in a
     # different order on each rank, which gloo and NCCL require to be identical.
-    _unflatten_into(launch_mean_all_reduce(state, _flatten(ps)).wait(), ps)
+    _average_factors(state, ps)
     for matrix, q, p in zip(matrices, qs, ps):
         _orthonormalise_columns(p)
         torch.matmul(matrix.t(), p, out=q)
-    _unflatten_into(launch_mean_all_reduce(state, _flatten(qs)).wait(), qs)
+    _average_factors(state, qs)
     for matrix, q, p in zip(matrices, qs, ps):
         torch.matmul(p, q.t(), out=matrix)
     if state.error_feedback:

@@ -46,7 +46,7 @@ from lightning_fastdist.parallel.compile import apply_compile, normalize_compile
 from lightning_fastdist.parallel.powersgd import PowerSGDState
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import log_step_bytes
-from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options
+from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options, sends_bf16
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
@@ -65,6 +65,9 @@ class FastDDPStrategy(DDPStrategy):
             early training is sensitive to compression, so start after the learning-rate warm-up.
         powersgd_error_feedback: carry each rank's compression error into its next gradient.
         powersgd_warm_start: reuse last step's ``Q`` factors (better approximation for free).
+        powersgd_factor_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: what PowerSGD's factors are
+            all-reduced in; half precision halves their bytes (bf16 cannot overflow, fp16 keeps
+            more mantissa). The arithmetic stays in the gradients' dtype.
         bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to
             [1, 100] MB, so communication overlaps the backward in several buckets without
             paying per-message latency on tiny ones (see ``parallel/buckets.py``).
@@ -105,6 +108,7 @@ class FastDDPStrategy(DDPStrategy):
         powersgd_start_iter: int = 1000,
         powersgd_error_feedback: bool = True,
         powersgd_warm_start: bool = True,
+        powersgd_factor_dtype: Literal["fp32", "fp16", "bf16"] = "fp32",
         bucket_cap_mb: float | Literal["auto"] = "auto",
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
@@ -123,7 +127,9 @@ class FastDDPStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        check_ddp_options(comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend)
+        check_ddp_options(
+            comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend, powersgd_factor_dtype
+        )
         validate_activation_checkpointing(activation_checkpointing)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
@@ -151,6 +157,7 @@ class FastDDPStrategy(DDPStrategy):
         self.powersgd_start_iter = powersgd_start_iter
         self.powersgd_error_feedback = powersgd_error_feedback
         self.powersgd_warm_start = powersgd_warm_start
+        self.powersgd_factor_dtype = powersgd_factor_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
         self.activation_checkpointing = activation_checkpointing
@@ -171,8 +178,9 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.comm_hook == "bf16":
-            check_bf16_backend(self._get_process_group_backend(), self.root_device)
+        option = sends_bf16(self.comm_hook, self.powersgd_factor_dtype)
+        if option is not None:
+            check_bf16_backend(self._get_process_group_backend(), self.root_device, option=option)
 
     @override
     def configure_ddp(self) -> None:
@@ -191,6 +199,7 @@ class FastDDPStrategy(DDPStrategy):
             powersgd_start_iter=self.powersgd_start_iter,
             powersgd_error_feedback=self.powersgd_error_feedback,
             powersgd_warm_start=self.powersgd_warm_start,
+            powersgd_factor_dtype=self.powersgd_factor_dtype,
         )
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)

@@ -6,11 +6,25 @@ from typing import Any
 
 import torch
 
-from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES
+from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, POWERSGD_FACTOR_DTYPES
+
+
+def sends_bf16(comm_hook: str, powersgd_factor_dtype: str) -> str | None:
+    """The option that makes DDP all-reduce bfloat16 (``"comm_hook='bf16'"`` ...), or ``None``."""
+    if comm_hook == "bf16":
+        return "comm_hook='bf16'"
+    if comm_hook == "powersgd" and powersgd_factor_dtype == "bf16":
+        return "powersgd_factor_dtype='bf16'"
+    return None
 
 
 def check_ddp_options(
-    comm_hook: str, powersgd_rank: int, powersgd_start_iter: int, bucket_cap_mb: Any, backend: str | None
+    comm_hook: str,
+    powersgd_rank: int,
+    powersgd_start_iter: int,
+    bucket_cap_mb: Any,
+    backend: str | None,
+    powersgd_factor_dtype: str = "fp32",
 ) -> None:
     """Reject bad options at construction, before any process is started."""
     if comm_hook not in COMM_HOOK_NAMES:
@@ -29,19 +43,25 @@ def check_ddp_options(
         isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0
     ):
         raise ValueError(f"FastDDPStrategy: bucket_cap_mb must be a number > 0 or 'auto', got {bucket_cap_mb!r}.")
-    if comm_hook == "bf16" and backend is not None:
-        check_bf16_backend(backend)
+    if powersgd_factor_dtype not in POWERSGD_FACTOR_DTYPES:
+        raise ValueError(
+            f"FastDDPStrategy: powersgd_factor_dtype={powersgd_factor_dtype!r} is not supported; accepted values: "
+            f"{', '.join(map(repr, POWERSGD_FACTOR_DTYPES))}."
+        )
+    option = sends_bf16(comm_hook, powersgd_factor_dtype)
+    if option is not None and backend is not None:
+        check_bf16_backend(backend, option=option)
 
 
-def check_bf16_backend(backend: str, device: torch.device | None = None) -> None:
-    """Refuse ``comm_hook='bf16'`` where bfloat16 cannot be all-reduced."""
+def check_bf16_backend(backend: str, device: torch.device | None = None, option: str = "comm_hook='bf16'") -> None:
+    """Refuse ``option`` (an option that sends bfloat16) where bfloat16 cannot be all-reduced."""
     if backend not in BF16_BACKENDS:
         raise ValueError(
-            f"FastDDPStrategy: comm_hook='bf16' needs process_group_backend in "
+            f"FastDDPStrategy: {option} needs process_group_backend in "
             f"{', '.join(map(repr, BF16_BACKENDS))} (they reduce bfloat16), got {backend!r}."
         )
     if device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(
-            "FastDDPStrategy: comm_hook='bf16' needs a GPU with bfloat16 support "
-            f"({torch.cuda.get_device_name(device)} has none); use comm_hook='fp16'."
+            f"FastDDPStrategy: {option} needs a GPU with bfloat16 support "
+            f"({torch.cuda.get_device_name(device)} has none); use fp16 instead."
         )
