@@ -71,7 +71,8 @@ def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> Com
     """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see the module docstring).
 
     Args:
-        shape: the run (parameters, world size and precision are used).
+        shape: the run (parameters, world size and precision; for ZeRO-3 also vocabulary, sequence length
+            and width, which size the root).
         mode: one of :data:`~lightning_fastdist.diagnostics.memory_model.MODES`.
         accumulation: micro-batches per optimizer step (``accumulate_grad_batches``).
     """
