@@ -1,25 +1,44 @@
-"""Log a strategy's communication bytes per optimizer step without a device sync."""
+"""Close each optimizer step's communication count and log it, without a device sync: one mixin for both strategies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_fastdist.parallel.comm_accounting import CommStats, Traffic, metric_name
 
 
-def log_step_bytes(module: pl.LightningModule, stats: CommStats, collectives: Sequence[str]) -> None:
-    """Log each of ``collectives``' bytes in the last optimizer step as ``comm/<collective>_bytes_per_step``.
+class CommBytesLogging:
+    """Mixin for a Lightning strategy that counts its collectives in a :class:`CommStats`.
 
-    Args:
-        module: the LightningModule whose ``log`` records the values (call from inside ``training_step``).
-        stats: the strategy's counters.
-        collectives: the collectives this strategy runs (logged as 0 before the first optimizer step).
+    After every optimizer step it closes the step's traffic (``CommStats.end_step``); inside every
+    training step it logs each collective's bytes of the last optimizer step as
+    ``comm/<collective>_bytes_per_step`` (0 before the first step). The strategy provides:
+
+    - ``comm_stats``: its counters, or ``None`` while nothing is counted;
+    - ``comm_collectives``: the names of the collectives it runs;
+    - ``log_comm_bytes``: whether to log.
     """
-    for collective in collectives:
-        # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device
-        # (a Python float would become a tensor on the accelerator). float64 keeps byte counts exact.
-        step_bytes = torch.tensor(stats.last_step.get(collective, Traffic()).bytes, dtype=torch.float64)
-        module.log(metric_name(collective), step_bytes, on_step=True)
+
+    comm_stats: CommStats | None
+    comm_collectives: tuple[str, ...]
+    log_comm_bytes: bool
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        stats = self.comm_stats
+        if self.log_comm_bytes and stats is not None:
+            for collective in self.comm_collectives:
+                # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device
+                # (a Python float would become a tensor on the accelerator). float64 keeps byte counts exact.
+                step_bytes = torch.tensor(stats.last_step.get(collective, Traffic()).bytes, dtype=torch.float64)
+                self.lightning_module.log(metric_name(collective), step_bytes, on_step=True)  # type: ignore[attr-defined]
+        return output
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        stats = self.comm_stats
+        if stats is not None:
+            stats.end_step()
+        return output

@@ -20,14 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal, Union
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
@@ -45,7 +44,7 @@ from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
-from lightning_fastdist.strategies.comm_metrics import log_step_bytes
+from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options, sends_bf16
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
@@ -53,7 +52,7 @@ CHECKPOINT_KEY = "fast_ddp_comm_hook"
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
-class FastDDPStrategy(DDPStrategy):
+class FastDDPStrategy(CommBytesLogging, DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
@@ -230,20 +229,6 @@ class FastDDPStrategy(DDPStrategy):
         super().teardown()
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        if self.log_comm_bytes and self.hook_state is not None:
-            log_step_bytes(self.lightning_module, self.hook_state.stats, [ALL_REDUCE])
-        return output
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.hook_state is not None:
-            self.hook_state.stats.end_step()
-        return output
-
-    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if isinstance(self.hook_state, PowerSGDState):
             checkpoint[CHECKPOINT_KEY] = {
@@ -279,6 +264,8 @@ class FastDDPStrategy(DDPStrategy):
     def comm_stats(self) -> CommStats | None:
         """This rank's all-reduce bytes and rounds (``None`` until DDP wraps the model)."""
         return self.hook_state.stats if self.hook_state is not None else None
+
+    comm_collectives = (ALL_REDUCE,)
 
     def _restore_hook_state(self, saved: dict) -> None:
         restore_hook_state(self.hook_state, self.comm_hook, saved, self.world_size, self.global_rank, self.root_device)

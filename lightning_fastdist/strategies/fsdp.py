@@ -44,7 +44,7 @@ from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, 
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
-from lightning_fastdist.strategies.comm_metrics import log_step_bytes
+from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -62,7 +62,7 @@ def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]
     return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
-class FastFSDPStrategy(ModelParallelStrategy):
+class FastFSDPStrategy(CommBytesLogging, ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -233,15 +233,9 @@ class FastFSDPStrategy(ModelParallelStrategy):
         return self._comm_stats if self._comm_counted else None
 
     @property
-    def _collectives(self) -> tuple[str, ...]:
+    def comm_collectives(self) -> tuple[str, ...]:
+        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce."""
         return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.sharding == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        if self.log_comm_bytes and self.comm_stats is not None:
-            log_step_bytes(self.lightning_module, self.comm_stats, self._collectives)
-        return output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -251,12 +245,6 @@ class FastFSDPStrategy(ModelParallelStrategy):
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._comm_stats.gradient_bytes_so_far() > sent_before:
             self._comm_stats.finish_round()
-        return output
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._comm_stats.end_step()
         return output
 
     @contextmanager
