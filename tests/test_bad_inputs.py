@@ -57,9 +57,9 @@ def plugin(**init_args) -> dict:
 ROWS = [
     Row("unknown-comm-hook", "Parser key \"comm_hook\": Expected a typing.Literal['none', 'fp16', 'bf16', 'powersgd']. Got value: fp8", strategy("FastDDPStrategy", comm_hook="fp8")),
     Row("powersgd-rank-zero", "FastDDPStrategy: powersgd_rank must be an integer >= 1, got 0.", strategy("FastDDPStrategy", powersgd_rank=0)),
-    Row("negative-bucket", "FastDDPStrategy: bucket_cap_mb must be a number > 0 or 'auto', got -5.0.", strategy("FastDDPStrategy", bucket_cap_mb=-5)),
+    Row("negative-bucket", "FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got -5.0.", strategy("FastDDPStrategy", bucket_cap_mb=-5)),
     Row("bf16-hook-on-mpi", "FastDDPStrategy: comm_hook='bf16' needs process_group_backend in 'gloo', 'nccl'", strategy("FastDDPStrategy", comm_hook="bf16", process_group_backend="mpi")),
-    Row("negative-timeout", "FastDDPStrategy: timeout must be a number of seconds > 0 (or a timedelta), got -1.0.", strategy("FastDDPStrategy", timeout=-1)),
+    Row("negative-timeout", "FastDDPStrategy: timeout must be a finite number of seconds > 0 (or a timedelta), got -1.0.", strategy("FastDDPStrategy", timeout=-1)),
     Row("timeout-wrong-type", 'Parser key "timeout": Expected a <class \'float\'>', strategy("FastFSDPStrategy", timeout="soon")),
     Row("unknown-sharding", "Parser key \"sharding\": Expected a typing.Literal['zero3', 'zero2', 'hsdp']. Got value: zero4", strategy("FastFSDPStrategy", sharding="zero4")),
     Row("hsdp-group-does-not-divide", "hsdp_group_size: 3 does not divide the world size 2; use one of 1, 2.",
@@ -93,6 +93,13 @@ ROWS = [
     Row("missing-corpus-file", "TextDataModule: corpus_path '/no/such/corpus.txt' is not a readable file.", data(corpus_path="/no/such/corpus.txt"), raises=FileNotFoundError),
     Row("bf16-factors-on-mpi", "FastDDPStrategy: powersgd_factor_dtype='bf16' needs process_group_backend in 'gloo', 'nccl'",
         strategy("FastDDPStrategy", comm_hook="powersgd", powersgd_factor_dtype="bf16", process_group_backend="mpi")),
+    Row("infinite-bucket", "FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got inf.", strategy("FastDDPStrategy", bucket_cap_mb=float("inf"))),
+    Row("nan-bucket", "FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got nan.", strategy("FastDDPStrategy", bucket_cap_mb=float("nan"))),
+    Row("infinite-timeout", "FastFSDPStrategy: timeout must be a finite number of seconds > 0 (or a timedelta), got inf.", strategy("FastFSDPStrategy", timeout=float("inf"))),
+    Row("hsdp-group-without-hsdp", "hsdp_group_size: only used with sharding='hsdp', got sharding='zero3'; remove it or use 'hsdp'.", strategy("FastFSDPStrategy", sharding="zero3", hsdp_group_size=2)),
+    Row("fullgraph-not-a-bool", "compile.fullgraph: expected true or false; got 'always'.", strategy("FastDDPStrategy", compile={"fullgraph": "always"})),
+    Row("checkpoint-every-nth-beyond-blocks", "activation_checkpointing=999: TinyGPT has 1 block(s), so no block would be checkpointed; use an integer from 1 to 1",
+        strategy("FastDDPStrategy", activation_checkpointing=999), raises=ValueError),
 ]  # fmt: skip
 
 

@@ -81,7 +81,8 @@ def apply_activation_checkpointing(
         The block modules that were checkpointed, in module order.
 
     Raises:
-        ValueError: an unknown ``mode``, or a mode other than ``"none"`` with no block in ``model``.
+        ValueError: an unknown ``mode``, a mode other than ``"none"`` with no block in ``model``, or an
+            integer ``mode`` larger than the number of blocks (nothing would be checkpointed).
     """
     validate_activation_checkpointing(mode)
     if mode == "none":
@@ -94,6 +95,11 @@ def apply_activation_checkpointing(
             f"(block classes: {names})."
         )
     if isinstance(mode, int):
+        if mode > len(blocks):
+            raise ValueError(
+                f"activation_checkpointing={mode}: {type(model).__name__} has {len(blocks)} block(s), so no block "
+                f"would be checkpointed; use an integer from 1 to {len(blocks)}, 'full' or 'selective'."
+            )
         blocks = blocks[mode - 1 :: mode]
     context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
     for block in blocks:

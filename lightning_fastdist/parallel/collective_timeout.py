@@ -9,6 +9,7 @@ restarts itself (``torchrun --max-restarts``) wants a few minutes at most.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 from torch.distributed.constants import default_pg_timeout  # what torch and Lightning use when nothing is set
@@ -18,11 +19,11 @@ def collective_timeout(timeout: float | timedelta | None, owner: str) -> timedel
     """Return ``timeout`` as a ``timedelta``: a number is seconds (YAML-friendly), ``None`` is Lightning's default.
 
     Args:
-        timeout: seconds (> 0), a ``timedelta`` (> 0), or ``None``.
+        timeout: finite seconds (> 0), a ``timedelta`` (> 0), or ``None``.
         owner: the class name to put in the error message.
 
     Raises:
-        ValueError: zero, negative, or not a number / timedelta.
+        ValueError: zero, negative, infinite, NaN, or not a number / timedelta.
     """
     if timeout is None:
         return default_pg_timeout
@@ -31,7 +32,11 @@ def collective_timeout(timeout: float | timedelta | None, owner: str) -> timedel
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(f"{owner}: timeout must be a number of seconds > 0 (or a timedelta), got {timeout!r}.")
-    if not seconds > 0:
-        raise ValueError(f"{owner}: timeout must be a number of seconds > 0 (or a timedelta), got {timeout!r}.")
+        raise ValueError(_message(owner, timeout))
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(_message(owner, timeout))
     return timedelta(seconds=seconds)
+
+
+def _message(owner: str, timeout: object) -> str:
+    return f"{owner}: timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}."

@@ -64,6 +64,12 @@ def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[s
     dynamic = config.get("dynamic")
     if dynamic is not None and not isinstance(dynamic, bool):
         raise ValueError(f"compile.dynamic: expected true, false or null; got {dynamic!r}.")
+    fullgraph = config.get("fullgraph", False)
+    if not isinstance(fullgraph, bool):
+        raise ValueError(f"compile.fullgraph: expected true or false; got {fullgraph!r}.")
+    options = config.get("options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"compile.options: expected a mapping of inductor options; got {options!r}.")
     return config
 
 

@@ -38,6 +38,8 @@ def validate_sharding(sharding: str, hsdp_group_size: int | None, world_size: in
         raise ValueError(f"sharding: got {sharding!r}; use one of {', '.join(map(repr, SHARDING_MODES))}.")
     if hsdp_group_size is None:
         return
+    if sharding != "hsdp":
+        raise ValueError(f"hsdp_group_size: only used with sharding='hsdp', got sharding={sharding!r}; remove it or use 'hsdp'.")
     if isinstance(hsdp_group_size, bool) or not isinstance(hsdp_group_size, int) or hsdp_group_size < 1:
         raise ValueError(f"hsdp_group_size: got {hsdp_group_size!r}; use a positive integer that divides the world size.")
     if world_size is not None and world_size % hsdp_group_size != 0:
@@ -56,7 +58,7 @@ def build_fsdp_mesh(device_type: str, world_size: int, sharding: str, hsdp_group
         sharding: one of :data:`SHARDING_MODES`.
         hsdp_group_size: ranks per shard group (used by ``"hsdp"`` only).
     """
-    validate_sharding(sharding, hsdp_group_size, world_size)
+    validate_sharding(sharding, hsdp_group_size if sharding == "hsdp" else None, world_size)
     if sharding == "hsdp":
         return init_device_mesh(
             device_type, (world_size // hsdp_group_size, hsdp_group_size), mesh_dim_names=("replicate", "shard")

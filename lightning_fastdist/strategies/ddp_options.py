@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,9 +41,12 @@ def check_ddp_options(
             "(the first synchronisations are exact while DDP settles its buckets)."
         )
     if bucket_cap_mb != "auto" and (
-        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, (int, float))
+        or not math.isfinite(bucket_cap_mb)
+        or bucket_cap_mb <= 0
     ):
-        raise ValueError(f"FastDDPStrategy: bucket_cap_mb must be a number > 0 or 'auto', got {bucket_cap_mb!r}.")
+        raise ValueError(f"FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got {bucket_cap_mb!r}.")
     if powersgd_factor_dtype not in POWERSGD_FACTOR_DTYPES:
         raise ValueError(
             f"FastDDPStrategy: powersgd_factor_dtype={powersgd_factor_dtype!r} is not supported; accepted values: "
