@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_fastdist.parallel.atomic_checkpoint import publish, staging_path
+from lightning_fastdist.parallel.atomic_checkpoint import SHARD_INDEX, publish, staging_path
 from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import DistributedRunError, run_function
 
@@ -86,13 +86,17 @@ def test_a_kill_while_replacing_last_leaves_the_previous_last_loadable(tmp_path,
     assert not staging_path(last).exists()
 
 
-def test_publishing_a_folder_over_a_folder_swaps_them_in_one_step(tmp_path):
+def test_publishing_a_checkpoint_folder_over_a_checkpoint_folder_swaps_them_in_one_step(tmp_path):
     target = tmp_path / "last.ckpt"
     target.mkdir()
-    (target / "shard").write_text("old")
+    (target / "__0_0.distcp").write_text("old")
+    (target / SHARD_INDEX).write_text("old index")
     staged = staging_path(target)
     staged.mkdir()
-    (staged / "shard").write_text("new")
+    (staged / "__0_0.distcp").write_text("new")
+    (staged / SHARD_INDEX).write_text("new index")
+    old_inode = target.stat().st_ino
     publish(staged, target)
-    assert (target / "shard").read_text() == "new"
+    assert (target / "__0_0.distcp").read_text() == "new"
+    assert target.stat().st_ino != old_inode  # the folder was exchanged, not refilled
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no .partial, no .replaced left

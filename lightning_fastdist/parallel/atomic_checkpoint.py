@@ -1,18 +1,32 @@
 """Atomic checkpoint writes: a crash during a save never damages the checkpoint that was there before.
 
 Every save is written under a staging name next to its target
-(``<name>.partial``) and renamed onto the target only once complete. A
-process killed mid-save leaves at most a ``.partial`` entry; every checkpoint
-published earlier is intact. A file replaces an existing file in one atomic
-rename, so a path such as ``last.ckpt`` always names a complete checkpoint. A
-folder (or a change between file and folder) is swapped in atomically where the
-OS can exchange two paths (Linux ``renameat2(RENAME_EXCHANGE)``) and the old one
-deleted; elsewhere the old one is moved aside to ``<name>.replaced`` for the
-instant between two renames.
+(``<name>.partial``) and published onto the target only once complete. What
+publishing does depends on what the target already is:
+
+- nothing, or a file: one atomic rename (``last.ckpt`` always names a complete
+  checkpoint);
+- a checkpoint folder (the shards and metadata of an earlier sharded save and
+  nothing else): swapped in atomically where the OS can exchange two paths
+  (Linux ``renameat2(RENAME_EXCHANGE)``), elsewhere moved aside to
+  ``<name>.replaced`` for the instant between two renames; then the old
+  checkpoint's files are deleted;
+- any other folder (a user's, or an empty one): never replaced or deleted. A
+  single-file checkpoint is refused with :class:`IsADirectoryError`, as
+  Lightning does; a sharded checkpoint is moved into it file by file, keeping
+  everything else there. That merge is not atomic: the shard index
+  (``.metadata``) is removed first and moved in last, so a crash in between
+  leaves a folder without an index, which refuses to load, never a silent mix
+  of two checkpoints.
+
+A process killed mid-save leaves at most a ``.partial`` entry; every checkpoint
+published earlier (outside a merge) is intact. Only files of a checkpoint are
+ever deleted.
 
 :class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders
 (every rank writes its own shards), optionally in a background thread;
-:func:`save_file_atomically` for a single file written by one rank.
+:func:`save_file_atomically` for a single file written by one rank;
+:func:`check_save_target` refuses a single-file save onto a folder on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import shutil
+import re
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,6 +47,12 @@ import torch.distributed.checkpoint as dcp
 
 STAGING_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
+# The distributed checkpoint's index of the shards (torch.distributed.checkpoint): without it a folder does not load.
+SHARD_INDEX = ".metadata"
+# What Lightning's strategies write next to the shards (the non-tensor state); its index too.
+LIGHTNING_METADATA = "meta.pt"
+# Every file a sharded checkpoint consists of: the indexes, the shards, per-rank metadata, and their temporary names.
+_CHECKPOINT_FILE = re.compile(r"(\.metadata|meta\.pt|__\d+\.metadata|.+\.distcp)(\.tmp)?")
 
 
 def staging_path(path: Path) -> Path:
@@ -40,20 +60,73 @@ def staging_path(path: Path) -> Path:
     return path.with_name(path.name + STAGING_SUFFIX)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def is_local_path(path: Any) -> bool:
     """Whether ``path`` is on the local file system (no ``s3://``-style protocol), where renames are atomic."""
     return fsspec.utils.get_protocol(str(path)) in ("file", "local")
 
 
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
 def _is_file(path: Path) -> bool:
-    return path.is_file() or path.is_symlink()
+    return path.is_file() or (path.is_symlink() and not path.is_dir())
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder holding a sharded checkpoint and nothing else, so a save may replace it."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    names = os.listdir(path)
+    has_index = SHARD_INDEX in names or LIGHTNING_METADATA in names
+    return has_index and all(_CHECKPOINT_FILE.fullmatch(name) for name in names)
+
+
+def _describe_folder(path: Path) -> str:
+    names = sorted(os.listdir(path))
+    if not names:
+        return "an empty folder"
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"a folder holding {shown}"
+
+
+def check_save_target(path: Path, sharded: bool) -> None:
+    """Raise :class:`IsADirectoryError` if a single-file checkpoint would have to replace a folder that is not a checkpoint.
+
+    Call it on every rank before saving, so that all ranks stop alike
+    (Lightning's contract: a full checkpoint onto a folder is an error). A
+    sharded save onto any folder is accepted: it is written into the folder.
+    """
+    path = Path(path)
+    if not sharded and path.is_dir() and not is_checkpoint_folder(path):
+        raise IsADirectoryError(
+            f"The checkpoint path exists and is a directory: {path} is {_describe_folder(path)}, not a checkpoint, "
+            f"and is never replaced. Save to a file inside it (e.g. {path / 'model.ckpt'}) or to another path."
+        )
+
+
+def _delete_checkpoint(path: Path) -> None:
+    """Delete the file or checkpoint folder at ``path``; a folder keeps anything that is not a checkpoint file.
+
+    Raises :class:`FileExistsError` if such files keep the folder from being removed.
+    """
+    if not _exists(path):
+        return
+    if _is_file(path):
+        path.unlink()
+        return
+    for name in os.listdir(path):
+        if _CHECKPOINT_FILE.fullmatch(name) and _is_file(path / name):
+            (path / name).unlink()
+    try:
+        path.rmdir()
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise FileExistsError(
+            f"{path} holds files that are not part of a checkpoint ({', '.join(sorted(os.listdir(path)))}); "
+            "they were left in place. Move them away and save again."
+        ) from None
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -74,27 +147,54 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a))
 
 
+def _merge_into(staged: Path, folder: Path) -> None:
+    """Move the files of the sharded checkpoint ``staged`` into ``folder``, keeping what else is there.
+
+    The indexes go first and come back last: in between the folder does not load as a checkpoint.
+    """
+    indexes = (LIGHTNING_METADATA, SHARD_INDEX)  # SHARD_INDEX last: the folder loads only once it is there
+    for name in indexes:
+        if _is_file(folder / name):
+            (folder / name).unlink()
+    names = sorted(os.listdir(staged), key=lambda name: indexes.index(name) + 1 if name in indexes else 0)
+    for name in names:
+        os.replace(staged / name, folder / name)
+    staged.rmdir()
+
+
 def publish(staged: Path, path: Path) -> None:
-    """Rename the complete save ``staged`` onto ``path``, replacing whatever ``path`` held."""
-    if not (path.exists() or path.is_symlink()) or (_is_file(staged) and _is_file(path)):
+    """Publish the complete save ``staged`` at ``path``; only a file or a checkpoint folder there is replaced.
+
+    Raises :class:`IsADirectoryError` for a single file onto any other folder,
+    which is left untouched; a folder ``staged`` is merged into such a folder.
+    """
+    if not _exists(path) or (_is_file(staged) and _is_file(path)):
         os.replace(staged, path)  # atomic, also over an existing file
         return
+    if path.is_dir() and not is_checkpoint_folder(path):
+        check_save_target(path, sharded=not _is_file(staged))
+        _merge_into(staged, path)
+        return
     if _exchange(staged, path):
-        _remove(staged)  # now the previous checkpoint
+        _delete_checkpoint(staged)  # now the previous checkpoint
         return
     replaced = path.with_name(path.name + REPLACED_SUFFIX)
-    _remove(replaced)
+    _delete_checkpoint(replaced)
     os.replace(path, replaced)
     os.replace(staged, path)
-    _remove(replaced)
+    _delete_checkpoint(replaced)
 
 
 def save_file_atomically(write: Callable[[Path], None], path: Path) -> None:
-    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only)."""
+    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only).
+
+    Raises :class:`IsADirectoryError` before writing if ``path`` is a folder that is not a checkpoint.
+    """
     path = Path(path)
+    check_save_target(path, sharded=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = staging_path(path)
-    _remove(staged)
+    _delete_checkpoint(staged)
     write(staged)
     with open(staged, "rb") as written:
         os.fsync(written.fileno())  # on disk before it is published: a power cut cannot publish a torn file
@@ -158,7 +258,7 @@ class ShardedCheckpointWriter:
         path = Path(path)
         staged = staging_path(path)
         if _is_rank_zero():
-            _remove(staged)
+            _delete_checkpoint(staged)
             staged.mkdir(parents=True)
             if write_extra is not None:
                 write_extra(staged)
