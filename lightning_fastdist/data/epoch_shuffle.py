@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sized
 
 import torch
@@ -18,16 +19,19 @@ class EpochShuffleSampler(RandomSampler):
     before each epoch (as it does for ``DistributedSampler``). It subclasses
     ``RandomSampler`` so that Lightning recognises it as shuffling and replaces it
     with a ``DistributedSampler`` (also ordered by seed and epoch) when it runs
-    several processes.
+    several processes. Its order is ``DistributedSampler``'s with one replica, so
+    runs on one and on several processes read the same permutation per epoch.
 
     Args:
         data_source: the dataset (only its length is used).
         seed: seed of the shuffle; the same seed gives the same order per epoch.
+            ``None``: the ``seed_everything`` seed (``PL_GLOBAL_SEED``, 0 when unset),
+            the seed Lightning gives the ``DistributedSampler`` that replaces this one.
     """
 
-    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+    def __init__(self, data_source: Sized, seed: int | None = None) -> None:
         super().__init__(data_source)
-        self.seed = seed
+        self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

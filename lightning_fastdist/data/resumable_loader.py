@@ -4,10 +4,25 @@ Lightning saves the ``state_dict()`` of every training loader that has one in
 the checkpoint's loop state and hands it back through ``load_state_dict`` before
 the resumed epoch starts (without it, Lightning 2.6 restarts a mid-epoch resume
 from the epoch's first batch, so some samples are seen twice and others never).
-This loader's state is the epoch its sampler was on and the number of batches it
-handed out in it. On resume it skips those batches by drawing their indices from
-the sampler without loading them, so the resumed run sees exactly the batches an
-uninterrupted run would have seen next, on every rank.
+This loader's state is the epoch its sampler was on, the batches it handed out in
+it and, where the sampler's order is known (see :mod:`.epoch_order`), how many
+positions of the epoch's global order all ranks together have read. On resume it
+skips what was read by drawing indices from the sampler without loading them, so
+the resumed run sees exactly the samples an uninterrupted run would have seen next.
+
+Counting positions instead of batches makes the resume exact at another world
+size or batch size too: each rank skips the positions before the saved one that
+fall to it. Where the global batch (ranks x batch size) is unchanged, the resumed
+run's global batches are the uninterrupted run's. A resume that cannot find its
+place (an unknown or different order, ranks that would be left with different
+numbers of batches) is refused with one line rather than repeating or skipping data.
+
+Creating a DataLoader iterator draws its workers' base seed from the global torch
+generator. This loader draws it instead from a generator seeded by the global seed
+(``torch.initial_seed()``, which ``seed_everything`` sets) and the epoch, so epoch
+``e``'s workers get the same seeds in a resumed run as in an uninterrupted one,
+and starting an epoch does not move the global random state that training draws
+from (unless a ``generator`` is passed, which is then used as ``DataLoader`` does).
 
 The epoch is read from the sampler's ``epoch`` attribute (``DistributedSampler``
 and :class:`~lightning_fastdist.data.EpochShuffleSampler` have one; Lightning
@@ -24,15 +39,36 @@ skipping nothing (and ``tests/test_resumable_loader.py`` fails).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
+from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import BatchSampler, DataLoader
 
-STATE_KEYS = ("epoch", "batches")
+from lightning_fastdist.data.epoch_order import EpochShare, epoch_share, positions_read_before
+
+STATE_KEYS = ("epoch", "batches", "samples", "world_size", "batch_size", "order")
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """Where a resumed epoch starts on this rank.
+
+    Attributes:
+        batches: the epoch's batches counted as done (this rank's batches, in this run's batch size).
+        samples: positions of the epoch's global order read so far, or ``None`` when not counted.
+        skip_items: sampler items this rank skips before batching the rest, or ``None`` to skip
+            ``batches`` whole batches of the index sampler.
+    """
+
+    batches: int
+    samples: int | None
+    skip_items: int | None
 
 
 class _SkipFirst(Iterable):
-    """The loader's index sampler, minus the first ``loader._skip_next`` batches of the iteration that starts next."""
+    """The loader's index sampler, minus what the resume planned in ``loader._resume_next`` for the iteration that starts next."""
 
     def __init__(self, index_sampler: Iterable, loader: ResumableDataLoader) -> None:
         self.index_sampler = index_sampler
@@ -43,9 +79,13 @@ class _SkipFirst(Iterable):
         return len(self.index_sampler)  # the full epoch: Lightning counts the skipped batches as done
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.loader._skip_next = self.loader._skip_next, 0
+        resume, self.loader._resume_next = self.loader._resume_next, None
+        if resume is not None and resume.skip_items is not None:
+            rest = islice(iter(self.loader.sampler), resume.skip_items, None)
+            yield from BatchSampler(rest, self.loader.batch_size, self.loader.drop_last)  # type: ignore[arg-type]
+            return
         indices = iter(self.index_sampler)
-        for _ in range(skip):
+        for _ in range(resume.batches if resume is not None else 0):
             next(indices, None)
         yield from indices
 
@@ -59,9 +99,11 @@ class ResumableDataLoader(DataLoader):
     """
 
     _epoch: int | None = None  # the sampler's epoch of the current iteration
-    _batches: int = 0  # batches handed out in the current iteration
+    _batches: int = 0  # batches of the current epoch counted as done
+    _samples: int | None = 0  # positions of the epoch's global order read, None when not counted
     _pending: dict[str, Any] | None = None  # a loaded state not yet applied
-    _skip_next: int = 0  # batches the next index iteration skips
+    _resume_next: _Resume | None = None  # what the next index iteration skips
+    _count_taken: bool = False  # a trainer asked for the resumed batch count (and sets its own to it)
 
     @property
     def _index_sampler(self) -> Iterable:  # read by DataLoader's iterators for the indices of each batch
@@ -74,6 +116,9 @@ class ResumableDataLoader(DataLoader):
                 return sampler.epoch
         return None
 
+    def _counts_positions(self, share: EpochShare) -> bool:
+        return share.order is not None and self.batch_size is not None
+
     def __iter__(self) -> Iterator[Any]:
         return self._iterate()
 
@@ -81,24 +126,120 @@ class ResumableDataLoader(DataLoader):
         # A generator: nothing runs until the first batch is requested, after Lightning has set the epoch.
         epoch = self._sampler_epoch()
         pending, self._pending = self._pending, None
-        skip = pending["batches"] if pending is not None and pending["epoch"] == epoch else 0
-        self._epoch, self._batches, self._skip_next = epoch, skip, skip
-        for batch in super().__iter__():
-            if self._skip_next:
+        resume = self._plan(pending) if pending is not None and pending["epoch"] == epoch else None
+        if resume is not None and resume.batches != pending["batches"] and not self._count_taken:
+            raise ValueError(
+                f"ResumableDataLoader: the checkpoint's position in epoch {epoch} (batch {pending['batches']} at "
+                f"{_geometry(pending['world_size'], pending['batch_size'])}) is batch {resume.batches} here, and this "
+                "trainer's strategy does not move Lightning's batch count (FastDDPStrategy and FastFSDPStrategy do); "
+                "resume with the same world size x batch size, or with one of those strategies."
+            )
+        share = epoch_share(self.sampler)
+        self._epoch, self._batches, self._resume_next, self._count_taken = epoch, 0, resume, False
+        self._samples = 0 if self._counts_positions(share) else None
+        if resume is not None:
+            self._batches, self._samples = resume.batches, resume.samples
+        for batch in self._epoch_iterator(epoch):
+            if self._resume_next is not None:
                 # The iterator drew its indices without going through _index_sampler (a torch change):
                 # fail loudly rather than resume at the wrong position.
                 raise RuntimeError("ResumableDataLoader: this torch's DataLoader bypasses _index_sampler; cannot resume mid-epoch.")
-            self._batches += 1  # counted before it is handed out: a checkpoint taken during its step includes it
+            # Counted before it is handed out: a checkpoint taken during its step includes it.
+            self._batches += 1
+            if self._samples is not None:
+                self._samples += self.batch_size * share.world_size
             yield batch
 
+    def _epoch_iterator(self, epoch: int | None) -> Iterator[Any]:
+        if self.generator is not None:
+            return super().__iter__()
+        with torch.random.fork_rng(devices=[]):  # the global CPU generator is as it was afterwards
+            torch.default_generator.manual_seed((torch.initial_seed() + (epoch or 0)) % 2**63)
+            return super().__iter__()  # draws the workers' base seed (and starts them)
+
+    def _plan(self, saved: dict[str, Any]) -> _Resume:
+        """Where this rank resumes the saved epoch; raises ``ValueError`` when it cannot find the place."""
+        share = epoch_share(self.sampler)
+        same_geometry = (saved["world_size"], saved["batch_size"]) == (share.world_size, self.batch_size)
+        known_orders = saved["order"] is not None and share.order is not None
+        if known_orders and saved["order"] != share.order:
+            self._refuse(saved, f"this run's sampler reads another order ({share.order}, the checkpoint's: {saved['order']}), so samples would be repeated and skipped")
+        if saved["samples"] is not None and self._counts_positions(share):
+            position = saved["samples"]
+            rest = [max(0, share.samples - positions_read_before(position, rank, share.world_size)) for rank in range(share.world_size)]
+            left = [self._batches_in(items) for items in rest]
+            if len(set(left)) > 1:
+                self._refuse(saved, f"its ranks would be left with different numbers of batches ({left}) and hang at the end of the epoch")
+            # drop_last leaves out each rank's last partial batch; never more than an uninterrupted run leaves out.
+            left_out = sum(max(0, items - batches * self.batch_size - self._left_out(share.samples)) for items, batches in zip(rest, left))
+            if left_out:
+                self._refuse(saved, f"drop_last would skip {left_out} samples of the epoch that an uninterrupted run reads")
+            skip = positions_read_before(position, share.rank, share.world_size)
+            return _Resume(self._batches_in(share.samples) - left[share.rank], position, skip)
+        if not same_geometry:
+            self._refuse(
+                saved,
+                "the sampler's order is not known (DistributedSampler, EpochShuffleSampler and SequentialSampler have "
+                "known orders), so the position is only known in batches of the checkpoint's size and counting them "
+                "here would repeat or skip samples",
+            )
+        return _Resume(saved["batches"], None, None)
+
+    def _batches_in(self, items: int) -> int:
+        assert self.batch_size is not None
+        return items // self.batch_size if self.drop_last else -(-items // self.batch_size)
+
+    def _left_out(self, items: int) -> int:
+        assert self.batch_size is not None
+        return items % self.batch_size if self.drop_last else 0
+
+    def _refuse(self, saved: dict[str, Any], reason: str) -> None:
+        share = epoch_share(self.sampler)
+        read = f"{saved['samples']} samples read" if saved["samples"] is not None else f"{saved['batches']} batches per rank"
+        then = _geometry(saved["world_size"], saved["batch_size"])
+        raise ValueError(
+            f"ResumableDataLoader: cannot continue epoch {saved['epoch']} at {_geometry(share.world_size, self.batch_size)} "
+            f"from where {then} left it ({read}): {reason}. Resume at {then}, or from a checkpoint taken at the end "
+            "of an epoch."
+        )
+
+    def resume_batch_count(self, epoch: int) -> int | None:
+        """Batches of ``epoch`` a trainer must count as done when this loader resumes it.
+
+        ``None`` when no loaded state applies to ``epoch``. After a change of
+        world size or batch size this differs from the count in the checkpoint's
+        loop state; the caller takes on setting its count to it (without a caller,
+        such a resume is refused, since Lightning would end the epoch at the wrong batch).
+
+        Raises:
+            ValueError: the resume cannot find its place (see the module docstring).
+        """
+        if self._pending is None or self._pending["epoch"] != epoch:
+            return None
+        self._count_taken = True
+        return self._plan(self._pending).batches
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch": sampler epoch or None, "batches": batches handed out in it}``."""
+        """The position in the epoch: ``{"epoch", "batches", "samples", "world_size", "batch_size", "order"}``.
+
+        ``batches``: this rank's batches done; ``samples``: positions of the epoch's
+        global order read by all ranks together (``None`` when the order is unknown);
+        ``order``: the permutation (see :class:`.epoch_order.EpochShare`).
+        """
         if self._pending is not None:
             return dict(self._pending)
-        return {"epoch": self._epoch, "batches": self._batches}
+        share = epoch_share(self.sampler)
+        return {
+            "epoch": self._epoch,
+            "batches": self._batches,
+            "samples": self._samples if self._counts_positions(share) else None,
+            "world_size": share.world_size,
+            "batch_size": self.batch_size,
+            "order": share.order,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Skip ``state_dict["batches"]`` batches when the saved epoch starts again.
+        """Skip what ``state_dict`` says was read when the saved epoch starts again.
 
         Raises:
             ValueError: the state is not one :meth:`state_dict` wrote.
@@ -106,3 +247,7 @@ class ResumableDataLoader(DataLoader):
         if sorted(state_dict) != sorted(STATE_KEYS):
             raise ValueError(f"ResumableDataLoader: expected a state with keys {STATE_KEYS}, got {sorted(state_dict)}.")
         self._pending = dict(state_dict)
+
+
+def _geometry(world_size: int, batch_size: int | None) -> str:
+    return f"{world_size} rank{'s' if world_size != 1 else ''} x batch {batch_size}"

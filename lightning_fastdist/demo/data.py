@@ -60,8 +60,10 @@ class TextDataModule(LightningDataModule):
         num_workers: DataLoader worker processes per rank (0 loads in the main process).
         val_fraction: share of the corpus held out for validation, in (0, 0.5].
         corpus_path: a text file to train on instead of the standard library sources.
-        seed: seed of the training shuffle order on one process (under several processes
-            Lightning's ``DistributedSampler`` shuffles with the ``seed_everything`` seed).
+        seed: seed of the training shuffle order on one process; ``None``: the
+            ``seed_everything`` seed, which Lightning's ``DistributedSampler`` shuffles with
+            under several processes, so that one order serves every world size (and a
+            checkpoint resumes at another world size).
     """
 
     def __init__(
@@ -71,7 +73,7 @@ class TextDataModule(LightningDataModule):
         num_workers: int = 0,
         val_fraction: float = 0.1,
         corpus_path: str | None = None,
-        seed: int = 1234,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         for name, value, minimum in (("batch_size", batch_size, 1), ("block_size", block_size, 1), ("num_workers", num_workers, 0)):
