@@ -24,6 +24,7 @@ from tests.harness import run_function
 WORLD = 2
 BATCHES_PER_EPOCH = 8  # per rank (what write_corpus holds)
 TOTAL_STEPS, RESUME_AT = 12, 6  # the resume falls in the middle of the first epoch
+DROPOUT = 0.1  # random masks: each rank's random state must be restored too
 
 
 class RecordBatches(L.Callback):
@@ -64,7 +65,7 @@ def train(kind: str, corpus: str, folder: str, max_steps: int, resume: bool) -> 
         max_steps=max_steps, deterministic=True, logger=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[record, checkpoints],
     )  # fmt: skip
-    model = TinyGPT(n_layer=2, n_embd=32, n_head=2, block_size=BLOCK, dropout=0.0, warmup_steps=2)
+    model = TinyGPT(n_layer=2, n_embd=32, n_head=2, block_size=BLOCK, dropout=DROPOUT, warmup_steps=2)
     data = TextDataModule(batch_size=BATCH, block_size=BLOCK, corpus_path=corpus, val_fraction=0.1)
     trainer.fit(model, data, ckpt_path=str(Path(folder, "last.ckpt")) if resume else None)
     result = {

@@ -46,13 +46,14 @@ from lightning_fastdist.parallel.powersgd import PowerSGDState
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options, sends_bf16
+from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
-class FastDDPStrategy(CommBytesLogging, DDPStrategy):
+class FastDDPStrategy(ExactResume, CommBytesLogging, DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
@@ -230,6 +231,7 @@ class FastDDPStrategy(CommBytesLogging, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self._add_resume_state(checkpoint)
         if isinstance(self.hook_state, PowerSGDState):
             checkpoint[CHECKPOINT_KEY] = {
                 "comm_hook": self.comm_hook,
@@ -252,6 +254,7 @@ class FastDDPStrategy(CommBytesLogging, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._take_resume_state(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
             if self.hook_state is None:

@@ -45,6 +45,7 @@ from lightning_fastdist.parallel.compile import apply_compile, normalize_compile
 from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
+from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -62,7 +63,7 @@ def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]
     return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
-class FastFSDPStrategy(CommBytesLogging, ModelParallelStrategy):
+class FastFSDPStrategy(ExactResume, CommBytesLogging, ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -277,6 +278,7 @@ class FastFSDPStrategy(CommBytesLogging, ModelParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
+        self._add_resume_state(checkpoint)
         path = Path(self.broadcast(filepath))
         if self.checkpoint_format == "full":
             if self.is_global_zero:
@@ -297,7 +299,9 @@ class FastFSDPStrategy(CommBytesLogging, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._take_resume_state(checkpoint)
+        return checkpoint
 
     @override
     def on_exception(self, exception: BaseException) -> None:

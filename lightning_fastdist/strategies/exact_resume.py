@@ -1,0 +1,84 @@
+"""ExactResume: what a strategy adds to checkpoints so that a resumed run continues bit for bit.
+
+Lightning saves weights, optimizer, schedulers, loop progress and the training
+loader's position. This mixin adds the rest, for every strategy of this package:
+
+- **Every rank's random states** (:mod:`.rng_states`), gathered into the
+  checkpoint under :data:`RNG_KEY` (rank 0 writes the file; each rank's dropout
+  masks come from its own generator) and handed back to each rank on load.
+- **When they apply: the first training batch after a checkpoint was saved or
+  loaded starts from the states of the moment of the save**, in the run that saved
+  it as in the run that resumes from it. Between the save and that batch the two
+  runs draw differently: the uninterrupted run may validate and start the next
+  epoch's DataLoader iterator (which draws its workers' base seed from the global
+  generator), the resumed one runs its sanity check and creates its iterators anew.
+  Setting the states at the batch makes those draws irrelevant to training
+  (both runs then reuse, for that one batch, numbers that were drawn in between).
+- **The loop progress**: an epoch that ``max_steps`` ended early stays open in the
+  checkpoint, and after a change of world size Lightning's batch count moves to
+  where the data resumes (:mod:`.loop_state`).
+
+A strategy calls :meth:`ExactResume._add_resume_state` first in its
+``save_checkpoint`` and :meth:`ExactResume._take_resume_state` with the loaded
+checkpoint in ``load_checkpoint``; the hooks below do the rest.
+
+At a different world size the data still continues at the next sample (see
+:class:`~lightning_fastdist.data.ResumableDataLoader`), but random draws follow
+this run's seed (a warning says so) and each step's gradient is summed over
+another split of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero
+from lightning_fastdist.strategies.loop_state import align_resumed_batch_count, reopen_epoch_cut_short
+from lightning_fastdist.strategies.rng_states import collect_rng_states, set_rng_states
+
+RNG_KEY = "fastdist_rng_states"  # a list with one entry per rank
+
+
+class ExactResume:
+    """Mixin for a Lightning strategy: per-rank random states and consistent loop progress in checkpoints."""
+
+    _rng_for_next_batch: dict[str, Any] | None = None
+
+    def _add_resume_state(self, checkpoint: dict[str, Any]) -> None:
+        """Put the resume state into ``checkpoint``; call on every rank (it gathers), before writing."""
+        if "loops" not in checkpoint:  # a weights-only checkpoint
+            return
+        reopen_epoch_cut_short(checkpoint)
+        self._rng_for_next_batch = collect_rng_states()
+        checkpoint[RNG_KEY] = gather_to_rank_zero(self._rng_for_next_batch, self.world_size, self.global_rank)  # type: ignore[attr-defined]
+
+    def _take_resume_state(self, checkpoint: dict[str, Any]) -> None:
+        """Keep this rank's random states from a loaded ``checkpoint`` for the next training batch."""
+        per_rank = checkpoint.get(RNG_KEY)
+        if per_rank is None:
+            return
+        world_size = self.world_size  # type: ignore[attr-defined]
+        if len(per_rank) != world_size:
+            rank_zero_warn(
+                f"This checkpoint was written by {len(per_rank)} ranks and is resumed by {world_size}: the run continues "
+                "at the next sample but not bit for bit (random draws such as dropout follow this run's seed, and each "
+                "step's gradient is summed over another split of the batch)."
+            )
+            self._rng_for_next_batch = None
+            return
+        self._rng_for_next_batch = per_rank[self.global_rank]  # type: ignore[attr-defined]
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        align_resumed_batch_count(self.lightning_module.trainer)  # type: ignore[attr-defined]
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._rng_for_next_batch is not None:
+            set_rng_states(self._rng_for_next_batch)
+            self._rng_for_next_batch = None
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]

@@ -1,0 +1,75 @@
+"""Lightning's loop progress made to agree with where the training data stands, on save and on resume.
+
+Two places where Lightning 2.6's counters and the data position part ways:
+
+- **An epoch cut short.** When ``max_steps`` (or ``trainer.should_stop``) ends a
+  fit before the epoch's last batch, Lightning marks the epoch processed (and,
+  once ``fit`` returns, completed). A checkpoint written then (``trainer.save_checkpoint``
+  after ``fit``, or ``ModelCheckpoint`` in ``on_train_epoch_end``) makes the resumed
+  run start the next epoch: the rest of the epoch is never seen, although the
+  training loader's state says where it stopped. :func:`reopen_epoch_cut_short`
+  writes such a checkpoint's epoch as unfinished, the form Lightning itself gives
+  a checkpoint taken after a batch inside an epoch, so the resume continues with
+  the next batch. Plain Lightning reads it the same way.
+- **Another world size or batch size.** The checkpoint counts the batches each
+  rank ran; a :class:`~lightning_fastdist.data.ResumableDataLoader` resumes by
+  samples, which can be another number of this run's batches.
+  :func:`align_resumed_batch_count` moves Lightning's count there, so that the
+  epoch ends (and epoch-end validation and schedulers run) after its real last batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_fastdist.data import ResumableDataLoader
+
+
+def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
+    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if loop is None:
+        return
+    epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
+    ran_batches = batches["current"]["ready"] > 0
+    marked_processed = epochs["current"]["processed"] == epochs["current"]["started"] > 0
+    if not (ran_batches and marked_processed and not batches["is_last_batch"]):
+        return
+    for tracker in (epochs["current"], epochs["total"]):
+        tracker["processed"] -= 1
+        tracker["completed"] = tracker["processed"]
+    checkpoint["epoch"] = epochs["current"]["completed"]
+
+
+def _training_loaders(trainer: pl.Trainer) -> list[Any]:
+    loaders = trainer.train_dataloader
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def align_resumed_batch_count(trainer: pl.Trainer) -> None:
+    """Set the resumed epoch's batch count to where its training loader resumes (at the start of a resumed fit).
+
+    Raises:
+        ValueError: several training loaders resume at different batches.
+    """
+    epoch = trainer.fit_loop.epoch_progress.current.processed
+    counts = {
+        count
+        for loader in _training_loaders(trainer)
+        if isinstance(loader, ResumableDataLoader) and (count := loader.resume_batch_count(epoch)) is not None
+    }
+    if not counts:
+        return
+    if len(counts) > 1:
+        raise ValueError(f"ResumableDataLoader: the training loaders resume epoch {epoch} at different batches {sorted(counts)}.")
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    shift = counts.pop() - progress.current.ready
+    for tracker in (progress.current, progress.total):
+        tracker.ready += shift
+        tracker.started += shift
+        tracker.processed += shift
+        tracker.completed += shift
