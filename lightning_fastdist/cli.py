@@ -11,31 +11,67 @@ LightningDataModule can be named instead (``--model my_pkg.MyModel``).
 
 Mistakes (an unknown option, a missing or malformed recipe, a value a class
 rejects) end the command with exit status 2 and one message on stderr.
+
+As ``python -m`` does, the working directory is importable, so
+``--model mymodule.MyModel`` finds ``./mymodule.py`` (on every rank). The
+resolved config is saved next to the metrics without replacing a file we did
+not write (:mod:`lightning_fastdist.cli_config`); after a run rank 0 prints the
+final numbers and where the metrics, config and checkpoints went.
+``LIGHTNING_FASTDIST_QUIET=1`` hides Lightning's informational lines (device
+banners, model summary) and keeps the progress bar, warnings and errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from lightning_fastdist.cli_errors import UsageError, check_yaml_file, condense_parser_error
-from lightning_fastdist.recipes import available_recipes, find_recipe
+from lightning_fastdist.cli_args import check_ckpt_path, drop_init_args_of_replaced_classes, resolve_config_paths
+from lightning_fastdist.cli_config import OwnConfigSaver
+from lightning_fastdist.cli_errors import UsageError, condense_parser_error
+from lightning_fastdist.cli_report import final_numbers, where_things_went
 
 PROGRAM = "lightning-fastdist"
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
-CONFIG_FLAGS = ("--config", "-c")
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
 EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench", "doctor": "doctor"}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
+QUIET_VARIABLE = "LIGHTNING_FASTDIST_QUIET"
+HELP = f"""usage: {PROGRAM} COMMAND [options]
+
+Fast distributed training with PyTorch Lightning: LightningCLI whose model and data default to the
+built-in demo workload (lightning_fastdist.demo.TinyGPT on TextDataModule).
+
+commands:
+  fit       train. Metrics and the resolved config go to the logger's folder (the recipes:
+            lightning_logs/RECIPE/version_N/; without a logger the config goes to the working
+            directory, never over a file it did not write), checkpoints to the ModelCheckpoint
+            folder (the recipes: checkpoints/RECIPE/).
+  validate  evaluate a checkpoint (--ckpt_path) on the validation data; metrics and config as for fit.
+  test      the same on the test data.
+  predict   run the model on the predict data; metrics and config as for fit.
+  recipes   list the packaged recipes (--path NAME prints one's file); writes nothing.
+  bench     train one recipe under DDP, FSDP and DeepSpeed setups side by side; writes bench.json,
+            bench.png and one log per setup into --output (default bench_results/), nothing else.
+  doctor    report the machine, estimate memory per device and write a recipe that fits into
+            --output (default doctor-recipe.yaml).
+
+Run '{PROGRAM} COMMAND --help' for a command's options, e.g. '{PROGRAM} fit --help'.
+Try it: '{PROGRAM} fit --config cpu_smoke' trains the demo on 2 CPU processes.
+"""
 
 
 class FastDistCLI(LightningCLI):
@@ -64,31 +100,41 @@ class FastDistCLI(LightningCLI):
             raise UsageError(condense_parser_error(str(error))) from None
 
 
-def _resolve_config_paths(argv: Sequence[str]) -> list[str]:
-    """Replace each ``--config`` value by the file it names (a path or a packaged recipe) and check its YAML."""
-    resolved = list(argv)
-    for i, arg in enumerate(resolved):
-        flag, _, inline_value = arg.partition("=")
-        if flag not in CONFIG_FLAGS:
-            continue
-        if inline_value:
-            value, slot = inline_value, None
-        elif i + 1 < len(resolved):
-            value, slot = resolved[i + 1], i + 1
-        else:
-            continue  # the parser itself reports a flag without a value
-        recipe = find_recipe(value)
-        if recipe is None:
-            raise UsageError(
-                f"{flag}: recipe file '{value}' not found. Give a path to a YAML file or one of the "
-                f"packaged recipes: {', '.join(available_recipes())}."
-            )
-        check_yaml_file(flag, recipe)
-        if slot is None:
-            resolved[i] = f"{flag}={recipe}"
-        else:
-            resolved[slot] = str(recipe)
-    return resolved
+def _import_from_working_directory() -> None:
+    """Make modules in the working directory importable, as ``python -m`` does (the launched ranks run this too)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+class _DropTip(logging.Filter):
+    """Drops Lightning's advertisement for its cloud logger, printed on every run without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
+def _silence_known_noise() -> None:
+    """Hide output that says nothing about the user's run; with :data:`QUIET_VARIABLE` also Lightning's info lines."""
+    # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank (lightning/pytorch/utilities/_pytree.py).
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTip())
+    if os.environ.get(QUIET_VARIABLE, "") not in ("", "0"):
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@rank_zero_only
+def _say(line: str, stream: Any = None) -> None:
+    print(f"{PROGRAM}: {line}", file=stream or sys.stdout, flush=True)
+
+
+def _report(cli: LightningCLI, subcommand: str) -> None:
+    """Rank 0: the final numbers (after fit) and where the metrics, config and checkpoints went."""
+    if not cli.trainer.is_global_zero:
+        return
+    if subcommand == "fit":
+        _say(final_numbers(cli.trainer))
+    _say(where_things_went(cli.trainer, fitted=subcommand == "fit"))
 
 
 def _close_process_group(wait_for_peers: bool) -> None:
@@ -111,30 +157,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: the arguments after the program name; ``None`` reads ``sys.argv``.
             (Lightning's process launcher re-runs ``sys.argv`` on the other
-            ranks, so when reading it the resolved recipe paths are written back.)
+            ranks, so when reading it the rewritten arguments are written back.)
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in EXTRA_COMMANDS:
+    _import_from_working_directory()
+    if not args or args[0] in ("-h", "--help"):
+        print(HELP, end="")
+        raise SystemExit(0 if args else 2)
+    if args[0] in EXTRA_COMMANDS:
         command = importlib.import_module(f"lightning_fastdist.commands.{EXTRA_COMMANDS[args[0]]}")
         raise SystemExit(command.main(args[1:]))
+    subcommand = args[0] if args[0] in TRAINER_COMMANDS else ""
     try:
-        if args and not args[0].startswith("-") and args[0] not in TRAINER_COMMANDS:
+        if not args[0].startswith("-") and not subcommand:
             raise UsageError(f"unknown command {args[0]!r}; choose from {', '.join([*TRAINER_COMMANDS, *EXTRA_COMMANDS])}.")
-        args = _resolve_config_paths(args)
+        args = resolve_config_paths(args)
+        check_ckpt_path(args)
+        args, notes = drop_init_args_of_replaced_classes(args)
+        for note in notes:
+            _say(f"note: {note}", sys.stderr)
         if argv is None:
             sys.argv[1:] = args
-        FastDistCLI(
+        _silence_known_noise()
+        cli = FastDistCLI(
             LightningModule,
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
             args=None if argv is None else args,
             parser_kwargs={"prog": PROGRAM},
-            save_config_kwargs={"overwrite": True},
+            save_config_callback=OwnConfigSaver,
         )
         _close_process_group(wait_for_peers=True)
+        _report(cli, subcommand)
     except UsageError as error:
-        subcommand = args[0] if args and args[0] in TRAINER_COMMANDS else ""
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None

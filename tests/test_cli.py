@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from lightning_fastdist.cli import main
+from lightning_fastdist.cli import QUIET_VARIABLE, main
+from lightning_fastdist.cli_config import MARKER
 from lightning_fastdist.recipes import available_recipes, find_recipe, recipes_dir
 from tests.harness import cli_command, run_cli, run_launcher
 
@@ -120,6 +123,84 @@ def test_unknown_subcommand(in_tmp_dir, capsys):
     assert "fti" in line and "fit" in line
 
 
+def test_an_empty_recipe_is_one_clear_error(in_tmp_dir, capsys):
+    (in_tmp_dir / "empty.yaml").write_text("# nothing here yet\n")
+    line = run_main_expecting_usage_error(capsys, "fit", "--config", "empty.yaml")
+    assert "--config: 'empty.yaml' is empty; a recipe holds a mapping of options" in line
+
+
+def test_a_key_given_twice_in_a_recipe_is_an_error_naming_key_and_line(in_tmp_dir, capsys):
+    (in_tmp_dir / "twice.yaml").write_text("trainer:\n  max_steps: 3\n  devices: 1\n  max_steps: 5\n")
+    line = run_main_expecting_usage_error(capsys, "fit", "--config", "twice.yaml")
+    assert "at line 4, column 3: duplicate key 'max_steps' (first at line 2)" in line
+
+
+def test_a_recipe_given_as_ckpt_path_is_refused(in_tmp_dir, capsys):
+    line = run_main_expecting_usage_error(capsys, "fit", "--ckpt_path", str(recipes_dir() / "cpu_smoke.yaml"))
+    assert "--ckpt_path:" in line and "is a YAML file, not a checkpoint" in line
+
+
+# ---------------------------------------------------------------- help, modules, recipe init_args, config files
+
+
+def test_help_lists_every_command_and_what_it_writes(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "recipes", "bench", "doctor"):
+        assert f"\n  {command} " in text, command
+    assert "bench_results/" in text and "doctor-recipe.yaml" in text and "checkpoints/RECIPE/" in text
+
+
+MY_DATA = """
+import lightning as L
+
+
+class MyData(L.LightningDataModule):
+    def __init__(self, batch_size: int = 1, num_workers: int = 0) -> None:
+        super().__init__()
+"""
+
+
+def test_modules_in_the_working_directory_are_found_and_recipe_init_args_stay_with_their_class(in_tmp_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(in_tmp_dir))])  # as a console script sees it
+    (in_tmp_dir / "mydata.py").write_text(MY_DATA)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "cpu_smoke", "--data", "mydata.MyData", "--print_config"])
+    captured = capsys.readouterr()
+    data = yaml.safe_load(captured.out)["data"]
+    assert data == {"class_path": "mydata.MyData", "init_args": {"batch_size": 1, "num_workers": 0}}  # not the recipe's 16
+    (note,) = [line for line in captured.err.splitlines() if "note:" in line]
+    assert "the recipe's data init_args (batch_size, block_size, num_workers) were written for " in note
+
+    with pytest.raises(SystemExit):  # the same class keeps them
+        main(["fit", "--config", "cpu_smoke", "--data", "TextDataModule", "--print_config"])
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["data"]["init_args"]["batch_size"] == 16 and "note:" not in captured.err
+
+
+ONE_STEP = ["--trainer.devices", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--model.n_layer", "1", "--model.n_embd", "16", "--model.n_head", "2"]  # fmt: skip
+
+
+def test_a_users_config_yaml_survives_a_run_without_logger_and_ours_is_replaced(in_tmp_dir, capsys):
+    users = "# my own settings\ntrainer: {max_steps: 7}\n"
+    (in_tmp_dir / "config.yaml").write_text(users)
+    main(["fit", "--config", "cpu_smoke", "--trainer.logger", "false", *ONE_STEP])
+    assert (in_tmp_dir / "config.yaml").read_text() == users
+    out = capsys.readouterr().out
+    assert "config not saved (" in out and "config.yaml exists and was not written by lightning-fastdist)" in out
+
+    (in_tmp_dir / "config.yaml").unlink()
+    for max_steps in ("1", "2"):  # the second run replaces the config the first one wrote
+        main(["fit", "--config", "cpu_smoke", "--trainer.logger", "false", *ONE_STEP, "--trainer.max_steps", max_steps])
+        saved = (in_tmp_dir / "config.yaml").read_text()
+        assert saved.startswith(MARKER) and yaml.safe_load(saved)["trainer"]["max_steps"] == int(max_steps)
+        assert f"config in {in_tmp_dir / 'config.yaml'}" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- real runs
 
 SHORT_RUN = ["--trainer.max_steps", "12", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
@@ -131,25 +212,48 @@ def read_metrics(log_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+MY_MODEL = """
+from lightning_fastdist.demo import TinyGPT
+
+
+class MyModel(TinyGPT):
+    pass
+"""
+
+
 @pytest.mark.slow
-def test_cpu_smoke_recipe_trains_on_two_processes_and_writes_metrics_and_checkpoint(in_tmp_dir):
-    result = run_launcher(cli_command("fit", "--config", "recipes/cpu_smoke.yaml", *SHORT_RUN), timeout=240)
-    output = result.stdout + result.stderr
-    assert "distributed_backend=gloo" in output and "Starting with 2 processes" in output
-    assert "Epoch 0:" in output  # the progress bar ran
-    log_dir = in_tmp_dir / "lightning_logs" / "cpu_smoke" / "version_0"
+def test_cpu_smoke_with_a_model_from_the_working_directory_on_two_launched_processes(in_tmp_dir):
+    (in_tmp_dir / "mymodel.py").write_text(MY_MODEL)  # imported by rank 0 and by the rank Lightning launches
+    model = ["--model", "mymodel.MyModel", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2"]
+    result = run_launcher(
+        cli_command("fit", "--config", "recipes/cpu_smoke.yaml", *model, *SHORT_RUN), env={QUIET_VARIABLE: "1"}, timeout=240
+    )
+    log_dir = Path("lightning_logs", "cpu_smoke", "version_0")
     rows = read_metrics(log_dir)
     assert [int(r["step"]) for r in rows if r["train_loss"]] == [2, 5, 8, 11]
     assert any(r["val_loss"] and r["val_ppl"] for r in rows)
-    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
-    assert (log_dir / "config.yaml").is_file()
+    assert Path("checkpoints", "cpu_smoke", "last.ckpt").is_file()
+    assert (log_dir / "config.yaml").read_text().startswith(MARKER)
+    assert "Epoch 0:" in result.stdout  # the progress bar
+    finished, where = result.stdout.splitlines()[-2:]
+    assert finished.startswith("lightning-fastdist: finished at step 12: train_loss ")
+    assert where == (
+        f"lightning-fastdist: metrics in {log_dir / 'metrics.csv'}; config in {log_dir / 'config.yaml'}; "
+        f"checkpoints in {in_tmp_dir / 'checkpoints' / 'cpu_smoke'}/ (newest: last.ckpt)"
+    )
+    # Nothing else: no device banners, model summary, tips or warnings from either rank, only the note on --model.
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        "lightning-fastdist: note: --model mymodel.MyModel: the recipe's model init_args (block_size, learning_rate, "
+        "n_embd, n_head, n_layer) were written for lightning_fastdist.demo.TinyGPT and are not applied; pass them "
+        "as --model.NAME VALUE if mymodel.MyModel should get them."
+    ]
 
 
 @pytest.mark.slow
 def test_externally_launched_ranks_fit_then_validate_test_and_predict_from_the_checkpoint(in_tmp_dir):
     common = ["--config", "cpu_smoke", "--model.n_layer", "1", "--trainer.enable_progress_bar", "false"]
     run_cli(["fit", *common, *SHORT_RUN], world_size=2, timeout=240)
-    checkpoint = in_tmp_dir / "lightning_logs" / "cpu_smoke" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = in_tmp_dir / "checkpoints" / "cpu_smoke" / "last.ckpt"
     assert checkpoint.is_file()
     for subcommand in ("validate", "test", "predict"):
         outputs = run_cli(
