@@ -6,10 +6,13 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdist import SpeedMonitor, SyncFreeLogging, count_host_syncs
-from lightning_fastdist.callbacks.speed_monitor import batch_shape
+from lightning_fastdist.callbacks.speed_monitor import default_units
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics.peak_flops import matmul_dtype, peak_flops
 from tests.test_sync_free_logging import LabelSteps, read_csv
@@ -43,12 +46,50 @@ def test_precision_maps_to_a_matmul_dtype():
     assert matmul_dtype("32-true") in ("fp32", "tf32")
 
 
-def test_batch_shape_finds_the_first_tensor():
-    import torch
+def test_samples_always_tokens_only_for_token_ids():
+    assert default_units((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16))) == {"samples": 4, "tokens": 64}
+    assert default_units({"image": torch.zeros(32, 3, 8, 8), "label": torch.zeros(32, dtype=torch.long)}) == {"samples": 32}
+    assert default_units([torch.zeros(8, 20)]) == {"samples": 8}  # tabular features are not tokens
+    assert default_units(["text"]) == {}
 
-    assert batch_shape((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16))) == (4, 16)
-    assert batch_shape({"x": torch.zeros(8)}) == (8, 0)
-    assert batch_shape(["text"]) is None
+
+class SmallCNN(L.LightningModule):
+    """A plain-torch image classifier: 3 x 8 x 8 images, 4 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 4))
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = nn.functional.cross_entropy(self.net(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class PixelSpeed(SpeedMonitor):
+    """Counts images and pixels as well, through the documented extension point."""
+
+    def count_units(self, batch):
+        images = batch[0]
+        return {**super().count_units(batch), "pixels": images.shape[0] * images.shape[2] * images.shape[3]}
+
+
+def test_an_image_classifier_logs_samples_and_its_own_units_never_tokens(tmp_path):
+    images = TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 4, (64,)))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path), enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False, callbacks=[PixelSpeed()],
+    )  # fmt: skip
+    trainer.fit(SmallCNN(), DataLoader(images, batch_size=16))
+    rows = [r for r in read_csv(Path(trainer.logger.log_dir) / "metrics.csv") if r.get("speed/samples_per_sec")]
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    assert not any(name.startswith(("speed/tokens", "speed/tflops", "speed/mfu")) for name in rows[0])
+    for row in rows:
+        assert float(row["speed/pixels_per_sec"]) == pytest.approx(64 * float(row["speed/samples_per_sec"]), rel=1e-9)
 
 
 def test_bad_arguments_name_the_option():

@@ -3,19 +3,21 @@
 Time is read only on logging steps: on CUDA as events recorded on the stream
 (a window is measured once its closing event has completed, which
 :meth:`torch.cuda.Event.query` tells without waiting, so a value can lag by
-one logging interval); elsewhere with the wall clock. Sample and token counts
-come from batch shapes, which live on the host. Values go through
-``LightningModule.log`` as host (CPU) tensors, so logging them reads nothing
-back from the device.
+one logging interval); elsewhere with the wall clock. What a batch holds is
+counted from its shapes, which live on the host (:meth:`SpeedMonitor.count_units`).
+Values go through ``LightningModule.log`` as host (CPU) tensors, so logging
+them reads nothing back from the device.
 
-Logged every logging step, for all ranks together:
-``speed/samples_per_sec``, ``speed/tokens_per_sec`` (when batches have a
-sequence dimension), ``speed/tflops_per_sec`` and ``speed/mfu`` (model FLOPs
-utilisation per device, when the FLOPs per token and the device's peak are known).
+Logged every logging step, for all ranks together: ``speed/<unit>_per_sec``
+for every unit counted, by default ``speed/samples_per_sec`` always and
+``speed/tokens_per_sec`` for batches of token ids; then, when tokens and the
+FLOPs per token are known, ``speed/tflops_per_sec`` and ``speed/mfu`` (model
+FLOPs utilisation per device, when the device's peak is known too).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,28 +32,47 @@ from lightning_fastdist.callbacks.step_clock import CudaEventClock, WallClock, c
 from lightning_fastdist.diagnostics.peak_flops import TERA, matmul_dtype, peak_flops
 
 
-def batch_shape(batch: Any) -> tuple[int, int] | None:
-    """``(samples, tokens per sample)`` of the first tensor in ``batch``; tokens is 0 for 1-D inputs."""
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The first tensor in ``batch`` (a tensor, or nested sequences and mappings), depth first."""
     if isinstance(batch, torch.Tensor):
-        return (batch.shape[0], batch.shape[1] if batch.dim() >= 2 else 0) if batch.dim() >= 1 else None
+        return batch
     items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) and not isinstance(batch, str) else ()
     for item in items:
-        shape = batch_shape(item)
-        if shape is not None:
-            return shape
+        found = first_tensor(item)
+        if found is not None:
+            return found
     return None
+
+
+def default_units(batch: Any) -> dict[str, int]:
+    """``samples`` (the first dimension of the batch's first tensor) and, for token ids, ``tokens``.
+
+    The first tensor is taken as token ids when it is an integer tensor of shape
+    ``(samples, sequence)``; then ``tokens`` is its number of elements. Images,
+    feature vectors and other float inputs count samples only.
+    """
+    first = first_tensor(batch)
+    if first is None or first.dim() == 0:
+        return {}
+    units = {"samples": first.shape[0]}
+    if first.dim() == 2 and not (first.is_floating_point() or first.is_complex() or first.dtype == torch.bool):
+        units["tokens"] = first.numel()
+    return units
 
 
 @dataclass
 class _Window:
     start: Any
     end: Any
-    samples: int
-    tokens: int
+    units: Counter[str]
 
 
 class SpeedMonitor(Callback):
     """Log training throughput and MFU on logging steps, never synchronising the device.
+
+    What a batch is made of is counted by :meth:`count_units`: samples, and
+    tokens for batches of token ids. A subclass overrides it to count its own
+    units (images, pixels, frames, ...), each logged as ``speed/<unit>_per_sec``.
 
     Args:
         flops_per_token: training FLOPs (forward + backward) per token. ``None``
@@ -70,9 +91,25 @@ class SpeedMonitor(Callback):
         self.peak_flops_per_device = peak_flops_per_device
         self._clock: WallClock | CudaEventClock = WallClock()
         self._start: Any = None
-        self._samples = 0
-        self._tokens = 0
+        self._units: Counter[str] = Counter()
         self._pending: list[_Window] = []
+
+    def count_units(self, batch: Any) -> dict[str, int]:
+        """What one training batch of this rank holds, by unit name: override to count your own units.
+
+        The default is :func:`default_units`: ``{"samples": B}``, plus
+        ``{"tokens": B * T}`` when the batch's first tensor is integer token ids
+        of shape ``(B, T)``. Each name is logged as ``speed/<name>_per_sec`` for
+        all ranks together; ``tokens`` also gives TFLOP/s and MFU. Count from
+        shapes only (reading a device tensor's values would synchronise). For
+        images, for example::
+
+            class ImageSpeed(SpeedMonitor):
+                def count_units(self, batch):
+                    images = batch[0]  # (B, C, H, W)
+                    return {"images": images.shape[0], "pixels": images.shape[0] * images.shape[2] * images.shape[3]}
+        """
+        return default_units(batch)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -96,9 +133,7 @@ class SpeedMonitor(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        samples, tokens_per_sample = batch_shape(batch) or (0, 0)
-        self._samples += samples
-        self._tokens += samples * tokens_per_sample
+        self._units.update(self.count_units(batch))
         if trainer._logger_connector.should_update_logs:
             self._close_window()
             self._log_finished_windows(trainer, pl_module)
@@ -113,29 +148,27 @@ class SpeedMonitor(Callback):
         if self._start is None:
             return
         end = self._clock.mark()
-        self._pending.append(_Window(self._start, end, self._samples, self._tokens))
-        self._start, self._samples, self._tokens = end, 0, 0
+        self._pending.append(_Window(self._start, end, self._units))
+        self._start, self._units = end, Counter()
 
     def _log_finished_windows(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        seconds = samples = tokens = 0
+        seconds, units = 0.0, Counter()
         while self._pending:
             window = self._pending[0]
             if not self._clock.reached(window.end):
                 break
-            elapsed = self._clock.seconds(window.start, window.end)
+            seconds += self._clock.seconds(window.start, window.end)
+            units.update(window.units)
             self._pending.pop(0)
-            seconds, samples, tokens = seconds + elapsed, samples + window.samples, tokens + window.tokens
         if seconds <= 0:
             return
         ranks = trainer.world_size
-        metrics = {"speed/samples_per_sec": samples * ranks / seconds}
-        if tokens:
-            metrics["speed/tokens_per_sec"] = tokens * ranks / seconds
-            if self.flops_per_token is not None:
-                flops_per_sec = metrics["speed/tokens_per_sec"] * self.flops_per_token
-                metrics["speed/tflops_per_sec"] = flops_per_sec / TERA
-                if self.peak_flops_per_device is not None:
-                    metrics["speed/mfu"] = flops_per_sec / (ranks * self.peak_flops_per_device)
+        metrics = {f"speed/{unit}_per_sec": count * ranks / seconds for unit, count in units.items()}
+        if units["tokens"] and self.flops_per_token is not None:
+            flops_per_sec = metrics["speed/tokens_per_sec"] * self.flops_per_token
+            metrics["speed/tflops_per_sec"] = flops_per_sec / TERA
+            if self.peak_flops_per_device is not None:
+                metrics["speed/mfu"] = flops_per_sec / (ranks * self.peak_flops_per_device)
         for name, value in metrics.items():
             # A host tensor: Lightning keeps it on the CPU, so neither logging nor reading it touches the device.
             pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False)

@@ -2,7 +2,8 @@
 
 Per rank it measures, with no per-step device sync: the mean step time over a
 window after warm-up (the clock is read at the window's two ends, with one
-device synchronisation each), tokens per second, peak memory, the bytes of
+device synchronisation each), samples and tokens per second (tokens for batches
+of token ids, as :class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
 the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
 FastFSDPStrategy's all-gathers and reduce-scatters), host
 syncs per step (counted from the start of the third-to-last step to the start
@@ -22,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_fastdist.callbacks.speed_monitor import default_units
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 
 SYNC_COUNT_STEPS = 2
@@ -53,7 +55,7 @@ class BenchProbe(L.Callback):
         self._window_start: float | None = None
         self._window_steps = 0
         self._step_time: float | None = None
-        self._tokens_per_step = 0
+        self._units_per_step: dict[str, int] = {}
         self._syncs: HostSyncCounter | None = None
         self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
         self._last_loss: torch.Tensor | None = None
@@ -78,9 +80,12 @@ class BenchProbe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._window_start is not None and self._step_time is None:
             self._window_steps += 1
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        self._tokens_per_step = inputs.numel() * trainer.world_size
+        self._units_per_step = {unit: count * trainer.world_size for unit, count in default_units(batch).items()}
         self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
+
+    def _per_second(self, unit: str) -> float | None:
+        count = self._units_per_step.get(unit)
+        return count / self._step_time if count and self._step_time else None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak, peak_kind = peak_memory_bytes(pl_module.device)
@@ -88,7 +93,8 @@ class BenchProbe(L.Callback):
         result = {
             "steps": trainer.global_step,
             "step_time_s": self._step_time,
-            "tokens_per_s": self._tokens_per_step / self._step_time if self._step_time else None,
+            "samples_per_s": self._per_second("samples"),
+            "tokens_per_s": self._per_second("tokens"),
             "peak_memory_bytes": peak,
             "peak_memory_kind": peak_kind,
             "comm_bytes_per_step": comm.last_step_bytes if comm is not None else None,
