@@ -28,7 +28,9 @@ def test_bad_arguments_name_the_flag(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_bench_compares_setups_and_writes_json_and_plot(in_tmp_dir):
+def test_bench_compares_setups_and_writes_json_and_plot_and_nothing_else(in_tmp_dir):
+    users = "# the user's own config, with comments\ntrainer: {max_steps: 3}\n"
+    (in_tmp_dir / "config.yaml").write_text(users)
     model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
                   "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
     result = run_launcher(
@@ -46,7 +48,10 @@ def test_bench_compares_setups_and_writes_json_and_plot(in_tmp_dir):
     # ZeRO-3 gathers the blocks for forward and again for backward, the root once; reduce-scatters every gradient.
     assert rows["fsdp-zero3"]["comm_bytes_by_collective"] == {"allgather": 2 * full - root, "reduce_scatter": full}
     for name in ("ddp", "ddp-fp16", "fsdp-zero3"):
-        assert rows[name]["steps"] == 7 and rows[name]["tokens_per_s"] > 0 and rows[name]["final_loss"] > 0
+        assert rows[name]["steps"] == 7 and rows[name]["final_loss"] > 0
+        assert rows[name]["tokens_per_s"] == pytest.approx(32 * rows[name]["samples_per_s"])  # 32-token sequences
         assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
     assert "deepspeed" in rows["deepspeed-zero3"]["skipped"].lower()
     assert (in_tmp_dir / "bench_results" / "bench.png").stat().st_size > 10_000
+    assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["bench_results", "config.yaml"]
+    assert (in_tmp_dir / "config.yaml").read_text() == users

@@ -5,7 +5,8 @@ and without activation checkpointing, DeepSpeed ZeRO-2/3 where it can run)
 trains the same recipe for ``--steps`` steps in fresh processes, measured by
 :class:`~lightning_fastdist.commands.bench_probe.BenchProbe`. The command
 prints a table as rows finish, and writes ``bench.json`` and ``bench.png``
-(tokens/s and peak memory per setup) into ``--output``. Every setup trains
+(tokens/s and peak memory per setup) into ``--output``, with each setup's log,
+overlay recipe and resolved config; nothing else is written. Every setup trains
 with :class:`~lightning_fastdist.SyncFreeLogging`, the stack our recipes use.
 """
 
@@ -69,10 +70,11 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], str, list[str]]:
     return argv, "", []
 
 
-def _overlay(setup: BenchSetup, probe_output: Path) -> dict:
+def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path) -> dict:
     return {
         "trainer": {
             "strategy": setup.strategy_config(),
+            "default_root_dir": str(run_folder),  # the resolved config goes here, not into the working directory
             "logger": False,
             "enable_checkpointing": False,
             "enable_progress_bar": False,
@@ -91,7 +93,7 @@ def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict
         return {"setup": setup.name, "skipped": setup.needs}
     probe_output = output / f"{setup.name}.json"
     overlay = output / f"{setup.name}.yaml"
-    overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output)))
+    overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name)))
     command = [
         sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", args.config, "--config", str(overlay),
         "--trainer.max_steps", str(args.steps),
