@@ -63,7 +63,7 @@ class ExactResume:
         world_size = self.world_size  # type: ignore[attr-defined]
         if len(per_rank) != world_size:
             rank_zero_warn(
-                f"This checkpoint was written by {len(per_rank)} ranks and is resumed by {world_size}: the run continues "
+                f"This checkpoint was written by {_ranks(len(per_rank))} and is resumed by {_ranks(world_size)}: the run continues "
                 "at the next sample but not bit for bit (random draws such as dropout follow this run's seed, and each "
                 "step's gradient is summed over another split of the batch)."
             )
@@ -82,3 +82,7 @@ class ExactResume:
             set_rng_states(self._rng_for_next_batch)
             self._rng_for_next_batch = None
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count != 1 else ''}"
