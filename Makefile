@@ -13,14 +13,15 @@ BIN := $(VENV)/bin
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install -qq --upgrade pip
 
-install: $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]"
+install: $(BIN)/python  # -qq: errors only (setuptools warns about every editable install)
+	$(BIN)/pip install -qq "$(TORCH_SPEC)"
+	$(BIN)/pip install -qq -e ".[test]"
 
+# The progress bar and the final numbers only: Lightning's informational lines are hidden.
 demo: install
-	$(BIN)/lightning-fastdist fit --config cpu_smoke
+	LIGHTNING_FASTDIST_QUIET=1 $(BIN)/lightning-fastdist fit --config cpu_smoke
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15

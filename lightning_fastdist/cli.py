@@ -113,10 +113,12 @@ class _DropTip(logging.Filter):
         return not record.getMessage().startswith("💡 Tip:")
 
 
-def _silence_known_noise() -> None:
+def _silence_known_noise(resuming: bool) -> None:
     """Hide output that says nothing about the user's run; with :data:`QUIET_VARIABLE` also Lightning's info lines."""
     # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank (lightning/pytorch/utilities/_pytree.py).
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    if resuming:  # the recipes' fixed checkpoint folder holds the checkpoints being resumed from, as it should
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTip())
     if os.environ.get(QUIET_VARIABLE, "") not in ("", "0"):
         for name in ("lightning.pytorch", "lightning.fabric"):
@@ -178,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _say(f"note: {note}", sys.stderr)
         if argv is None:
             sys.argv[1:] = args
-        _silence_known_noise()
+        _silence_known_noise(resuming=any(arg.partition("=")[0] == "--ckpt_path" for arg in args))
         cli = FastDistCLI(
             LightningModule,
             LightningDataModule,

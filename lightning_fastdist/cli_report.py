@@ -9,12 +9,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_fastdist.cli_config import OwnConfigSaver
+from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is inside it (Lightning makes some absolute)."""
+    relative = os.path.relpath(path) if is_local_path(path) and os.path.isabs(path) else path
+    return path if relative.startswith("..") else relative
 
 
 def _metrics_location(logger: Logger) -> str:
     if isinstance(logger, CSVLogger):
-        return logger.experiment.metrics_file_path
-    return str(logger.log_dir or logger.save_dir)
+        return _shown(logger.experiment.metrics_file_path)
+    return _shown(str(logger.log_dir or logger.save_dir))
 
 
 def _checkpoints_location(trainer: Trainer) -> str:
@@ -22,9 +29,9 @@ def _checkpoints_location(trainer: Trainer) -> str:
     if not isinstance(saver, ModelCheckpoint) or saver.dirpath is None:
         return "checkpoints: none (checkpointing is off)"
     if not saver.last_model_path and not saver.best_model_path:
-        return f"checkpoints: none saved in this run (folder {saver.dirpath})"
+        return f"checkpoints: none saved in this run (folder {_shown(saver.dirpath)})"
     newest = saver.last_model_path or saver.best_model_path
-    return f"checkpoints in {saver.dirpath}{os.sep} (newest: {os.path.basename(newest)})"
+    return f"checkpoints in {_shown(saver.dirpath)}{os.sep} (newest: {os.path.basename(newest)})"
 
 
 def _config_location(trainer: Trainer) -> str | None:
@@ -33,7 +40,7 @@ def _config_location(trainer: Trainer) -> str | None:
         return None
     saver = savers[0]
     if saver.saved_to is not None:
-        return f"config in {saver.saved_to}"
+        return f"config in {_shown(saver.saved_to)}"
     return "config not saved" + (f" ({saver.not_saved_because})" if saver.not_saved_because else "")
 
 

@@ -28,6 +28,7 @@ from tests.harness import run_function
 from tests.workloads import make_trainer, repeated_batches, tiny_gpt
 
 USER_FILE = "notes.txt"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
 
 
 def user_folder(parent: Path) -> Path:
@@ -53,8 +54,12 @@ def staged_checkpoint(target: Path, tag: str, shards: int = 2) -> Path:
 
 def test_a_file_onto_a_users_folder_is_refused_and_the_folder_kept(tmp_path):
     folder = user_folder(tmp_path)
-    with pytest.raises(IsADirectoryError, match=r"exp1 is a folder holding notes.txt, not a checkpoint"):
+    with pytest.raises(IsADirectoryError) as refused:
         save_file_atomically(lambda staged: staged.write_text("checkpoint"), folder)
+    documented = ("The checkpoint path exists and is a directory: ", "not a checkpoint, and is never replaced. Save to a file inside it")
+    assert all(part in str(refused.value) and part in DOCS.read_text() for part in documented)
+    assert "`full-checkpoint-onto-a-folder`" in DOCS.read_text()
+    assert f"{folder} is a folder holding notes.txt, not a checkpoint" in str(refused.value)
     assert os.listdir(folder) == [USER_FILE] and (folder / USER_FILE).read_text() == "the user's own notes"
     assert sorted(os.listdir(tmp_path)) == ["exp1"]  # refused before writing: no staging file either
 
