@@ -68,7 +68,7 @@ class _Resume:
 
 
 class _SkipFirst(Iterable):
-    """The loader's index sampler, minus what the resume planned in ``loader._resume_next`` for the iteration that starts next."""
+    """The loader's index sampler, minus what ``loader._resume_next`` says the next iteration skips."""
 
     def __init__(self, index_sampler: Iterable, loader: ResumableDataLoader) -> None:
         self.index_sampler = index_sampler
@@ -135,15 +135,17 @@ class ResumableDataLoader(DataLoader):
                 "resume with the same world size x batch size, or with one of those strategies."
             )
         share = epoch_share(self.sampler)
-        self._epoch, self._batches, self._resume_next, self._count_taken = epoch, 0, resume, False
-        self._samples = 0 if self._counts_positions(share) else None
-        if resume is not None:
-            self._batches, self._samples = resume.batches, resume.samples
+        if resume is None:
+            resume = _Resume(0, 0 if self._counts_positions(share) else None, None)
+        self._epoch, self._batches, self._samples = epoch, resume.batches, resume.samples
+        self._resume_next, self._count_taken = resume, False
         for batch in self._epoch_iterator(epoch):
             if self._resume_next is not None:
                 # The iterator drew its indices without going through _index_sampler (a torch change):
                 # fail loudly rather than resume at the wrong position.
-                raise RuntimeError("ResumableDataLoader: this torch's DataLoader bypasses _index_sampler; cannot resume mid-epoch.")
+                raise RuntimeError(
+                    "ResumableDataLoader: this torch's DataLoader bypasses _index_sampler; cannot resume mid-epoch."
+                )
             # Counted before it is handed out: a checkpoint taken during its step includes it.
             self._batches += 1
             if self._samples is not None:
@@ -160,23 +162,15 @@ class ResumableDataLoader(DataLoader):
     def _plan(self, saved: dict[str, Any]) -> _Resume:
         """Where this rank resumes the saved epoch; raises ``ValueError`` when it cannot find the place."""
         share = epoch_share(self.sampler)
-        same_geometry = (saved["world_size"], saved["batch_size"]) == (share.world_size, self.batch_size)
-        known_orders = saved["order"] is not None and share.order is not None
-        if known_orders and saved["order"] != share.order:
-            self._refuse(saved, f"this run's sampler reads another order ({share.order}, the checkpoint's: {saved['order']}), so samples would be repeated and skipped")
+        if None not in (saved["order"], share.order) and saved["order"] != share.order:
+            self._refuse(
+                saved,
+                f"this run's sampler reads another order ({share.order}, the checkpoint's: {saved['order']}), "
+                "so samples would be repeated and skipped",
+            )
         if saved["samples"] is not None and self._counts_positions(share):
-            position = saved["samples"]
-            rest = [max(0, share.samples - positions_read_before(position, rank, share.world_size)) for rank in range(share.world_size)]
-            left = [self._batches_in(items) for items in rest]
-            if len(set(left)) > 1:
-                self._refuse(saved, f"its ranks would be left with different numbers of batches ({left}) and hang at the end of the epoch")
-            # drop_last leaves out each rank's last partial batch; never more than an uninterrupted run leaves out.
-            left_out = sum(max(0, items - batches * self.batch_size - self._left_out(share.samples)) for items, batches in zip(rest, left))
-            if left_out:
-                self._refuse(saved, f"drop_last would skip {left_out} samples of the epoch that an uninterrupted run reads")
-            skip = positions_read_before(position, share.rank, share.world_size)
-            return _Resume(self._batches_in(share.samples) - left[share.rank], position, skip)
-        if not same_geometry:
+            return self._plan_by_position(saved, share)
+        if (saved["world_size"], saved["batch_size"]) != (share.world_size, self.batch_size):
             self._refuse(
                 saved,
                 "the sampler's order is not known (DistributedSampler, EpochShuffleSampler and SequentialSampler have "
@@ -184,6 +178,19 @@ class ResumableDataLoader(DataLoader):
                 "here would repeat or skip samples",
             )
         return _Resume(saved["batches"], None, None)
+
+    def _plan_by_position(self, saved: dict[str, Any], share: EpochShare) -> _Resume:
+        position = saved["samples"]
+        skips = [positions_read_before(position, rank, share.world_size) for rank in range(share.world_size)]
+        rest = [max(0, share.samples - skip) for skip in skips]
+        left = [self._batches_in(items) for items in rest]
+        if len(set(left)) > 1:
+            self._refuse(saved, f"its ranks would be left with different numbers of batches ({left}) and hang")
+        # drop_last leaves out each rank's last partial batch: never more than an uninterrupted run does.
+        skipped = sum(max(0, self._left_out(items) - self._left_out(share.samples)) for items in rest)
+        if skipped:
+            self._refuse(saved, f"drop_last would skip {skipped} samples of the epoch that an uninterrupted run reads")
+        return _Resume(self._batches_in(share.samples) - left[share.rank], position, skips[share.rank])
 
     def _batches_in(self, items: int) -> int:
         assert self.batch_size is not None
@@ -195,10 +202,10 @@ class ResumableDataLoader(DataLoader):
 
     def _refuse(self, saved: dict[str, Any], reason: str) -> None:
         share = epoch_share(self.sampler)
-        read = f"{saved['samples']} samples read" if saved["samples"] is not None else f"{saved['batches']} batches per rank"
-        then = _geometry(saved["world_size"], saved["batch_size"])
+        read = f"{saved['samples']} samples read" if saved["samples"] is not None else f"{saved['batches']} batches"
+        then, now = _geometry(saved["world_size"], saved["batch_size"]), _geometry(share.world_size, self.batch_size)
         raise ValueError(
-            f"ResumableDataLoader: cannot continue epoch {saved['epoch']} at {_geometry(share.world_size, self.batch_size)} "
+            f"ResumableDataLoader: cannot continue epoch {saved['epoch']} at {now} "
             f"from where {then} left it ({read}): {reason}. Resume at {then}, or from a checkpoint taken at the end "
             "of an epoch."
         )

@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count, reopen_epoch_cut_short
@@ -53,7 +52,8 @@ class ExactResume:
             return
         reopen_epoch_cut_short(checkpoint)
         self._rng_for_next_batch = collect_rng_states()
-        checkpoint[RNG_KEY] = gather_to_rank_zero(self._rng_for_next_batch, self.world_size, self.global_rank)  # type: ignore[attr-defined]
+        rank, world_size = self.global_rank, self.world_size  # type: ignore[attr-defined]
+        checkpoint[RNG_KEY] = gather_to_rank_zero(self._rng_for_next_batch, world_size, rank)
 
     def _take_resume_state(self, checkpoint: dict[str, Any]) -> None:
         """Keep this rank's random states from a loaded ``checkpoint`` for the next training batch."""
@@ -63,20 +63,18 @@ class ExactResume:
         world_size = self.world_size  # type: ignore[attr-defined]
         if len(per_rank) != world_size:
             rank_zero_warn(
-                f"This checkpoint was written by {_ranks(len(per_rank))} and is resumed by {_ranks(world_size)}: the run continues "
-                "at the next sample but not bit for bit (random draws such as dropout follow this run's seed, and each "
-                "step's gradient is summed over another split of the batch)."
+                f"This checkpoint was written by {_ranks(len(per_rank))} and is resumed by {_ranks(world_size)}: "
+                "the run continues at the next sample but not bit for bit (random draws such as dropout follow this "
+                "run's seed, and each step's gradient is summed over another split of the batch)."
             )
             self._rng_for_next_batch = None
             return
         self._rng_for_next_batch = per_rank[self.global_rank]  # type: ignore[attr-defined]
 
-    @override
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
         align_resumed_batch_count(self.lightning_module.trainer)  # type: ignore[attr-defined]
 
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._rng_for_next_batch is not None:
             set_rng_states(self._rng_for_next_batch)

@@ -65,7 +65,9 @@ def align_resumed_batch_count(trainer: pl.Trainer) -> None:
     if not counts:
         return
     if len(counts) > 1:
-        raise ValueError(f"ResumableDataLoader: the training loaders resume epoch {epoch} at different batches {sorted(counts)}.")
+        raise ValueError(
+            f"ResumableDataLoader: the training loaders resume epoch {epoch} at different batches {sorted(counts)}."
+        )
     progress = trainer.fit_loop.epoch_loop.batch_progress
     shift = counts.pop() - progress.current.ready
     for tracker in (progress.current, progress.total):
