@@ -1,9 +1,10 @@
 """Exact resume on 2 gloo processes: N steps straight == N/2 steps, a checkpoint on disk, resume, N/2 steps.
 
-Bitwise-identical weights (``torch.equal``), the same batches in the same order
-on every rank (nothing seen twice, nothing skipped, the resume falling in the
-middle of an epoch), for FastDDPStrategy with PowerSGD and an fp16 GradScaler
-and for FastFSDPStrategy with a sharded checkpoint.
+Bitwise-identical weights (``torch.equal``) with dropout (each rank's random
+states travel in the checkpoint), the same batches in the same order on every
+rank (nothing seen twice, nothing skipped, the resume falling in the middle of an
+epoch), for FastDDPStrategy with PowerSGD and an fp16 GradScaler and for
+FastFSDPStrategy with a sharded checkpoint.
 """
 
 from __future__ import annotations
