@@ -1,8 +1,8 @@
 """The private Lightning internals that the sync-free callbacks rely on, checked in one place.
 
 Lightning has no public hook for "hand the loggers their values" or "check for
-SIGTERM before a batch", so :class:`SyncFreeLogging` and :class:`SpeedMonitor`
-replace a few private methods *on one trainer's instances* (never on the
+SIGTERM before a batch", so :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
+:class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler` replace a few private methods *on one trainer's instances* (never on the
 classes) for the duration of a fit. Each is listed here with the versions it
 was verified on; :func:`require_internals` fails loudly, naming the missing
 piece, if an upgrade moved one, and ``tests/test_sync_free_logging.py``
@@ -27,9 +27,14 @@ INTERNALS = (
     ("_logger_connector", "metrics", None, "read this batch's metrics without converting them"),
     ("_logger_connector", "should_update_logs", None, "know whether this batch is a logging step"),
     ("_logger_connector", "_progress_bar_metrics", None, "show the last transferred values in the progress bar"),
-    ("_signal_connector", "_sigterm_notifier_fn", ("signum", "_"), "record SIGTERM without a collective"),
-    ("_signal_connector", "received_sigterm", None, "stop all ranks together after SIGTERM"),
-    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor", (), "move the per-batch SIGTERM check to the logging interval"),
+    ("_signal_connector", "register_signal_handlers", (), "record SIGTERM/SIGUSR1 without a collective"),
+    ("_signal_connector", "_register_signal", ("signum", "handlers"), "install the signal handlers"),
+    ("_signal_connector", "_get_current_signal_handlers", (), "restore the previous handlers at teardown"),
+    ("_signal_connector", "received_sigterm", None, "stop all ranks together after a signal"),
+    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor", (), "drop the per-batch SIGTERM broadcast (a host sync)"),
+    ("fit_loop.epoch_loop", "advance", ("data_fetcher",), "agree on a signal before an optimizer step's first batch"),
+    ("fit_loop.epoch_loop.batch_progress", "current", None, "know where an optimizer step starts"),
+    ("_checkpoint_connector", "hpc_save_path", ("folderpath",), "name the checkpoint of a stopped run without a ModelCheckpoint"),
 )
 
 
@@ -39,10 +44,10 @@ def lightning_version_is_tested(version: str = lightning.__version__) -> bool:
     return low <= Version(version) < high
 
 
-def _resolve(trainer: Trainer, path: str) -> object:
-    owner: object = trainer
+def _resolve(trainer: Trainer, path: str) -> object | None:
+    owner: object | None = trainer
     for part in path.split("."):
-        owner = getattr(owner, part)
+        owner = getattr(owner, part, None)
     return owner
 
 
@@ -52,7 +57,7 @@ def missing_internals(trainer: Trainer) -> list[str]:
     for path, name, parameters, purpose in INTERNALS:
         owner = _resolve(trainer, path)
         where = f"Trainer.{path}.{name}"
-        if not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {}):  # no getattr: properties run
+        if owner is None or not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {}):  # no getattr: properties run
             missing.append(f"{where} (used to {purpose}) does not exist")
             continue
         if parameters is not None:

@@ -18,9 +18,10 @@ With this callback:
   (:func:`scalars_to_host`). The loggers receive the same names, steps and
   values as without the callback; the progress bar shows the values of the
   last such transfer.
-- Under multi-process training the per-batch SIGTERM broadcast is replaced by
-  a check every ``sigterm_check_every_n_steps`` batches and at each training
-  epoch end (:class:`CoordinatedSigterm`).
+- Lightning's per-batch SIGTERM broadcast (a host sync every batch) is replaced
+  by :class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler`, which
+  every strategy of this package installs anyway; the callback installs it
+  under other strategies (Lightning's own ``DDPStrategy``, for example).
 
 It relies on private Lightning internals listed in
 :mod:`lightning_fastdist.callbacks.lightning_internals`, checked at ``setup``.
@@ -33,42 +34,38 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_fastdist.callbacks.coordinated_sigterm import CoordinatedSigterm
 from lightning_fastdist.callbacks.host_transfer import scalars_to_host
 from lightning_fastdist.callbacks.lightning_internals import InstancePatches, require_internals
+from lightning_fastdist.callbacks.preemption import PreemptionHandler
 
 # Lightning's suffixes: a metric logged with on_step=True and on_epoch=True appears as NAME_step / NAME_epoch,
 # and one logged from an evaluation loop with several dataloaders carries /dataloader_idx_N.
 _FORK_SUFFIXES = ("_step", "_epoch")
 _DATALOADER_MARK = "/dataloader_idx_"
-# Batches between SIGTERM checks when the trainer never logs (log_every_n_steps=0).
-_SIGTERM_CHECK_WHEN_NOT_LOGGING = 50
 
 
 class SyncFreeLogging(Callback):
     """Keep logged metrics on the device; move them to the host in one copy per logging step.
 
     Args:
-        sigterm_check_every_n_steps: under multi-process training, how many
-            training batches pass between two checks for SIGTERM (each check is
-            one small collective and one host read). ``None`` uses the trainer's
-            ``log_every_n_steps`` (50 if that is 0), so checks land next to the
-            logging steps. A SIGTERM is acted on at most this many batches late.
+        sigterm_check_every_n_steps: deprecated and ignored: signals are now agreed on at
+            every optimizer step without a host sync (see :mod:`~lightning_fastdist.callbacks.preemption`).
     """
 
     def __init__(self, sigterm_check_every_n_steps: int | None = None) -> None:
-        if sigterm_check_every_n_steps is not None and sigterm_check_every_n_steps < 1:
-            raise ValueError(
-                f"SyncFreeLogging: sigterm_check_every_n_steps must be >= 1 or None, got {sigterm_check_every_n_steps}."
+        if sigterm_check_every_n_steps is not None:
+            rank_zero_deprecation(
+                "SyncFreeLogging: sigterm_check_every_n_steps is ignored and will be removed: signals are agreed on "
+                "at every optimizer step without a host sync."
             )
-        self.sigterm_check_every_n_steps = sigterm_check_every_n_steps
         self.progress_bar_names: set[str] = set()
-        self._sigterm: CoordinatedSigterm | None = None
+        self._preemption: PreemptionHandler | None = None
         self._patches = InstancePatches()
 
     @override
@@ -77,22 +74,16 @@ class SyncFreeLogging(Callback):
         connector = trainer._logger_connector
         self._patches.replace(pl_module, "log", self._log_sync_free(pl_module))
         self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
-        if stage == "fit" and trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            every = self.sigterm_check_every_n_steps or trainer.log_every_n_steps or _SIGTERM_CHECK_WHEN_NOT_LOGGING
-            self._sigterm = CoordinatedSigterm(trainer, every)
-            self._sigterm.install()
-
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning's fit loop raises SIGTERMException right after this epoch if the ranks agree on a signal.
-        if self._sigterm is not None:
-            self._sigterm.agree_on_sigterm()
+        if not getattr(trainer.strategy, "handles_preemption", False):
+            timeout = getattr(trainer.strategy, "_timeout", None) or default_pg_timeout  # Lightning's DDP keeps it there
+            self._preemption = PreemptionHandler(trainer, timeout)
+            self._preemption.install()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._sigterm is not None:
-            self._sigterm.uninstall()
-            self._sigterm = None
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         self._patches.undo()
 
     def _log_sync_free(self, pl_module: LightningModule) -> Callable[..., None]:

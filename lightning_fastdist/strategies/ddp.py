@@ -17,6 +17,7 @@ confirm (``tests/test_fast_ddp.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -47,13 +48,13 @@ from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_ze
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options, sends_bf16
 from lightning_fastdist.strategies.exact_resume import ExactResume
-from lightning_fastdist.strategies.lost_peer import explain_lost_peer
+from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
-class FastDDPStrategy(ExactResume, CommBytesLogging, DDPStrategy):
+class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
@@ -220,6 +221,7 @@ class FastDDPStrategy(ExactResume, CommBytesLogging, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        self.start_fault_handling(trainer)
         if self.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
@@ -231,6 +233,7 @@ class FastDDPStrategy(ExactResume, CommBytesLogging, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.refuse_non_finite(checkpoint, filepath)
         self._add_resume_state(checkpoint)
         if isinstance(self.hook_state, PowerSGDState):
             checkpoint[CHECKPOINT_KEY] = {
@@ -247,13 +250,9 @@ class FastDDPStrategy(ExactResume, CommBytesLogging, DDPStrategy):
             )
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        explain_lost_peer(exception, self.timeout, self.global_rank)
-        super().on_exception(exception)
-
-    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=False)
         self._take_resume_state(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:

@@ -11,6 +11,7 @@ background.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,7 +47,7 @@ from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, valida
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.exact_resume import ExactResume
-from lightning_fastdist.strategies.lost_peer import explain_lost_peer
+from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 
@@ -63,7 +64,7 @@ def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]
     return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
-class FastFSDPStrategy(ExactResume, CommBytesLogging, ModelParallelStrategy):
+class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -186,6 +187,7 @@ class FastFSDPStrategy(ExactResume, CommBytesLogging, ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        self.start_fault_handling(trainer)
         if self.compile_config is not None:
             self.recompiles.start()
         self.accelerator.setup(trainer)
@@ -278,6 +280,7 @@ class FastFSDPStrategy(ExactResume, CommBytesLogging, ModelParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
+        self.refuse_non_finite(checkpoint, filepath)
         self._add_resume_state(checkpoint)
         path = Path(self.broadcast(filepath))
         if self.checkpoint_format == "full":
@@ -299,14 +302,10 @@ class FastFSDPStrategy(ExactResume, CommBytesLogging, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=None)
         self._take_resume_state(checkpoint)
         return checkpoint
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        explain_lost_peer(exception, self.timeout, self.global_rank)
-        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

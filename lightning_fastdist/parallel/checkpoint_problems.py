@@ -1,0 +1,88 @@
+"""Say in one line what is wrong with a checkpoint that does not load, naming the file.
+
+A truncated file, a missing shard or a YAML file passed as a checkpoint ends
+deep inside ``torch.load`` or ``torch.distributed.checkpoint`` with a long
+traceback that often does not name the file (``IndexError: pop from empty
+list``, ``EOFError``, ``CheckpointException``). :func:`describe_unloadable`
+looks at the path itself (is it there, a folder or a file, a zip or pickle
+archive, complete; for a sharded folder: its ``.metadata`` and every shard file
+that metadata names, with their sizes) and returns the first thing wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+
+SHARDED_METADATA = ".metadata"
+# How a file written by torch.save starts: a zip archive (torch >= 1.6) or a raw pickle (protocol 2+).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"
+
+
+class UnusableCheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message is one line naming the path and the problem."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _file_problem(path: Path) -> str | None:
+    with open(path, "rb") as file:
+        head = file.read(len(_ZIP_MAGIC))
+    if head.startswith(_ZIP_MAGIC):
+        return None
+    if head.startswith(_PICKLE_MAGIC):
+        return None
+    printable = head.decode("utf-8", errors="replace")
+    return f"is not a torch checkpoint (it starts with {printable!r}; a recipe or other text file?)"
+
+
+def _sharded_folder_problem(path: Path) -> str | None:
+    if not (path / SHARDED_METADATA).is_file():
+        return f"has no {SHARDED_METADATA} file: an incomplete sharded save, or not a checkpoint folder"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure to read it is the answer
+        return f"has an unreadable {SHARDED_METADATA} ({_first_line(error)})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"is missing its shard {name}"
+        if shard.stat().st_size < size:
+            return f"has a truncated shard {name} ({shard.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def describe_unloadable(path: str | Path, error: BaseException, expects_folder: bool | None = None) -> str:
+    """One line: ``path`` and what is wrong with it, for a load of ``path`` that raised ``error``.
+
+    Args:
+        path: the checkpoint path that failed to load.
+        error: what the load raised (its first line is used when the path itself looks fine,
+            e.g. a checkpoint of another model).
+        expects_folder: ``True`` when the strategy loads sharded folders only,
+            ``False`` when it loads single files only, ``None`` when it takes both.
+    """
+    path = Path(path)
+    problem: str | None
+    if not path.exists():
+        problem = "does not exist"
+    elif path.is_dir():
+        if expects_folder is False:
+            problem = "is a folder, not a checkpoint file"
+            if (path / SHARDED_METADATA).is_file():
+                problem += " (a sharded checkpoint: load it with FastFSDPStrategy)"
+        else:
+            problem = _sharded_folder_problem(path)
+    else:
+        problem = _file_problem(path)
+        if problem is None and "central directory" in str(error):
+            problem = f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
+    return f"checkpoint '{path}' {problem or 'cannot be loaded: ' + _first_line(error)}."

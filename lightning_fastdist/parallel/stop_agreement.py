@@ -1,0 +1,80 @@
+"""Agree across ranks on a stop request (a signal one rank received) without synchronising any device.
+
+A signal handler may not run collectives: the rank that got the signal would
+enter a collective the others are not in (the deadlock of Lightning's SIGTERM
+broadcast). Here the handler only records the request on the host
+(:meth:`StopAgreement.request`), and every rank calls :meth:`StopAgreement.poll`
+at the same points of training (step boundaries). Each poll starts one
+asynchronous all-reduce (max) of a one-element CPU tensor on a gloo group of its
+own and returns the result of the previous poll's all-reduce, which has long
+completed by then. Every rank therefore reads the same agreed value at the same
+boundary, one boundary after the request was included, and no device is ever
+waited for: the tensor lives on the host, and its value is read through NumPy.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+NO_REQUEST = 0
+
+
+class StopAgreement:
+    """Turns stop requests recorded by any rank into one decision that every rank reads at the same boundary.
+
+    Args:
+        group: a gloo process group over all ranks that nothing else uses (see
+            :func:`new_agreement_group`), or ``None`` for a single process.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.requested = NO_REQUEST
+        self._in_flight: tuple[torch.Tensor, dist.Work] | None = None
+
+    def request(self, code: int) -> None:
+        """Record a stop request (for example a signal number > 0) on this rank; safe in a signal handler."""
+        self.requested = max(self.requested, int(code))
+
+    def poll(self) -> int:
+        """Collective: the largest request any rank had made by the previous poll (``NO_REQUEST`` if none).
+
+        Call it at the same points on every rank. Without a group (one process)
+        the answer is this process's own request, at once.
+        """
+        if self.group is None:
+            return self.requested
+        agreed = self._finish()
+        flag = torch.tensor([self.requested], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._in_flight = (flag, work)
+        return agreed
+
+    def _finish(self) -> int:
+        if self._in_flight is None:
+            return NO_REQUEST
+        (flag, work), self._in_flight = self._in_flight, None
+        work.wait()
+        return int(flag.numpy()[0])  # a host tensor: no device is involved
+
+    def close(self) -> None:
+        """Wait for the all-reduce still in flight (every rank started it); errors of a lost peer are ignored."""
+        try:
+            self._finish()
+        except RuntimeError:
+            pass  # a peer that already failed: training reports that error itself
+
+
+def new_agreement_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """Collective: a gloo group over all ranks for :class:`StopAgreement`, or ``None`` for a single process.
+
+    gloo reduces host tensors whatever the training backend (NCCL included), and a
+    group of its own keeps these small all-reduces out of the order of training's
+    collectives. ``timeout`` bounds how long a rank waits for a silent peer.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
