@@ -9,11 +9,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SyncFreeLogging, count_host_syncs
-from lightning_fastdist.callbacks.nonfinite_loss import METRIC, NonFiniteLoss
+from lightning_fastdist.callbacks.nonfinite_loss import METRIC, NonFiniteLoss, NonFiniteLossError
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError
 from tests.harness import DistributedRunError, run_function
 
 STEPS, LOG_EVERY, BAD_STEP, BAD_RANK = 6, 3, 1, 1
@@ -99,8 +101,75 @@ def test_stop_raises_on_every_rank_at_the_check(tmp_path):
     [
         (dict(action="ignore"), "action must be one of 'skip', 'stop', 'off', got 'ignore'"),
         (dict(check_every_n_steps=0), "check_every_n_steps must be an integer >= 1 or None, got 0"),
+        (dict(max_consecutive_skips=0), "max_consecutive_skips must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NonFiniteLoss(**kwargs)
+
+
+class NaNFromStepGPT(TinyGPT):
+    """Rank 1's loss is NaN from optimizer step ``first_bad`` on (every step, or only that one)."""
+
+    def __init__(self, first_bad: int, every_step: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.first_bad, self.every_step = first_bad, every_step
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        bad = self.global_step >= self.first_bad if self.every_step else self.global_step == self.first_bad
+        return loss * float("nan") if bad and self.global_rank == 1 else loss
+
+
+def train_into_checkpoints(folder: str, callbacks: list, first_bad: int, every_step: bool) -> str:
+    """Fit with a checkpoint every 2 steps and a NaN loss from ``first_bad``; return how the fit ended."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FastDDPStrategy(timeout=60), max_steps=12, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[
+            ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True), *callbacks],
+    )  # fmt: skip
+    model = NaNFromStepGPT(first_bad, every_step, n_layer=1, n_embd=16, n_head=2, block_size=16, warmup_steps=0)
+    try:
+        trainer.fit(model, TextDataModule(batch_size=4, block_size=16))
+    except (NonFiniteLossError, NonFiniteCheckpointError) as error:
+        return f"{type(error).__name__} at step {trainer.global_step}: {error}"
+    return f"finished at step {trainer.global_step}"
+
+
+def saved_steps_all_finite(folder: Path) -> dict[str, bool]:
+    finite = {}
+    for path in sorted(folder.glob("*.ckpt")):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        tensors = [*checkpoint["state_dict"].values()]
+        tensors += [v for state in checkpoint["optimizer_states"][0]["state"].values() for v in state.values()]
+        finite[f"{path.name} (step {checkpoint['global_step']})"] = all(bool(torch.isfinite(t).all()) for t in tensors)
+    return finite
+
+
+def three_runs_into_checkpoints(root: str) -> dict[str, str]:
+    """The three scenarios of the test below, one after the other in the same two processes."""
+    return {
+        "stop": train_into_checkpoints(f"{root}/stop", [NonFiniteLoss("stop", check_every_n_steps=10)], 3, False),
+        "no-callback": train_into_checkpoints(f"{root}/no-callback", [], 3, False),
+        "skip-every-step": train_into_checkpoints(
+            f"{root}/skip-every-step", [NonFiniteLoss("skip", check_every_n_steps=5, max_consecutive_skips=3)], 1, True
+        ),
+    }
+
+
+@pytest.mark.slow
+def test_a_nan_loss_never_reaches_a_checkpoint_and_skip_stops_a_diverged_run(tmp_path):
+    ranks = run_function(three_runs_into_checkpoints, 2, args=(str(tmp_path),), init_process_group=False, timeout=300)
+    for ends in ranks:
+        # A NaN at step 3, checked only every 10 steps: the save at step 4 reads the count and stops.
+        assert ends["stop"].startswith("NonFiniteLossError at step 4"), ends
+        # Without the callback the strategy itself refuses to save NaN weights.
+        assert ends["no-callback"].startswith("NonFiniteCheckpointError at step 4"), ends
+        # NaN on every step from step 1: skipped, but not for most of the run.
+        assert ends["skip-every-step"].startswith("NonFiniteLossError at step 5") and "4 of them in a row" in ends["skip-every-step"]
+    for scenario in ("stop", "no-callback", "skip-every-step"):
+        saved = saved_steps_all_finite(tmp_path / scenario)
+        assert saved and all(saved.values()), (scenario, saved)
+    for scenario in ("stop", "no-callback"):
+        assert "last.ckpt (step 2)" in saved_steps_all_finite(tmp_path / scenario)  # the refused save kept it

@@ -11,9 +11,15 @@ both wait for the device on every step. Here every check stays on the device:
   same device tensor ``torch.amp.GradScaler`` uses, and the fused Adam/AdamW/SGD
   kernels skip the update (parameters, moments and step count untouched). The
   optimizers are switched to their fused implementation for this;
+- ``action="skip"`` never skips most of a run silently: the longest run of
+  consecutive bad steps is kept on the device too, and once it reaches
+  ``max_consecutive_skips`` the next check stops training with
+  :class:`NonFiniteLossError` (a loss that stays NaN means the run diverged).
 - ``action="stop"``: nothing changes per step; at the check interval the count
   of bad steps is read once and, if any, every rank raises :class:`NonFiniteLossError`
-  at the same step.
+  at the same step. A checkpoint due before that check reads the count first
+  and raises instead of saving the weights a bad step has spoiled (the
+  strategies of this package also refuse any checkpoint holding NaN/inf).
 
 The number of bad steps is logged as ``nonfinite_loss/steps`` on every step (a
 device tensor; it reaches the loggers at their interval) and, at the check
@@ -57,19 +63,29 @@ class NonFiniteLoss(Callback):
             of bad steps (warning for ``"skip"``, error for ``"stop"``); ``None``
             uses the trainer's ``log_every_n_steps`` so the read lands where the
             loggers read their values anyway.
+        max_consecutive_skips: with ``"skip"``, stop training (at the next check)
+            once this many optimizer steps in a row had a bad loss.
     """
 
-    def __init__(self, action: Literal["skip", "stop", "off"] = "skip", check_every_n_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        action: Literal["skip", "stop", "off"] = "skip",
+        check_every_n_steps: int | None = None,
+        max_consecutive_skips: int = 5,
+    ) -> None:
         if action not in ACTIONS:
             raise ValueError(f"NonFiniteLoss: action must be one of {', '.join(map(repr, ACTIONS))}, got {action!r}.")
-        if check_every_n_steps is not None and (
-            isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1
-        ):
+        if check_every_n_steps is not None and not _is_positive_int(check_every_n_steps):
             raise ValueError(f"NonFiniteLoss: check_every_n_steps must be an integer >= 1 or None, got {check_every_n_steps!r}.")
+        if not _is_positive_int(max_consecutive_skips):
+            raise ValueError(f"NonFiniteLoss: max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}.")
         self.action = action
         self.check_every_n_steps = check_every_n_steps
+        self.max_consecutive_skips = max_consecutive_skips
         self._bad_now: Tensor | None = None  # 1.0 if a loss since the last optimizer step was not finite
         self._bad_steps: Tensor | None = None  # optimizer steps with a non-finite loss in this fit, on the device
+        self._bad_run: Tensor | None = None  # bad steps in a row up to the last one, on the device
+        self._longest_bad_run: Tensor | None = None  # the longest such run since the last check, on the device
         self._restored = 0  # bad steps counted before the checkpoint this fit resumed from
         self._reported = 0  # bad steps already reported (host side)
         self._last_check_step = 0
@@ -103,6 +119,8 @@ class NonFiniteLoss(Callback):
         if self.action == "skip":
             optimizer.found_inf = bad  # read by the fused kernel, which then leaves everything unchanged
         self._bad_steps = bad.clone() if self._bad_steps is None else self._bad_steps + bad
+        self._bad_run = bad.clone() if self._bad_run is None else (self._bad_run + 1) * bad
+        self._longest_bad_run = self._bad_run if self._longest_bad_run is None else torch.maximum(self._longest_bad_run, self._bad_run)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -123,16 +141,30 @@ class NonFiniteLoss(Callback):
         for optimizer in trainer.optimizers:
             optimizer.__dict__.pop("found_inf", None)
 
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A save waits for the device anyway: check now, so that "stop" never saves the weights a bad step spoiled.
+        if self.action == "stop" and self._bad_steps is not None:
+            self._check(trainer)
+
     def _check(self, trainer: Trainer) -> None:
-        """The one host read: report new bad steps (``skip``) or stop (``stop``)."""
-        assert self._bad_steps is not None
-        total = self._restored + int(self._bad_steps.item())
+        """The one host read: report new bad steps (``skip``) or stop (``stop``, or ``skip`` with too long a run)."""
+        assert self._bad_steps is not None and self._longest_bad_run is not None
+        bad_steps, longest_run = (int(value) for value in torch.stack([self._bad_steps, self._longest_bad_run]).tolist())
+        self._longest_bad_run = self._bad_run  # the next window starts with the run still going on
+        total = self._restored + bad_steps
         new, first, self._reported, self._last_check_step = total - self._reported, self._last_check_step, total, trainer.global_step
         if new == 0:
             return
         where = f"{new} optimizer step(s) between steps {first} and {trainer.global_step} had a NaN/inf training loss"
         if self.action == "stop":
             raise NonFiniteLossError(f"NonFiniteLoss(action='stop'): {where}; stopping (rank {trainer.global_rank}).")
+        if longest_run >= self.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"NonFiniteLoss(action='skip'): {where}, {longest_run} of them in a row "
+                f"(max_consecutive_skips={self.max_consecutive_skips}); stopping: the run is diverging, lower the "
+                f"learning rate or resume from an earlier checkpoint (rank {trainer.global_rank})."
+            )
         if trainer.is_global_zero:
             log.warning(f"NonFiniteLoss: {where}; skipped them ({total} skipped so far).")
 
@@ -144,3 +176,7 @@ class NonFiniteLoss(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = self._reported = int(state_dict["bad_steps"])
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
