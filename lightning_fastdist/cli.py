@@ -38,12 +38,18 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from lightning_fastdist.callbacks.nonfinite_loss import NonFiniteLossError
 from lightning_fastdist.cli_args import check_ckpt_path, drop_init_args_of_replaced_classes, resolve_config_paths
 from lightning_fastdist.cli_config import OwnConfigSaver
 from lightning_fastdist.cli_errors import UsageError, condense_parser_error
 from lightning_fastdist.cli_report import final_numbers, where_things_went
+from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError
+from lightning_fastdist.parallel.job_identity import JobIdentityError
+from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError
 
 PROGRAM = "lightning-fastdist"
+# Failures during a run whose one-line message is the whole story (no traceback is printed for them).
+EXPLAINED_FAILURES = (JobIdentityError, UnusableCheckpointError, NonFiniteCheckpointError, NonFiniteLossError)
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
@@ -196,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None
+    except EXPLAINED_FAILURES as error:
+        # Their message says what happened and what to do; a traceback would only bury it.
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         _close_process_group(wait_for_peers=False)
 
