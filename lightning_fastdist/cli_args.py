@@ -6,7 +6,7 @@
   recipe names. jsonargparse carries every init arg the new class also accepts
   over to a class given later (``--data my_pkg.MyData`` would inherit
   ``batch_size: 16``); :func:`drop_init_args_of_replaced_classes` inserts
-  ``--data null`` before such a switch, and returns a note saying so.
+  ``--data=null`` before such a switch, and returns a note saying so.
 - ``--ckpt_path`` naming a YAML file is refused (:func:`check_ckpt_path`).
 """
 
