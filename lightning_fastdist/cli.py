@@ -125,7 +125,9 @@ def _silence_known_noise(resuming: bool) -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     if resuming:  # the recipes' fixed checkpoint folder holds the checkpoints being resumed from, as it should
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTip())
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(known, _DropTip) for known in lightning_info.filters):
+        lightning_info.addFilter(_DropTip())
     if os.environ.get(QUIET_VARIABLE, "") not in ("", "0"):
         for name in ("lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.WARNING)
