@@ -30,6 +30,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed
@@ -43,9 +44,9 @@ from lightning_fastdist.cli_args import check_ckpt_path, drop_init_args_of_repla
 from lightning_fastdist.cli_config import OwnConfigSaver
 from lightning_fastdist.cli_errors import UsageError, condense_parser_error
 from lightning_fastdist.cli_report import final_numbers, where_things_went
-from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError
+from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
 from lightning_fastdist.parallel.job_identity import JobIdentityError
-from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError
+from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError, is_last_checkpoint
 
 PROGRAM = "lightning-fastdist"
 # Failures during a run whose one-line message is the whole story (no traceback is printed for them).
@@ -104,6 +105,17 @@ class FastDistCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise UsageError(condense_parser_error(str(error))) from None
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads a --ckpt_path file for its hyperparameters before anything else: a damaged file
+        # gets the same one-line explanation the strategies give, and a damaged last*.ckpt is left to the
+        # strategy, which resumes from the newest checkpoint that loads instead.
+        try:
+            super()._parse_ckpt_path()
+        except Exception as error:  # noqa: BLE001 - whatever torch.load raised, the file is the problem
+            path = Path(self.config[self.config.subcommand].get("ckpt_path"))
+            if not is_last_checkpoint(path):
+                raise UnusableCheckpointError(describe_unloadable(path, error)) from None
 
 
 def _import_from_working_directory() -> None:

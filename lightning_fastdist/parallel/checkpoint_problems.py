@@ -11,6 +11,7 @@ that metadata names, with their sizes) and returns the first thing wrong.
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -34,7 +35,9 @@ def _file_problem(path: Path) -> str | None:
     with open(path, "rb") as file:
         head = file.read(len(_ZIP_MAGIC))
     if head.startswith(_ZIP_MAGIC):
-        return None
+        # A zip archive ends with its directory: a file cut short (a crash or a full disk during a copy) has none.
+        complete = zipfile.is_zipfile(path)
+        return None if complete else f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
     if head.startswith(_PICKLE_MAGIC):
         return None
     printable = head.decode("utf-8", errors="replace")
@@ -83,6 +86,4 @@ def describe_unloadable(path: str | Path, error: BaseException, expects_folder: 
             problem = _sharded_folder_problem(path)
     else:
         problem = _file_problem(path)
-        if problem is None and "central directory" in str(error):
-            problem = f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
     return f"checkpoint '{path}' {problem or 'cannot be loaded: ' + _first_line(error)}."

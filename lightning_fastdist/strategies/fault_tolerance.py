@@ -14,8 +14,9 @@
 - **Unusable checkpoints** (truncated, a missing shard, not a checkpoint at all)
   end in one line naming the file
   (:func:`~lightning_fastdist.parallel.checkpoint_problems.describe_unloadable`);
-  a ``last`` checkpoint that does not load is replaced by the newest checkpoint
-  of the same folder that does, with a line saying so.
+  a ``last*.ckpt`` checkpoint (what ``ckpt_path="last"`` finds) that does not
+  load is replaced by the newest checkpoint of the same folder that does, with a
+  warning saying so.
 
 A strategy lists this mixin first among its bases, calls
 :meth:`start_fault_handling` at the start of its ``setup``, and routes its
@@ -26,7 +27,6 @@ A strategy lists this mixin first among its bases, calls
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
@@ -44,8 +45,6 @@ from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointEr
 from lightning_fastdist.parallel.finite_state import non_finite_entry
 from lightning_fastdist.parallel.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
 from lightning_fastdist.strategies.lost_peer import explain_lost_peer
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT_SUFFIX = ModelCheckpoint.FILE_EXTENSION
 TRAINING_STATE_KEYS = ("state_dict", "optimizer_states")  # the checkpoint entries that must be finite
@@ -142,17 +141,22 @@ class FaultTolerance:
             return load(path)
         except _LOAD_ERRORS as error:
             problem = describe_unloadable(path, error, expects_folder)
-        if not Path(path).name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST):
+        if not is_last_checkpoint(Path(path)):
             raise UnusableCheckpointError(problem) from None
         for candidate in _older_checkpoints(Path(path)):
             try:
                 checkpoint = load(candidate)
             except _LOAD_ERRORS:
                 continue
-            log.warning(f"{problem} Resuming from '{candidate}' instead, the newest checkpoint there that loads.")
+            rank_zero_warn(f"{problem} Resuming from '{candidate}' instead, the newest checkpoint there that loads.")
             self.lightning_module.trainer._checkpoint_connector._ckpt_path = str(candidate)  # type: ignore[attr-defined]
             return checkpoint
         raise UnusableCheckpointError(f"{problem} No other checkpoint in '{Path(path).parent}' loads either.") from None
+
+
+def is_last_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is named like the ``last`` checkpoints of ``ModelCheckpoint`` (what ``ckpt_path="last"`` finds)."""
+    return path.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and path.suffix == CHECKPOINT_SUFFIX
 
 
 def _older_checkpoints(failed: Path) -> list[Path]:
