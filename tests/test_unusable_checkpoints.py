@@ -51,7 +51,9 @@ def trained(request, tmp_path_factory) -> tuple[str, Path]:
     """A recipe and the checkpoints of its first 4 steps (``epoch=0-step=2.ckpt``, ``...step=4.ckpt``, ``last.ckpt``)."""
     folder = tmp_path_factory.mktemp(request.param)
     recipe = write_one_process_recipe(folder, request.param)
-    main(["fit", "--config", str(recipe)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)  # the resolved config is written into the working directory
+        main(["fit", "--config", str(recipe)])
     return request.param, folder
 
 
