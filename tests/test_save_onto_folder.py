@@ -153,13 +153,7 @@ def test_a_full_checkpoint_onto_a_users_folder_raises_on_one_process(kind, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason="the strategy checks the target on rank 0 only"))
-        for kind in ("ddp", "fsdp-full")
-    ],
-)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp-full"])
 def test_a_full_checkpoint_onto_a_users_folder_raises_on_every_rank(kind, tmp_path):
     folder = user_folder(tmp_path)
     assert run_function(save_into, 2, args=(kind, str(folder), 1), init_process_group=False, timeout=120) == [

@@ -35,7 +35,7 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
+from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, is_local_path, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
@@ -243,6 +243,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
             return
+        check_save_target(Path(filepath), sharded=False)  # every rank refuses a user's folder alike
         if self.is_global_zero:
             # Written under <name>.partial and renamed onto <name> once complete (last.ckpt included).
             save_file_atomically(

@@ -38,7 +38,7 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, save_file_atomically
+from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, check_save_target, save_file_atomically
 from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
@@ -284,6 +284,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
         self._add_resume_state(checkpoint)
         path = Path(self.broadcast(filepath))
         if self.checkpoint_format == "full":
+            check_save_target(path, sharded=False)  # every rank refuses a user's folder alike
             if self.is_global_zero:
                 save_file_atomically(lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged), path)
             self.barrier()
