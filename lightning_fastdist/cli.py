@@ -44,13 +44,16 @@ from lightning_fastdist.cli_args import check_ckpt_path, drop_init_args_of_repla
 from lightning_fastdist.cli_config import OwnConfigSaver
 from lightning_fastdist.cli_errors import UsageError, condense_parser_error
 from lightning_fastdist.cli_report import final_numbers, where_things_went
+from lightning_fastdist.data import ResumeRefusedError
 from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
 from lightning_fastdist.parallel.job_identity import JobIdentityError
 from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError, is_last_checkpoint
 
 PROGRAM = "lightning-fastdist"
 # Failures during a run whose one-line message is the whole story (no traceback is printed for them).
-EXPLAINED_FAILURES = (JobIdentityError, UnusableCheckpointError, NonFiniteCheckpointError, NonFiniteLossError)
+EXPLAINED_FAILURES = (
+    JobIdentityError, UnusableCheckpointError, NonFiniteCheckpointError, NonFiniteLossError, ResumeRefusedError,
+)
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.

@@ -51,6 +51,10 @@ from lightning_fastdist.data.epoch_order import EpochShare, epoch_share, positio
 STATE_KEYS = ("epoch", "batches", "samples", "world_size", "batch_size", "order")
 
 
+class ResumeRefusedError(ValueError):
+    """A checkpoint's data position cannot be continued exactly here; the message says what would go wrong."""
+
+
 @dataclass(frozen=True)
 class _Resume:
     """Where a resumed epoch starts on this rank.
@@ -128,7 +132,7 @@ class ResumableDataLoader(DataLoader):
         pending, self._pending = self._pending, None
         resume = self._plan(pending) if pending is not None and pending["epoch"] == epoch else None
         if resume is not None and resume.batches != pending["batches"] and not self._count_taken:
-            raise ValueError(
+            raise ResumeRefusedError(
                 f"ResumableDataLoader: the checkpoint's position in epoch {epoch} (batch {pending['batches']} at "
                 f"{_geometry(pending['world_size'], pending['batch_size'])}) is batch {resume.batches} here, and this "
                 "trainer's strategy does not move Lightning's batch count (FastDDPStrategy and FastFSDPStrategy do); "
@@ -204,7 +208,7 @@ class ResumableDataLoader(DataLoader):
         share = epoch_share(self.sampler)
         read = f"{saved['samples']} samples read" if saved["samples"] is not None else f"{saved['batches']} batches"
         then, now = _geometry(saved["world_size"], saved["batch_size"]), _geometry(share.world_size, self.batch_size)
-        raise ValueError(
+        raise ResumeRefusedError(
             f"ResumableDataLoader: cannot continue epoch {saved['epoch']} at {now} "
             f"from where {then} left it ({read}): {reason}. Resume at {then}, or from a checkpoint taken at the end "
             "of an epoch."

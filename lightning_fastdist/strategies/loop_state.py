@@ -24,7 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_fastdist.data import ResumableDataLoader
+from lightning_fastdist.data import ResumableDataLoader, ResumeRefusedError
 
 
 def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
@@ -54,7 +54,7 @@ def align_resumed_batch_count(trainer: pl.Trainer) -> None:
     """Set the resumed epoch's batch count to where its training loader resumes (at the start of a resumed fit).
 
     Raises:
-        ValueError: several training loaders resume at different batches.
+        ResumeRefusedError: several training loaders resume at different batches.
     """
     epoch = trainer.fit_loop.epoch_progress.current.processed
     counts = {
@@ -65,7 +65,7 @@ def align_resumed_batch_count(trainer: pl.Trainer) -> None:
     if not counts:
         return
     if len(counts) > 1:
-        raise ValueError(
+        raise ResumeRefusedError(
             f"ResumableDataLoader: the training loaders resume epoch {epoch} at different batches {sorted(counts)}."
         )
     progress = trainer.fit_loop.epoch_loop.batch_progress
