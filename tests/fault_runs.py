@@ -76,7 +76,7 @@ def run_ranks(
     deadline_s: float,
     cwd: Path,
     wait_for: set[int] | None = None,
-    signal_when: tuple[Path, str, int] | None = None,
+    signal_when: tuple[Path, int, int] | None = None,
 ) -> list[RankEnd]:
     """Start ``lightning-fastdist ARGS`` as ``world_size`` ranks and wait up to ``deadline_s`` for them to exit.
 
@@ -84,8 +84,8 @@ def run_ranks(
     others' time short: the test sees whether they exit on their own. Once the
     ranks in ``wait_for`` (default: all) have exited, or at the deadline, the
     ranks still alive are killed and marked ``killed_by_test``. With
-    ``signal_when=(file, text, rank)``, SIGTERM is sent to that rank's process once
-    ``file`` holds ``text`` (as a scheduler would signal one process).
+    ``signal_when=(file, step, rank)``, SIGTERM is sent to that rank's process once
+    ``file`` holds a number >= ``step`` (as a scheduler would signal one process).
     """
     wait_for = set(range(world_size)) if wait_for is None else wait_for
     port = free_port()
@@ -97,7 +97,7 @@ def run_ranks(
                                            start_new_session=True), log))  # fmt: skip
     end, ended_at = time.monotonic() + deadline_s, {}
     while time.monotonic() < end and not wait_for <= ended_at.keys():
-        if signal_when is not None and signal_when[0].exists() and signal_when[0].read_text() == signal_when[1]:
+        if signal_when is not None and signal_when[0].exists() and int(signal_when[0].read_text() or 0) >= signal_when[1]:
             processes[signal_when[2]][0].send_signal(signal.SIGTERM)
             signal_when = None
         for rank, (process, _) in enumerate(processes):

@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -157,14 +158,20 @@ def test_fsdp_signals_stop_save_a_sharded_checkpoint_and_resume_exactly(tmp_path
 
 
 class ProgressFile(L.Callback):
-    """Rank 0 writes the global step after every batch to ``path`` (so that the test knows when to signal)."""
+    """Rank 0 writes the global step after every batch to ``path`` (so that the test knows when to signal).
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+    From step ``slow_from`` on, every step takes at least ``seconds`` longer, so that the run cannot end
+    before a signal sent at that step arrives, however loaded the machine.
+    """
+
+    def __init__(self, path: str, slow_from: int = 3, seconds: float = 0.3) -> None:
+        self.path, self.slow_from, self.seconds = Path(path), slow_from, seconds
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.is_global_zero:
             self.path.write_text(str(trainer.global_step))
+        if trainer.global_step >= self.slow_from:
+            time.sleep(self.seconds)
 
 
 @pytest.mark.slow
@@ -176,7 +183,7 @@ def test_cli_sigterm_to_one_rank_process_exits_143_and_resumes_to_the_same_loss(
     progress = tmp_path / "stopped" / "progress.txt"
     report_progress = {"class_path": "tests.test_preemption.ProgressFile", "init_args": {"path": str(progress)}}
     stopped = write_recipe(tmp_path / "stopped", strategy, max_steps=12, extra_callbacks=[report_progress])
-    ends = run_ranks(["fit", "--config", str(stopped)], 2, 120, tmp_path / "stopped", signal_when=(progress, "3", 1))
+    ends = run_ranks(["fit", "--config", str(stopped)], 2, 120, tmp_path / "stopped", signal_when=(progress, 3, 1))
     assert [end.returncode for end in ends] == [EXIT_STATUS_BASE + signal.SIGTERM] * 2, ends[0].output[-2000:]
     assert all(not end.killed_by_test for end in ends)
     assert "stopped by SIGTERM after step" in ends[0].output and "exiting with status 143" in ends[0].output
