@@ -38,7 +38,6 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
-from typing_extensions import override
 
 from lightning_fastdist.callbacks.preemption import PreemptionHandler
 from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
@@ -63,7 +62,6 @@ class FaultTolerance:
     handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
     _preemption: PreemptionHandler | None = None
 
-    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # type: ignore[misc]
         if not self.cluster_environment.creates_processes_externally:  # type: ignore[attr-defined]
@@ -99,14 +97,12 @@ class FaultTolerance:
         self._preemption = PreemptionHandler(trainer, self.timeout)
         self._preemption.install()
 
-    @override
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
         super().teardown()  # type: ignore[misc]
 
-    @override
     def on_exception(self, exception: BaseException) -> None:
         explain_lost_peer(exception, self.timeout, self.global_rank)  # type: ignore[attr-defined]
         super().on_exception(exception)  # type: ignore[misc]
