@@ -7,7 +7,7 @@ import torch
 
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.demo import Block, TextDataModule, TinyGPT
-from lightning_fastdist.diagnostics.recompiles import RecompileWatcher, summarize_recompile
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher, explain_guard, summarize_recompile
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from tests.harness import run_function
 from tests.workloads import LossRecorder, make_trainer
@@ -72,21 +72,83 @@ def test_blocks_scope_without_blocks_says_what_to_do():
 # ---------------------------------------------------------------- recompiles
 
 
-def test_a_new_sequence_length_is_reported_once_with_its_reason():
+def reports_while(model: torch.nn.Module, run) -> tuple[list[str], RecompileWatcher]:
+    """Run ``run(model)`` with a fresh dynamo cache under a watcher; its reports and the watcher."""
     torch._dynamo.reset()
     reports: list[str] = []
     watcher = RecompileWatcher(report=reports.append)
-    model = tiny_gpt()
-    apply_compile(model, {"backend": "eager"}, "blocks", [Block])
     watcher.start()
     try:
-        for length in (16, 8, 8, 12, 16):
-            model(torch.randint(0, 256, (2, length)))
+        run(model)
     finally:
         watcher.stop()
-    assert watcher.count >= 1
-    assert len(reports) == len(watcher.reasons) >= 1
-    assert "size mismatch" in reports[0] and "forward" in reports[0]
+    return reports, watcher
+
+
+def test_new_sequence_lengths_are_reported_once_with_the_dynamic_fix():
+    model = tiny_gpt()
+    apply_compile(model, {"backend": "eager"}, "blocks", [Block])
+    reports, watcher = reports_while(model, lambda m: [m(torch.randint(0, 256, (2, n))) for n in (16, 8, 8, 12, 16)])
+    assert watcher.count == 1  # 16 -> 8; then dynamo marks the length dynamic itself
+    assert len(reports) == 1, reports
+    assert "size mismatch" in reports[0] and "Cause: a tensor's shape changed" in reports[0]
+    assert "Fix: set compile: {dynamic: true}" in reports[0]
+
+
+def test_evaluation_without_gradients_is_reported_as_expected_not_as_dynamic_shapes():
+    def train_then_evaluate(model):
+        model(torch.randint(0, 256, (2, 16)))
+        with torch.no_grad():
+            model(torch.randint(0, 256, (2, 16)))
+
+    model = tiny_gpt()
+    apply_compile(model, {"backend": "eager"}, "blocks", [Block])
+    reports, _ = reports_while(model, train_then_evaluate)
+    assert len(reports) == 1 and "Cause: gradients were switched on or off" in reports[0], reports
+    assert "Fix: nothing" in reports[0] and "dynamic" not in reports[0]
+
+
+def test_a_second_block_class_sharing_the_forward_is_named_as_the_cause():
+    class LastBlock(Block):
+        """A subclass: the same forward code, another class."""
+
+    model = torch.nn.Sequential(Block(16, 2, 0.0), LastBlock(16, 2, 0.0))
+    apply_compile(model, {"backend": "eager"}, "blocks", [Block])
+    reports, _ = reports_while(model, lambda m: m(torch.randn(2, 8, 16, requires_grad=True)))
+    assert len(reports) == 1 and "Cause: another block class runs the same compiled forward" in reports[0], reports
+
+
+def test_huggingface_kv_cache_is_named_with_use_cache_as_the_fix():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from tests.model_zoo import HFCausalLM
+
+    model = HFCausalLM().model
+    assert model.config.use_cache  # HuggingFace's default; the strategies turn it off (see test_model_matrix.py)
+    apply_compile(model, {"backend": "eager"}, "blocks", [GPT2Block])
+    tokens = torch.randint(0, 64, (2, 16))
+    reports, watcher = reports_while(model, lambda m: m(input_ids=tokens, labels=tokens))
+    assert watcher.count == 1  # the second of the two layers meets the cache in another state
+    assert len(reports) == 1 and "Cause: HuggingFace's KV cache" in reports[0], reports
+    assert "Fix: set model.config.use_cache = False for training" in reports[0]
+
+
+@pytest.mark.parametrize(
+    ("guard", "cause"),
+    [
+        ("tensor 'x' size mismatch at index 1. expected 16, actual 8", "a tensor's shape changed"),
+        ("GLOBAL_STATE changed: grad_mode ", "gradients were switched"),
+        ("tensor 'x' requires_grad mismatch. expected requires_grad=1", "gradients were switched"),
+        ("self._modules['mlp']._modules['dropout'].training == True", "switched between train() and eval()"),
+        ("args[1].layers[0].is_initialized == False", "HuggingFace's KV cache"),
+        ("___check_type_id(self, 94540175528128), type=<class 'Block'>", "another block class"),
+        ("tensor 'fn.__self__._parameters['weight']' size mismatch at index 1. expected 16, actual 64", "parameters of different shapes"),
+        ("tensor 'x' dtype mismatch. expected Float, actual BFloat16", "dtype changed"),
+        ("L['config'].flag == 3", "a guard failed"),
+    ],
+)  # fmt: skip
+def test_each_guard_failure_gets_its_own_cause(guard, cause):
+    assert explain_guard(guard).what.startswith(cause) or cause in explain_guard(guard).what
 
 
 def test_recompile_summary_keeps_the_function_and_first_guard():

@@ -1,4 +1,7 @@
-"""FastFSDPStrategy options: block discovery, registry name, and one clear error per bad input (single process)."""
+"""FastFSDPStrategy options: block names, registry name, and one clear error per bad input (single process).
+
+How ``blocks: auto`` chooses is tested on real models in tests/test_blocks.py.
+"""
 
 from __future__ import annotations
 
@@ -11,35 +14,44 @@ import lightning_fastdist
 from lightning_fastdist import FastFSDPStrategy
 from lightning_fastdist.demo import Block, TinyGPT
 from lightning_fastdist.demo.model import MLP
-from lightning_fastdist.parallel.blocks import find_repeated_blocks, resolve_block_classes
+from lightning_fastdist.parallel.blocks import find_blocks, resolve_blocks
 from lightning_fastdist.strategies.fsdp import fsdp_dtypes
 
 
 def test_auto_finds_the_repeated_transformer_block():
     model = TinyGPT(n_layer=3, n_embd=16, n_head=2, block_size=8)
-    assert find_repeated_blocks(model) == [Block]
-    assert resolve_block_classes(model, "auto") == [Block]
+    assert find_blocks(model) == [Block]
+    assert resolve_blocks(model, "auto") == [Block]
 
 
 def test_a_one_layer_module_list_still_names_its_block():
-    assert find_repeated_blocks(TinyGPT(n_layer=1, n_head=2, n_embd=16, block_size=8)) == [Block]
-    assert find_repeated_blocks(nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])) == []
+    assert find_blocks(TinyGPT(n_layer=1, n_head=2, n_embd=16, block_size=8)) == [Block]
+    assert find_blocks(nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])) == []
 
 
-def test_a_model_without_repeated_layers_has_no_auto_blocks():
-    assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU())) == []
-    assert find_repeated_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))) == [nn.Linear]
+def test_leaf_layers_are_never_auto_blocks():
+    assert find_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU())) == []
+    assert find_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))) == []
 
 
-def test_names_resolve_bare_or_qualified():
+def test_names_resolve_bare_or_qualified_and_may_name_a_leaf():
     model = TinyGPT(n_layer=2, n_embd=16, n_head=2, block_size=8)
-    assert resolve_block_classes(model, ["Block", "lightning_fastdist.demo.model.MLP"]) == [Block, MLP]
+    assert resolve_blocks(model, ["Block", "lightning_fastdist.demo.model.MLP"]) == [Block, MLP]
+    assert resolve_blocks(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), ["Linear"]) == [nn.Linear]
 
 
 def test_a_name_that_matches_nothing_lists_the_classes_found():
     model = TinyGPT(n_layer=2, n_embd=16, n_head=2, block_size=8)
-    with pytest.raises(ValueError, match=r"shard_modules: 'Layer' matches no module class in TinyGPT.*Block.*MLP"):
-        resolve_block_classes(model, ["Layer"], option="shard_modules")
+    with pytest.raises(ValueError, match=r"blocks: 'Layer' matches no module class in TinyGPT.*Block.*MLP"):
+        resolve_blocks(model, ["Layer"])
+
+
+def test_the_old_name_shard_modules_still_works_with_one_deprecation_line():
+    with pytest.deprecated_call(match=r"FastFSDPStrategy: shard_modules is renamed blocks; write blocks=\['Block'\]"):
+        strategy = FastFSDPStrategy(shard_modules=["Block"])
+    assert strategy.blocks == ["Block"]
+    with pytest.raises(ValueError, match="shard_modules is the old name of blocks; give blocks only"):
+        FastFSDPStrategy(blocks=["Block"], shard_modules=["Block"])
 
 
 @pytest.mark.parametrize(
@@ -48,7 +60,7 @@ def test_a_name_that_matches_nothing_lists_the_classes_found():
         (dict(sharding="zero4"), r"sharding: got 'zero4'; use one of 'zero3', 'zero2', 'hsdp'"),
         (dict(sharding="hsdp", hsdp_group_size=0), r"hsdp_group_size: got 0"),
         (dict(activation_checkpointing="some"), r"activation_checkpointing: got 'some'"),
-        (dict(shard_modules="Block"), r"shard_modules: got 'Block'; use 'auto' or a list"),
+        (dict(blocks="Block"), r"blocks: got 'Block'; use 'auto' or a list of module class names, e.g. \['Block'\]"),
         (dict(checkpoint_format="zip"), r"checkpoint_format: got 'zip'; use one of 'sharded', 'full'"),
         (dict(checkpoint_format="full", async_checkpointing=True), r"async_checkpointing: needs checkpoint_format"),
     ],

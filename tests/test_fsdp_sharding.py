@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.memory_model import TrainingShape
+from lightning_fastdist.parallel.fsdp_comm_accounting import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
 from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import run_function
 
@@ -42,20 +43,21 @@ class MeasureShards(L.Callback):
             "grads_dtensor": all(isinstance(p.grad, DTensor) for p in params),
             "local_bytes": sum(_local_bytes(t) for t in tensors),
             "global_bytes": sum(_global_bytes(t) for t in tensors),
-            "units": [name for name, m in module.named_modules() if isinstance(m, FSDPModule)],
+            "units": [name for name, m in trainer.strategy.model.named_modules() if isinstance(m, FSDPModule)],
         }
 
 
 class CountCollectives(L.Callback):
     """Counts the real FSDP collective calls (``torch.distributed`` functions, wrapped) during each micro-batch."""
 
-    NAMES = ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor")
+    FUNCTIONS = {"reduce_scatter": REDUCE_SCATTER_FUNCTION, "all_reduce": "all_reduce", "all_gather": ALL_GATHER_FUNCTION}
+    NAMES = tuple(FUNCTIONS)
 
     def __init__(self) -> None:
         self.per_batch: dict[str, list[int]] = {name: [] for name in self.NAMES}
         self._counts = dict.fromkeys(self.NAMES, 0)
-        for name in self.NAMES:
-            setattr(dist, name, self._counting(name, getattr(dist, name)))  # called as dist.<name>(...)
+        for name, function in self.FUNCTIONS.items():
+            setattr(dist, function, self._counting(name, getattr(dist, function)))  # called as dist.<function>(...)
 
     def _counting(self, name, original):
         def counting(*args, **kwargs):
@@ -109,14 +111,14 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
     ranks = run_function(train_and_measure, 2, args=("zero3", 4, None), init_process_group=False)
     for rank in ranks:
         assert rank["all_params_dtensor"] and rank["grads_dtensor"]
-        assert rank["units"] == ["", "blocks.0", "blocks.1"]  # two blocks, then the root
+        assert rank["units"] == ["", "module.blocks.0", "module.blocks.1"]  # the root around the LightningModule, two blocks
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
         # 2 optimizer steps x 4 micro-batches; one reduce-scatter per unit, on micro-batches 4 and 8 only
-        assert rank["reduce_scatter_tensor"] == [0, 0, 0, 3, 0, 0, 0, 3]
+        assert rank["reduce_scatter"] == [0, 0, 0, 3, 0, 0, 0, 3]
         assert rank["all_reduce"] == [0] * 8
         # Each block gathered for forward and again for backward; the root once, kept from the end
         # of forward (the head) to the start of backward.
-        assert rank["all_gather_into_tensor"] == [5] * 8
+        assert rank["all_gather"] == [5] * 8
         # Bytes per optimizer step, fp32, no padding (every dim 0 is even): the blocks' parameters
         # twice and the root's once per micro-batch; every gradient reduce-scattered once per step.
         size, root = rank["parameter_bytes"], rank["root_parameter_bytes"]
@@ -134,9 +136,9 @@ def test_zero2_shards_state_at_rest_like_zero3_and_gathers_once_per_accumulated_
     for rank, zero3_rank in zip(zero2, zero3):
         assert rank["all_params_dtensor"]
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
-        assert rank["reduce_scatter_tensor"] == [0, 0, 0, 3, 0, 0, 0, 3]
+        assert rank["reduce_scatter"] == [0, 0, 0, 3, 0, 0, 0, 3]
         # Gathered on the first micro-batch and kept, through backward, until the step's last one.
-        assert rank["all_gather_into_tensor"] == [3, 0, 0, 0, 3, 0, 0, 0]
+        assert rank["all_gather"] == [3, 0, 0, 0, 3, 0, 0, 0]
         size = rank["parameter_bytes"]
         assert rank["counted_last_step"] == {"allgather": (3, size), "reduce_scatter": (3, size)}
         assert {name: b for name, (_, b) in rank["counted_last_step"].items()} == doctor_estimate(size, "zero2", 4)
@@ -149,7 +151,7 @@ def test_hsdp_with_groups_of_one_replicates_and_all_reduces_across_groups():
     for rank in ranks:
         assert rank["all_params_dtensor"]
         assert rank["local_bytes"] == rank["global_bytes"]  # shard groups of 1: every rank holds everything
-        assert rank["all_reduce"] == [3, 3] and rank["reduce_scatter_tensor"] == [0, 0]
+        assert rank["all_reduce"] == [3, 3] and rank["reduce_scatter"] == [0, 0]
         assert rank["counted_last_step"]["allreduce"] == (3, rank["parameter_bytes"])
         assert "reduce_scatter" not in rank["counted_last_step"]
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
@@ -161,7 +163,7 @@ def test_hsdp_on_four_ranks_reduce_scatters_in_pairs_and_all_reduces_the_shards_
     zero3 = run_function(train_and_measure, 2, args=("zero3", 1, None), init_process_group=False)
     for rank in hsdp:
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05  # sharded within a pair of ranks
-        assert rank["reduce_scatter_tensor"] == [3, 3] and rank["all_reduce"] == [3, 3]
+        assert rank["reduce_scatter"] == [3, 3] and rank["all_reduce"] == [3, 3]
         size, root = rank["parameter_bytes"], rank["root_parameter_bytes"]
         assert rank["counted_last_step"] == {
             "allgather": (5, 2 * size - root),

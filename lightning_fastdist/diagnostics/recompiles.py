@@ -1,11 +1,14 @@
-"""Watch ``torch.compile`` recompiles and report each distinct reason once.
+"""Watch ``torch.compile`` recompiles and report each cause once, with the fix that matches it.
 
-A recompile (a new sequence length, a new dtype, a Python value that changed)
-silently costs a full compile. torch writes each one, with the guard that
-failed, to its ``recompiles`` log artifact; :class:`RecompileWatcher` switches
-that artifact on (unless the user already configures torch logging through
-``TORCH_LOGS``), counts the records, and passes each distinct reason to
-``report`` once instead of letting torch print every occurrence.
+A recompile (a new sequence length, a switch to evaluation, HuggingFace's KV
+cache passed through the blocks) silently costs a full compile, and after
+``torch._dynamo.config.recompile_limit`` of them a function falls back to
+eager. torch writes each one, with the guard that failed, to its
+``recompiles`` log artifact; :class:`RecompileWatcher` switches that artifact
+on (unless the user already configures torch logging through ``TORCH_LOGS``),
+counts the records, names the cause of the failed guard
+(:func:`explain_guard`) and passes one line per function and cause to
+``report`` instead of letting torch print every occurrence.
 """
 
 from __future__ import annotations
@@ -15,13 +18,81 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
-# "- 0/1: tensor 'x' size mismatch ..." -> "tensor 'x' size mismatch ..."
-_GUARD_LINE = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(.*)$")
+# "- 0/1: tensor 'x' size mismatch ...  # source comment" -> "tensor 'x' size mismatch ..."
+_GUARD_LINE = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(.*?)(?:\s+#.*)?$")
 _FUNCTION = re.compile(r"Recompiling function (\S+)")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why a guard failed, in words, and what to change (or that nothing needs changing)."""
+
+    what: str
+    fix: str
+
+
+# Checked in order against the failed guard; the first whose pattern matches names the cause.
+CAUSES: tuple[tuple[re.Pattern[str], Cause], ...] = (
+    (
+        re.compile(r"cache_utils|past_key_value|\.layers\[\d+\]\.(?:is_initialized|keys|values)"),
+        Cause(
+            "HuggingFace's KV cache is passed through the blocks (each layer sees it in another state)",
+            "set model.config.use_cache = False for training (the cache only speeds up generation)",
+        ),
+    ),
+    (
+        re.compile(r"check_type_id\((?:self|L\['self'\])"),
+        Cause("another block class runs the same compiled forward", "nothing: one compile per block class is expected"),
+    ),
+    (
+        re.compile(r"grad_mode|requires_grad mismatch|dispatch key set mismatch"),
+        Cause(
+            "gradients were switched on or off (validation, test and predict run without them)",
+            "nothing: one compile for training and one for evaluation are expected",
+        ),
+    ),
+    (
+        re.compile(r"\.training\b"),
+        Cause("a module switched between train() and eval()", "nothing: one compile per mode is expected"),
+    ),
+    (
+        re.compile(r"_parameters\[|Guard failed on a parameter"),
+        Cause(
+            "instances of one block class hold parameters of different shapes (e.g. named leaf layers)",
+            "nothing for a few shapes (one compile each); to compile once, name blocks whose instances match",
+        ),
+    ),
+    (
+        re.compile(r"size mismatch|stride mismatch"),
+        Cause(
+            "a tensor's shape changed (a new sequence length, a smaller last batch)",
+            "set compile: {dynamic: true} if shapes vary on purpose, or keep them fixed "
+            "(drop_last=True, pad to one sequence length)",
+        ),
+    ),
+    (
+        re.compile(r"dtype mismatch"),
+        Cause("a tensor's dtype changed between calls", "keep the inputs in one dtype (check precision and casts)"),
+    ),
+    (
+        re.compile(r"device mismatch"),
+        Cause("a tensor moved to another device between calls", "keep the inputs on the model's device"),
+    ),
+)
+UNKNOWN_CAUSE = Cause("a guard failed", "run with TORCH_LOGS=recompiles to see every guard")
+
+
+def explain_guard(guard: str) -> Cause:
+    """The :class:`Cause` of a failed guard (``UNKNOWN_CAUSE`` when no pattern matches)."""
+    for pattern, cause in CAUSES:
+        if pattern.search(guard):
+            return cause
+    return UNKNOWN_CAUSE
 
 
 def summarize_recompile(message: str) -> str:
@@ -32,20 +103,31 @@ def summarize_recompile(message: str) -> str:
     return f"{function.group(1) if function else 'a compiled function'}: {reason}"
 
 
-class RecompileWatcher(logging.Handler):
-    """Count recompiles while attached; report each distinct summary once.
+class _Forward(logging.Handler):
+    """The logging handler a watcher attaches while it runs (kept apart: a handler holds a lock, which cannot pickle)."""
+
+    def __init__(self, watcher: RecompileWatcher) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.watcher = watcher
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.watcher.record(record.getMessage())
+
+
+class RecompileWatcher:
+    """Count recompiles while started; report each function's distinct cause once. Picklable (a strategy keeps one).
 
     Args:
-        report: called with a one-line message the first time each distinct
-            recompile reason is seen (for example ``rank_zero_warn``).
+        report: called with a one-line message the first time a function recompiles for
+            a cause (for example ``rank_zero_warn``).
     """
 
     def __init__(self, report: Callable[[str], None]) -> None:
-        super().__init__(level=logging.DEBUG)
         self.report = report
         self.reasons: Counter[str] = Counter()
-        self._logger = logging.getLogger(RECOMPILES_LOGGER)
-        self._propagate_before = self._logger.propagate
+        self._reported: set[tuple[str, Cause]] = set()
+        self._handler: _Forward | None = None
+        self._propagate_before = True
 
     @property
     def count(self) -> int:
@@ -54,22 +136,38 @@ class RecompileWatcher(logging.Handler):
 
     def start(self) -> None:
         """Attach to torch's recompile log (enabling it when torch logging is not user-configured)."""
-        self._propagate_before = self._logger.propagate
+        if self._handler is not None:
+            return
+        logger = logging.getLogger(RECOMPILES_LOGGER)
+        self._propagate_before = logger.propagate
         if "TORCH_LOGS" not in os.environ:
             torch._logging.set_logs(recompiles=True)
-            self._logger.propagate = False  # we report instead of torch's per-occurrence stderr lines
-        self._logger.addHandler(self)
+            logger.propagate = False  # we report instead of torch's per-occurrence stderr lines
+        self._handler = _Forward(self)
+        logger.addHandler(self._handler)
 
     def stop(self) -> None:
         """Detach from torch's recompile log."""
-        self._logger.removeHandler(self)
-        self._logger.propagate = self._propagate_before
+        if self._handler is None:
+            return
+        logger = logging.getLogger(RECOMPILES_LOGGER)
+        logger.removeHandler(self._handler)
+        logger.propagate = self._propagate_before
+        self._handler = None
 
-    def emit(self, record: logging.LogRecord) -> None:
-        summary = summarize_recompile(record.getMessage())
+    def record(self, message: str) -> None:
+        """Count one recompile message from torch; report it if its function and cause are new."""
+        summary = summarize_recompile(message)
         self.reasons[summary] += 1
-        if self.reasons[summary] == 1:
-            self.report(
-                f"torch.compile recompiled {summary}. Each distinct reason is reported once; "
-                "if shapes vary on purpose, set compile: {dynamic: true}."
-            )
+        function, guard = summary.split(": ", 1)
+        cause = explain_guard(guard)
+        if (function, cause) in self._reported:
+            return
+        self._reported.add((function, cause))
+        self.report(
+            f"torch.compile recompiled {summary}. Cause: {cause.what}. Fix: {cause.fix}. "
+            "(Reported once per function and cause.)"
+        )
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handler": None}

@@ -74,7 +74,7 @@ def apply_activation_checkpointing(
         mode: ``"none"``, ``"full"``, ``"selective"`` or an integer ``n >= 1``
             (see the module docstring).
         block_classes: the block classes (see
-            :func:`lightning_fastdist.parallel.blocks.resolve_block_classes`);
+            :func:`lightning_fastdist.parallel.blocks.resolve_blocks`);
             a block nested inside another block is not checkpointed twice.
 
     Returns:

@@ -1,10 +1,11 @@
-"""Find the repeated blocks of a model (the units that FSDP shards and activation checkpointing wraps).
+"""Find the blocks of a model: the units that FSDP shards, activation checkpointing wraps and compile compiles.
 
-A "block" is a module class whose instances form the layers of a model, such
-as a transformer layer. Both FSDP and activation checkpointing act per block,
-so both resolve the same user input here: either class names (strings, so
-that a YAML file can name them) or ``"auto"``, which picks the classes of the
-modules that a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` repeats.
+A "block" is a module class whose instances form the layers of a model: a
+transformer layer, a residual stage's block. Every strategy resolves its
+``blocks`` option here, with :func:`resolve_blocks`: either class names
+(strings, so that a YAML file can name them) or ``"auto"``
+(:func:`find_blocks`). :func:`describe_blocks` gives the one line a strategy
+logs at setup, e.g. ``blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)``.
 """
 
 from __future__ import annotations
@@ -13,30 +14,61 @@ from collections.abc import Sequence
 
 from torch import nn
 
-# Containers whose children are the layers of a model.
+# Containers whose children are the layers of a model; never blocks themselves (the class says nothing).
 LAYER_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# Root modules named in the description before it is cut short with "...".
+ROOT_NAMES_SHOWN = 6
 
 
-def find_repeated_blocks(model: nn.Module) -> list[type[nn.Module]]:
-    """Classes of the model's layers, in the order first met.
+def _holds_layers(module: nn.Module) -> bool:
+    """Whether ``module`` owns parameters through children of its own (a leaf such as ``Linear`` does not)."""
+    return any(next(child.parameters(), None) is not None for child in module.children())
 
-    A class counts when a layer container holds it at least twice, or when a
-    ``ModuleList`` holds only instances of it (so a one-layer model built like
-    a deep one still has its block found). A model with
-    ``self.blocks = nn.ModuleList(Block(...) for _ in range(n))`` gives
-    ``[Block]`` for any ``n >= 1``. A model without such a container gives ``[]``.
+
+def _strict_ancestors(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """For every submodule (by ``id``), the modules that enclose it, ``model`` excluded."""
+    ancestors: dict[int, list[nn.Module]] = {}
+    for parent in model.modules():
+        enclosing = [] if parent is model else [*ancestors.get(id(parent), []), parent]
+        for child in parent.children():
+            ancestors.setdefault(id(child), enclosing)
+    return ancestors
+
+
+def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
+    """The classes ``"auto"`` picks: the outermost repeated modules that hold layers, in the order first met.
+
+    A class is a candidate when its instances own parameters through children
+    of their own (never a leaf layer: ``Linear``, norms, ``Embedding``,
+    activations, dropout) and it is repeated: two or more instances in
+    ``model``, or the only class of a ``ModuleList``/``Sequential`` (so a
+    one-layer model built like a deep one still has its block found). A
+    candidate nested inside another candidate's instance (a transformer
+    layer's attention, say) is left to the outer one. Several classes can
+    result (encoder and decoder layers). A model without such modules gives
+    ``[]``: it is one unit.
     """
-    found: list[type[nn.Module]] = []
+    instances: dict[type[nn.Module], list[nn.Module]] = {}
+    only_class_of_a_list: set[type[nn.Module]] = set()
     for module in model.modules():
-        if not isinstance(module, LAYER_CONTAINERS):
-            continue
-        child_classes = [type(child) for child in module.children()]
-        homogeneous_list = isinstance(module, nn.ModuleList) and len(set(child_classes)) == 1
-        for cls in child_classes:
-            repeated = homogeneous_list or child_classes.count(cls) >= 2
-            if repeated and cls not in found and cls not in LAYER_CONTAINERS:
-                found.append(cls)
-    return found
+        if isinstance(module, LAYER_CONTAINERS):
+            classes = {type(child) for child in module.children()}
+            if len(classes) == 1 and not isinstance(module, nn.ModuleDict):
+                only_class_of_a_list |= classes
+        elif module is not model:
+            instances.setdefault(type(module), []).append(module)
+    candidates = {
+        cls
+        for cls, found in instances.items()
+        if (len(found) >= 2 or cls in only_class_of_a_list) and all(_holds_layers(m) for m in found)
+    }
+    ancestors = _strict_ancestors(model)
+    return [
+        cls
+        for cls in instances
+        if cls in candidates
+        and not any(type(outer) in candidates and type(outer) is not cls for m in instances[cls] for outer in ancestors[id(m)])
+    ]
 
 
 def qualified_name(cls: type) -> str:
@@ -44,28 +76,33 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def resolve_block_classes(
-    model: nn.Module, names: str | Sequence[str], option: str = "block_classes"
-) -> list[type[nn.Module]]:
+def check_blocks_value(blocks: object, option: str = "blocks") -> None:
+    """Raise one clear ``ValueError`` unless ``blocks`` is ``"auto"`` or a list of class names."""
+    names_list = isinstance(blocks, (list, tuple)) and all(isinstance(name, str) for name in blocks)
+    if blocks != "auto" and not names_list:
+        raise ValueError(f"{option}: got {blocks!r}; use 'auto' or a list of module class names, e.g. ['Block'].")
+
+
+def resolve_blocks(model: nn.Module, blocks: str | Sequence[str], option: str = "blocks") -> list[type[nn.Module]]:
     """Turn ``"auto"`` or class names into the module classes of ``model`` they denote.
 
     Args:
         model: the model to search.
-        names: ``"auto"`` (see :func:`find_repeated_blocks`), or class names,
-            each either bare (``"Block"``) or qualified (``"my_pkg.model.Block"``).
-        option: the user-facing option that ``names`` came from, named in the error.
+        blocks: ``"auto"`` (see :func:`find_blocks`), or class names, each either
+            bare (``"Block"``) or qualified (``"my_pkg.model.Block"``); naming a
+            leaf class such as ``"Linear"`` is allowed.
+        option: the user-facing option that ``blocks`` came from, named in the error.
 
     Raises:
-        ValueError: a name matches no module class in ``model``; the message
-            lists the classes the model does contain.
+        ValueError: ``blocks`` is neither, or a name matches no module class in
+            ``model``; the message lists the classes the model does contain.
     """
-    if isinstance(names, str):
-        if names == "auto":
-            return find_repeated_blocks(model)
-        names = [names]
+    check_blocks_value(blocks, option)
+    if blocks == "auto":
+        return find_blocks(model)
     classes_in_model: dict[type[nn.Module], None] = dict.fromkeys(type(m) for m in model.modules())
     resolved: list[type[nn.Module]] = []
-    for name in names:
+    for name in blocks:
         matches = [cls for cls in classes_in_model if name in (cls.__name__, qualified_name(cls))]
         if not matches:
             candidates = ", ".join(sorted({cls.__name__ for cls in classes_in_model}))
@@ -88,3 +125,38 @@ def outermost_block_modules(model: nn.Module, block_classes: Sequence[type[nn.Mo
     blocks = block_modules(model, block_classes)
     nested = {id(inner) for block in blocks for inner in block.modules() if inner is not block}
     return [block for block in blocks if id(block) not in nested]
+
+
+def root_module_names(model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> list[str]:
+    """Short names of the modules outside every block that own parameters (what the root unit holds)."""
+    inside = {id(m) for block in block_modules(model, block_classes) for m in block.modules()}
+    names: list[str] = []
+    for name, module in model.named_modules():
+        owns = any(p is not None for p in module._parameters.values())
+        short = name.rsplit(".", 1)[-1] or type(module).__name__
+        if owns and id(module) not in inside and short not in names:
+            names.append(short)
+    return names
+
+
+def describe_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str:
+    """One line: each block class and its count, then the root's modules.
+
+    ``blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)``, or, without
+    blocks, ``blocks: none in MyModel (root: 0, 2, 4)``.
+    """
+    roots = root_module_names(model, block_classes)
+    shown = ", ".join(roots[:ROOT_NAMES_SHOWN]) + (", ..." if len(roots) > ROOT_NAMES_SHOWN else "")
+    instances = block_modules(model, block_classes)
+    if not instances:
+        return f"blocks: none in {type(model).__name__} (root: {shown or 'no parameters'})"
+    counts = ", ".join(f"{cls.__name__} x {sum(isinstance(m, cls) for m in instances)}" for cls in block_classes)
+    return f"blocks: {counts}" + (f" (+ root: {shown})" if roots else "")
+
+
+
+def resolve_block_classes(
+    model: nn.Module, blocks: str | Sequence[str], option: str = "blocks"
+) -> list[type[nn.Module]]:
+    """The former name of :func:`resolve_blocks` (a bare class name is taken as a list of one); callers move to it."""
+    return resolve_blocks(model, [blocks] if isinstance(blocks, str) and blocks != "auto" else blocks, option)

@@ -90,7 +90,7 @@ def apply_compile(
         config: ``torch.compile`` keyword arguments (see :func:`normalize_compile_config`).
         scope: ``"blocks"`` or ``"model"``.
         block_classes: the block classes for scope ``"blocks"`` (see
-            :func:`lightning_fastdist.parallel.blocks.resolve_block_classes`).
+            :func:`lightning_fastdist.parallel.blocks.resolve_blocks`).
 
     Returns:
         The modules whose ``forward`` is now compiled ("compiled regions").

@@ -10,11 +10,19 @@ Sharding modes:
   at the price of holding the full parameters during the step.
 - ``"hsdp"``: hybrid sharding on a 2-D mesh ``(replicate, shard)``: shard
   within groups of ``group_size`` ranks (ZeRO-3 style), replicate across groups.
+
+FSDP2 gathers a unit's parameters in a forward pre-hook, which runs only when
+that module itself is called. A LightningModule as the root unit would have its
+parameters (embeddings, head) gathered only through ``self(...)``, never when a
+step calls ``self.model(...)`` or another submodule. :class:`RootUnit` is a
+root around the model instead: Lightning runs each step through its forward
+(forward redirection, as for DDP), so the root's hooks run around the whole step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,6 +102,9 @@ def apply_fsdp(
     """
     validate_sharding(sharding, None)
     mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # The root's inputs are whatever reaches it (a whole batch, targets included, when a step runs
+    # through it): it leaves them as they are, and each block casts its own inputs.
+    root_mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
     # torch cannot pin, and the "offloaded" state is where it already was.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
@@ -106,6 +117,26 @@ def apply_fsdp(
         # stays gathered, as FSDP2 does for a root by default.
         reshard_after_forward = sharding != "zero2" and unit is not model
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision, offload_policy=offload
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=root_mixed_precision if unit is model else mixed_precision,
+            offload_policy=offload,
         )
     return units
+
+
+class RootUnit(nn.Module):
+    """The root FSDP unit around a model: calling it calls the model, so a step redirected through it runs inside
+    the root's hooks (its parameters gathered before, their gradients reduced after the backward).
+
+    Its ``module`` keeps the model's own names: save and load the model's state, not this wrapper's
+    (whose keys carry a ``module.`` prefix).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

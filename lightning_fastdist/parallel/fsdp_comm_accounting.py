@@ -3,8 +3,9 @@
 FSDP2 lets each unit take its own all-gather and reduce-scatter objects
 (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch
 >= 2.9). The ones here do what FSDP2's defaults do, allocate with
-``torch.empty`` and call the ``torch.distributed`` collective, and record the
-tensor's bytes in a
+``torch.empty`` and call the ``torch.distributed`` collective (torch 2.13's
+``all_gather_single`` / ``reduce_scatter_single``, the older names before it),
+and record the tensor's bytes in a
 :class:`~lightning_fastdist.parallel.comm_accounting.CommStats` first. Under
 HSDP the all-reduce across replica groups is counted from FSDP2's all-reduce
 hook, which receives the reduced gradient shard.
@@ -20,6 +21,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+
+# The torch.distributed functions called: torch 2.13 deprecates the "_tensor" names (a FutureWarning per call).
+ALL_GATHER_FUNCTION = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_FUNCTION = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 class _CountingComm:
@@ -41,7 +46,7 @@ class CountingAllGather(_CountingComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         self.stats.record(output_tensor, ALL_GATHER)
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return getattr(dist, ALL_GATHER_FUNCTION)(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter(_CountingComm):
@@ -49,7 +54,7 @@ class CountingReduceScatter(_CountingComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         self.stats.record(input_tensor, REDUCE_SCATTER)
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return getattr(dist, REDUCE_SCATTER_FUNCTION)(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def count_fsdp_communication(units: Sequence[nn.Module], stats: CommStats, replicated: bool) -> bool:

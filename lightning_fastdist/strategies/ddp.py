@@ -13,6 +13,12 @@ and logs the bytes each rank all-reduced in the last optimizer step as
 Gradient accumulation needs nothing extra: Lightning runs non-final
 micro-batches under DDP's ``no_sync()``, which the byte and round counters
 confirm (``tests/test_fast_ddp.py``).
+
+Lightning's contract is kept: other keyword arguments go to
+``DistributedDataParallel`` (``broadcast_buffers=False``, ``init_sync=False``, ...),
+every ``start_method`` works and the strategy pickles. Lightning's callable
+comm-hook arguments are refused with the option to use instead
+(:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import functools
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -36,7 +42,6 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     validate_activation_checkpointing,
 )
 from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, is_local_path, save_file_atomically
-from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
@@ -44,9 +49,10 @@ from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
-from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_options, sends_bf16
+from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_kwargs, check_ddp_options, sends_bf16
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
@@ -80,9 +86,9 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
             ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
             ``n`` (every n-th block); the same implementation FastFSDPStrategy uses.
-        block_modules: the blocks that activation checkpointing and per-block compile act on:
-            ``"auto"`` (the classes a ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's
-            ``Block``) or class names.
+        blocks: the blocks that activation checkpointing and per-block compile act on:
+            ``"auto"`` (the outermost repeated modules that hold layers, e.g. TinyGPT's ``Block``,
+            see :func:`~lightning_fastdist.parallel.blocks.find_blocks`) or a list of class names.
         compile: ``false``, ``true`` (inductor) or a mapping of ``torch.compile`` arguments
             (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
         compile_scope: ``"blocks"``: compile each block's forward before DDP wraps the model
@@ -98,6 +104,9 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         cluster_environment: set by the Trainer.
         checkpoint_io: set by the Trainer.
         precision_plugin: set by the Trainer.
+        block_modules: deprecated spelling of ``blocks`` (one more release).
+        **kwargs: passed to ``DistributedDataParallel``, as by Lightning's ``DDPStrategy``
+            (``broadcast_buffers=False``, ``init_sync=False``, ...); checked at construction.
     """
 
     strategy_name = "fast_ddp"
@@ -116,7 +125,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         find_unused_parameters: bool = False,
         log_comm_bytes: bool = True,
         activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        block_modules: Union[str, Sequence[str]] = "auto",
+        blocks: Union[Literal["auto"], list[str]] = "auto",
         compile: Union[bool, dict[str, Any]] = False,
         compile_scope: Literal["blocks", "model"] = "blocks",
         process_group_backend: str | None = None,
@@ -127,11 +136,15 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        block_modules: Optional[Union[str, Sequence[str]]] = None,
+        **kwargs: Any,
     ) -> None:
+        check_ddp_kwargs(kwargs)
         check_ddp_options(
             comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend, powersgd_factor_dtype
         )
         validate_activation_checkpointing(activation_checkpointing)
+        blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
         self.timeout = collective_timeout(timeout, "FastDDPStrategy")
@@ -142,6 +155,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         }
         if bucket_cap_mb != "auto":
             ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
+        ddp_kwargs.update(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -162,7 +176,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
         self.activation_checkpointing = activation_checkpointing
-        self.block_modules = block_modules
+        self.blocks = blocks
         self.hook_state: HookState | None = None
         self.checkpointed_blocks: list[torch.nn.Module] = []
         self.compiled_regions: list[torch.nn.Module] = []
@@ -209,14 +223,13 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             self.compiled_regions = apply_compile(self.lightning_module, self.compile_config, "model", [])
 
     def _prepare_blocks(self) -> None:
-        wants_blocks = self.activation_checkpointing != "none" or (
-            self.compile_config is not None and self.compile_scope == "blocks"
-        )
-        if not wants_blocks:
+        compiles_blocks = self.compile_config is not None and self.compile_scope == "blocks"
+        if self.activation_checkpointing == "none" and not compiles_blocks:
             return
-        block_classes = resolve_block_classes(self.model, self.block_modules, option="block_modules")
+        block_classes = resolve_and_log_blocks(self.model, self.blocks)
+        without_kv_cache(self.model, self.activation_checkpointing, compiles_blocks)
         self.checkpointed_blocks = apply_activation_checkpointing(self.model, self.activation_checkpointing, block_classes)
-        if self.compile_config is not None and self.compile_scope == "blocks":
+        if compiles_blocks:
             self.compiled_regions = apply_compile(self.model, self.compile_config, "blocks", block_classes)
 
     @override

@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, POWERSGD_FACTOR_DTYPES
+
+
+# Lightning's DDPStrategy arguments that FastDDPStrategy replaces on purpose, and what to write instead.
+REPLACED_LIGHTNING_OPTIONS = {
+    "ddp_comm_hook": "name the hook instead: comm_hook='fp16', 'bf16', 'powersgd' or 'none' (on every backend)",
+    "ddp_comm_state": "use comm_hook='powersgd' with powersgd_rank and powersgd_start_iter instead (its state is "
+    "built and checkpointed for you)",
+    "ddp_comm_wrapper": "use comm_hook='fp16' or 'bf16' instead (compression by name)",
+    "model_averaging_period": "post-local SGD is not offered; use Lightning's DDPStrategy for it",
+}
+# DistributedDataParallel's arguments that the strategy itself sets.
+_SET_BY_THE_STRATEGY = ("self", "module", "device_ids")
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse, before any process starts, extra arguments that DistributedDataParallel would not take.
+
+    Lightning's ``DDPStrategy(**kwargs)`` passes them to ``DistributedDataParallel``; so does
+    FastDDPStrategy. Its own replacements of Lightning's comm-hook arguments say what to write instead.
+    """
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    accepted = [name for name in parameters if name not in _SET_BY_THE_STRATEGY]
+    for name in kwargs:
+        if name in REPLACED_LIGHTNING_OPTIONS:
+            raise ValueError(f"FastDDPStrategy: {name} is not taken; {REPLACED_LIGHTNING_OPTIONS[name]}.")
+        if name not in accepted:
+            raise ValueError(
+                f"FastDDPStrategy: {name!r} is an option of neither FastDDPStrategy nor DistributedDataParallel; "
+                f"DistributedDataParallel takes: {', '.join(accepted)}."
+            )
 
 
 def sends_bf16(comm_hook: str, powersgd_factor_dtype: str) -> str | None:

@@ -3,10 +3,12 @@
 Lightning's ``ModelParallelStrategy`` runs FSDP2 but asks the user to call
 ``fully_shard`` in ``configure_model`` and reduce-scatters gradients on every
 accumulation micro-batch. This strategy shards the unchanged model itself
-(see :meth:`FastFSDPStrategy.parallelize` for the order), skips gradient
-communication on non-final micro-batches, counts the bytes of every all-gather
-and reduce-scatter, and writes checkpoints atomically, optionally in the
-background.
+(see :meth:`FastFSDPStrategy.parallelize` for the order) inside a root unit
+around the LightningModule (:class:`~lightning_fastdist.parallel.fsdp.RootUnit`),
+so that a step may call ``self(...)``, ``self.model(...)`` or any submodule,
+skips gradient communication on non-final micro-batches,
+counts the bytes of every all-gather and reduce-scatter, and writes checkpoints
+atomically, optionally in the background.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -39,12 +42,12 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     validate_activation_checkpointing,
 )
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, check_save_target, save_file_atomically
-from lightning_fastdist.parallel.blocks import resolve_block_classes
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
-from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh, validate_sharding
+from lightning_fastdist.parallel.fsdp import RootUnit, apply_fsdp, build_fsdp_mesh, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
+from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
@@ -68,10 +71,11 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
-        shard_modules: ``"auto"`` (the classes a ``ModuleList``/``Sequential``
-            repeats, e.g. the transformer blocks), or a list of class names
-            (``"Block"`` or ``"my_pkg.model.Block"``) whose instances become FSDP
-            units. Parameters outside every unit belong to the root, sharded last.
+        blocks: ``"auto"`` (the outermost repeated modules that hold layers, e.g.
+            the transformer layers; see :func:`~lightning_fastdist.parallel.blocks.find_blocks`),
+            or a list of class names (``"Block"`` or ``"my_pkg.model.Block"``) whose
+            instances become FSDP units. Parameters outside every unit belong to the
+            root (the LightningModule), sharded last; a model without blocks is one unit.
         sharding: ``"zero3"`` (free gathered parameters after each block's
             forward), ``"zero2"`` (keep them until its backward: less
             communication, more memory) or ``"hsdp"`` (shard within groups of
@@ -99,13 +103,14 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
             gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
             ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
             counts, no device sync. Needs torch >= 2.9 (FSDP2's custom collectives).
+        shard_modules: deprecated spelling of ``blocks`` (one more release).
     """
 
     strategy_name = "fast_fsdp"
 
     def __init__(
         self,
-        shard_modules: Union[Literal["auto"], list[str]] = "auto",
+        blocks: Union[Literal["auto"], list[str]] = "auto",
         sharding: Literal["zero3", "zero2", "hsdp"] = "zero3",
         hsdp_group_size: Optional[int] = None,
         cpu_offload: bool = False,
@@ -117,16 +122,14 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
         log_comm_bytes: bool = True,
+        shard_modules: Optional[Union[str, list[str]]] = None,
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
         self.timeout = collective_timeout(timeout, "FastFSDPStrategy")
         validate_activation_checkpointing(activation_checkpointing)
         self.compile_config = normalize_compile_config(compile)
         self.compile_scope = validate_compile_scope(compile_scope)
-        if shard_modules != "auto" and (
-            isinstance(shard_modules, str) or not all(isinstance(name, str) for name in shard_modules)
-        ):
-            raise ValueError(f"shard_modules: got {shard_modules!r}; use 'auto' or a list of module class names.")
+        blocks = blocks_option("FastFSDPStrategy", blocks, "shard_modules", shard_modules)
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
                 f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
@@ -138,7 +141,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
             process_group_backend=process_group_backend,
             timeout=self.timeout,
         )
-        self.shard_modules = shard_modules
+        self.blocks = blocks
         self.sharding = sharding
         self.hsdp_group_size = hsdp_group_size
         self.cpu_offload = cpu_offload
@@ -151,6 +154,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
         self.log_comm_bytes = log_comm_bytes
         self._comm_stats = CommStats()
         self._comm_counted = False
+        self._root: Optional[RootUnit] = None
 
     @classmethod
     @override
@@ -191,10 +195,13 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
         if self.compile_config is not None:
             self.recompiles.start()
         self.accelerator.setup(trainer)
-        if not isinstance(self.model, FSDPModule):  # a second fit/validate reuses the sharded model
-            self.model = self.precision_plugin.convert_module(self.model)
-            self.parallelize(self.model)
-            _materialize_distributed_module(self.model, self.root_device)
+        if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
+            module = self.precision_plugin.convert_module(self.lightning_module)
+            self._root = self.parallelize(module)  # where ModelParallelStrategy expects configure_model to have sharded
+            _materialize_distributed_module(self._root, self.root_device)
+        # Lightning runs each step through ``self.model`` (its forward redirection), so the root's hooks run around it.
+        self.model = self._root
+        self.model_to_device()  # as in Lightning: move all that is left (parameterless modules, .device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -202,25 +209,43 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def parallelize(self, model: nn.Module) -> None:
-        """Apply activation checkpointing, compile and FSDP to ``model`` in place, in this fixed order.
+    @override
+    def model_to_device(self) -> None:
+        """Move what FSDP did not place (parameterless modules such as torchmetrics metrics, ``LightningModule.device``).
+
+        FSDP puts every parameter and buffer on the device itself; ``Module.to`` then moves
+        the rest, as in Lightning. Under ``cpu_offload`` the parameter shards stay on the CPU.
+        """
+        assert self.model is not None
+        if self.cpu_offload:
+            _move_all_but_parameters(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
+
+    def parallelize(self, model: nn.Module) -> RootUnit:
+        """Apply activation checkpointing, compile and FSDP to ``model`` in place, in this fixed order; return the root.
 
         1. Activation checkpointing, per block: its hooks must sit inside the FSDP
            unit so that a recomputed block finds its parameters gathered.
         2. ``torch.compile`` of each block's (or the model's) ``forward``: after
            checkpointing, whose hooks then run around the compiled forward, and
            before FSDP, whose all-gather hooks stay outside the compiled graph.
-        3. FSDP: every block first, the root last (it takes what is left:
-           embeddings, final norm, head). Parameters on the meta device stay
-           there; :meth:`setup` materialises each rank's shard afterwards.
+        3. FSDP: every block first, the root last: a :class:`RootUnit` around
+           ``model`` that takes what is left (embeddings, final norm, head).
+           Parameters on the meta device stay there; :meth:`setup`
+           materialises each rank's shard afterwards.
         """
-        block_classes = resolve_block_classes(model, self.shard_modules, option="shard_modules")
+        block_classes = resolve_and_log_blocks(
+            model, self.blocks, without_blocks="; FSDP shards the whole model as one unit (name its blocks for one unit each)"
+        )
+        without_kv_cache(model, self.activation_checkpointing, self.compile_config is not None and self.compile_scope == "blocks")
         apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
         if self.compile_config is not None:
             self.compiled_regions = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin.precision)
+        root = RootUnit(model)
         units = apply_fsdp(
-            model,
+            root,
             self.device_mesh,
             block_classes,
             sharding=self.sharding,
@@ -229,6 +254,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
             cpu_offload=self.cpu_offload,
         )
         self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.sharding == "hsdp")
+        return root
 
     @property
     def comm_stats(self) -> Optional[CommStats]:
@@ -303,16 +329,55 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
-        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        load = functools.partial(self._load_under_module_names, weights_only=weights_only)
         checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=None)
         self._take_resume_state(checkpoint)
         return checkpoint
+
+    def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        with self._lightning_module_names():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._lightning_module_names():
+            return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with self._lightning_module_names():
+            return super().optimizer_state(optimizer)
+
+    @contextmanager
+    def _lightning_module_names(self) -> Generator[None, None, None]:
+        """Let ModelParallelStrategy's save and load see the LightningModule instead of the root around it.
+
+        Checkpoints then hold the LightningModule's own parameter names (no ``module.`` prefix), as with every
+        other strategy; FSDP's state-dict hooks on the modules that hold the root's parameters still reshard them.
+        """
+        root = self.model
+        self.model = self.lightning_module
+        try:
+            yield
+        finally:
+            self.model = root
 
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
         self._checkpoint_writer.wait()
         super().teardown()
+
+
+def _move_all_but_parameters(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for every part of ``module`` that holds no parameter; device attributes updated."""
+    if next(module.parameters(), None) is None:
+        module.to(device)
+        return
+    if isinstance(module, _DeviceDtypeModuleMixin):
+        module._device = device  # what LightningModule.device reports
+    for child in module.children():
+        _move_all_but_parameters(child, device)
 
 
 if FastFSDPStrategy.strategy_name not in StrategyRegistry:
