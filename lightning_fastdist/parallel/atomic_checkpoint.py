@@ -26,6 +26,7 @@ ever deleted.
 :class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders
 (every rank writes its own shards), optionally in a background thread;
 :func:`save_file_atomically` for a single file written by one rank;
+:func:`save_folder_atomically` for a folder that another library's writer fills on every rank (DeepSpeed's);
 :func:`check_save_target` refuses a single-file save onto a folder on every rank.
 """
 
@@ -51,8 +52,15 @@ REPLACED_SUFFIX = ".replaced"
 SHARD_INDEX = ".metadata"
 # What Lightning's strategies write next to the shards (the non-tensor state); its index too.
 LIGHTNING_METADATA = "meta.pt"
-# Every file a sharded checkpoint consists of: the indexes, the shards, per-rank metadata, and their temporary names.
-_CHECKPOINT_FILE = re.compile(r"(\.metadata|meta\.pt|__\d+\.metadata|.+\.distcp)(\.tmp)?")
+# DeepSpeed's index: names the folder inside the checkpoint (the tag) that holds the per-rank states.
+DEEPSPEED_INDEX = "latest"
+# Every file a sharded checkpoint consists of: the indexes, the shards, per-rank metadata, and their temporary
+# names; for DeepSpeed also its conversion scripts and per-rank model and optimizer states.
+_CHECKPOINT_FILE = re.compile(
+    r"(\.metadata|meta\.pt|__\d+\.metadata|.+\.distcp"
+    r"|latest|zero_to_(fp32|torch)\.py|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt"
+    r"|mp_rank_\d+_model_states\.pt)(\.tmp)?"
+)
 
 
 def staging_path(path: Path) -> Path:
@@ -73,13 +81,18 @@ def _is_file(path: Path) -> bool:
     return path.is_file() or (path.is_symlink() and not path.is_dir())
 
 
+def _is_states_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder of checkpoint files only (DeepSpeed's tag folder inside its checkpoint)."""
+    return not path.is_symlink() and path.is_dir() and all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
+
+
 def is_checkpoint_folder(path: Path) -> bool:
     """Whether ``path`` is a folder holding a sharded checkpoint and nothing else, so a save may replace it."""
     if path.is_symlink() or not path.is_dir():
         return False
     names = os.listdir(path)
-    has_index = SHARD_INDEX in names or LIGHTNING_METADATA in names
-    return has_index and all(_CHECKPOINT_FILE.fullmatch(name) for name in names)
+    has_index = SHARD_INDEX in names or LIGHTNING_METADATA in names or DEEPSPEED_INDEX in names
+    return has_index and all(_CHECKPOINT_FILE.fullmatch(name) or _is_states_folder(path / name) for name in names)
 
 
 def _describe_folder(path: Path) -> str:
@@ -118,6 +131,8 @@ def _delete_checkpoint(path: Path) -> None:
     for name in os.listdir(path):
         if _CHECKPOINT_FILE.fullmatch(name) and _is_file(path / name):
             (path / name).unlink()
+        elif _is_states_folder(path / name):
+            _delete_checkpoint(path / name)
     try:
         path.rmdir()
     except OSError as error:
@@ -152,12 +167,17 @@ def _merge_into(staged: Path, folder: Path) -> None:
 
     The indexes go first and come back last: in between the folder does not load as a checkpoint.
     """
-    indexes = (LIGHTNING_METADATA, SHARD_INDEX)  # SHARD_INDEX last: the folder loads only once it is there
+    for name in os.listdir(staged):  # a states folder (DeepSpeed's) replaces only an earlier save's
+        if (staged / name).is_dir() and _exists(folder / name) and not _is_states_folder(folder / name):
+            raise FileExistsError(f"{folder / name} is not part of a checkpoint and is never replaced; move it away.")
+    indexes = (LIGHTNING_METADATA, DEEPSPEED_INDEX, SHARD_INDEX)  # SHARD_INDEX last: the folder loads once it is there
     for name in indexes:
         if _is_file(folder / name):
             (folder / name).unlink()
     names = sorted(os.listdir(staged), key=lambda name: indexes.index(name) + 1 if name in indexes else 0)
     for name in names:
+        if (staged / name).is_dir() and _exists(folder / name):
+            _delete_checkpoint(folder / name)
         os.replace(staged / name, folder / name)
     staged.rmdir()
 
@@ -199,6 +219,21 @@ def save_file_atomically(write: Callable[[Path], None], path: Path) -> None:
     with open(staged, "rb") as written:
         os.fsync(written.fileno())  # on disk before it is published: a power cut cannot publish a torn file
     publish(staged, path)
+
+
+def save_folder_atomically(write: Callable[[Path], None], path: Path) -> None:
+    """Every rank calls this, and ``write(staging_folder)``, a collective that writes a checkpoint folder
+    (DeepSpeed's ``save_checkpoint``); rank 0 then publishes the complete folder at ``path``."""
+    path = Path(path)
+    staged = staging_path(path)
+    if _is_rank_zero():
+        _delete_checkpoint(staged)
+    _barrier()
+    write(staged)
+    _barrier()
+    if _is_rank_zero():
+        publish(staged, path)
+    _barrier()
 
 
 def _barrier() -> None:
