@@ -1,6 +1,7 @@
 """lightning_fastdist: fast distributed training for PyTorch Lightning by default.
 
-Importing the package registers the strategy names ``fast_ddp`` and ``fast_fsdp``.
+Importing the package registers the strategy names ``fast_ddp``, ``fast_fsdp`` and ``fast_deepspeed``
+(DeepSpeed itself is optional: ``pip install lightning-fastdist[deepspeed]``).
 """
 
 from lightning_fastdist.callbacks import (
@@ -12,7 +13,7 @@ from lightning_fastdist.callbacks import (
 )
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
 from lightning_fastdist.precision import FastMixedPrecision
-from lightning_fastdist.strategies import FastDDPStrategy, FastFSDPStrategy
+from lightning_fastdist.strategies import FastDDPStrategy, FastDeepSpeedStrategy, FastFSDPStrategy
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "BottleneckReport",
     "DataLoaderTuner",
     "FastDDPStrategy",
+    "FastDeepSpeedStrategy",
     "FastFSDPStrategy",
     "FastMixedPrecision",
     "NonFiniteLoss",

@@ -1,0 +1,302 @@
+"""FastDeepSpeedStrategy: DeepSpeed ZeRO through Lightning, on CUDA (NCCL) and on CPU (gloo), with our pieces.
+
+Lightning's ``DeepSpeedStrategy`` refuses every accelerator but CUDA, although
+DeepSpeed trains ZeRO stage 1, 2 and 3 on CPU processes over gloo. This
+subclass makes three changes for a CPU device (accept the accelerator, skip the
+CUDA device-index check, give DeepSpeed the local rank where Lightning passes
+the device index, which a CPU device does not have), keeps DeepSpeed from
+compiling anything (see :mod:`lightning_fastdist.parallel.deepspeed_runtime`),
+and adds what the other strategies of this package do: activation checkpointing
+of the blocks, the collective ``timeout``, job identity and preemption, bytes
+per collective without a device sync, checkpoints published atomically, and
+exact resume. :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`
+turns a checkpoint folder into one file for inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+from typing_extensions import override
+
+from lightning_fastdist.parallel.activation_checkpointing import (
+    apply_activation_checkpointing,
+    validate_activation_checkpointing,
+)
+from lightning_fastdist.parallel.blocks import resolve_block_classes
+from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
+from lightning_fastdist.parallel.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
+from lightning_fastdist.parallel.deepspeed_runtime import (
+    check_deepspeed_device,
+    import_deepspeed,
+    skip_jit_built_comm_ops,
+)
+from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
+from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
+from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
+
+STAGES = (1, 2, 3)
+DEVICE_TYPES = ("cpu", "cuda")
+BUCKET_OPTIONS = ("allgather_bucket_size", "reduce_bucket_size")
+MAX_AUTO_BUCKET = 200_000_000  # elements: Lightning's default bucket size, the cap of "auto"
+
+
+def auto_bucket_size(model: torch.nn.Module) -> int:
+    """``"auto"`` bucket size: the trainable parameters, at most :data:`MAX_AUTO_BUCKET` elements.
+
+    DeepSpeed allocates its buckets at full size on every micro-batch (one or two per bucket kind), so a
+    bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
+    """
+    return min(MAX_AUTO_BUCKET, sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[str, Any]) -> None:
+    """One ``ValueError`` naming the option, for a stage DeepSpeed does not have, an offload it cannot do, a bad bucket."""
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage: got {stage!r}; use 1, 2 or 3 (the ZeRO stage).")
+    if offload_parameters and stage != 3:
+        raise ValueError(
+            f"offload_parameters: needs stage=3 (parameters are only partitioned at stage 3), got stage={stage}; "
+            "offload_optimizer works at every stage."
+        )
+    for option, value in buckets.items():
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{option}: got {value!r}; use 'auto' or a number of elements >= 1.")
+
+
+class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepSpeedStrategy):
+    """DeepSpeed ZeRO stage 1, 2 or 3 on GPUs or CPU processes, with our activation checkpointing and accounting.
+
+    Args:
+        stage: the ZeRO stage: ``1`` partitions the optimizer state, ``2`` also the
+            gradients, ``3`` also the parameters (gathered block by block for compute).
+        offload_optimizer: keep the optimizer state and run its step in host memory
+            (ZeRO-Offload); every stage.
+        offload_parameters: keep the partitioned parameters in host memory (ZeRO-Infinity); stage 3 only.
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
+            ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
+            ``n`` (every n-th block); the same implementation the other strategies use, applied
+            before ``deepspeed.initialize``.
+        blocks: the blocks activation checkpointing acts on: ``"auto"`` (the classes a
+            ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's ``Block``) or class names.
+        allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
+            ``"auto"``: the trainable parameters, at most 2e8 (see :func:`auto_bucket_size`).
+        reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
+        load_full_weights: ``ckpt_path`` is one file of full weights (e.g. from
+            :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
+            instead of a DeepSpeed checkpoint folder; optimizer state is then not restored.
+        log_comm_bytes: log the bytes of the last optimizer step's collectives as
+            ``comm/<collective>_bytes_per_step`` (host-side counts, no device sync).
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
+            process fails with an error instead of hanging; ``None`` keeps torch's 30 minutes.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        precision_plugin: set by the Trainer (``Trainer(precision=...)``: DeepSpeed runs bf16/fp16 itself).
+    """
+
+    strategy_name = "fast_deepspeed"
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
+        blocks: Union[str, Sequence[str]] = "auto",
+        allgather_bucket_size: Union[int, Literal["auto"]] = "auto",
+        reduce_bucket_size: Union[int, Literal["auto"]] = "auto",
+        load_full_weights: bool = False,
+        log_comm_bytes: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta, None] = None,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        import_deepspeed(type(self).__name__)
+        buckets = {"allgather_bucket_size": allgather_bucket_size, "reduce_bucket_size": reduce_bucket_size}
+        check_deepspeed_options(stage, offload_parameters, buckets)
+        if blocks != "auto" and not (isinstance(blocks, (list, tuple)) and all(isinstance(name, str) for name in blocks)):
+            raise ValueError(f"blocks: got {blocks!r}; use 'auto' or a list of module class names.")
+        validate_activation_checkpointing(activation_checkpointing)
+        self.timeout = collective_timeout(timeout, type(self).__name__)
+        super().__init__(
+            accelerator=accelerator,
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            **{option: MAX_AUTO_BUCKET if value == "auto" else value for option, value in buckets.items()},
+            load_full_weights=load_full_weights,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=self.timeout,
+        )
+        # Offload with the module's own torch optimizer: DeepSpeed would otherwise insist on
+        # DeepSpeedCPUAdam, a C++ op compiled at run time.
+        self.config["zero_force_ds_cpu_optimizer"] = False
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_parameters = offload_parameters
+        self.activation_checkpointing = activation_checkpointing
+        self.blocks = blocks
+        self.buckets = buckets
+        self.log_comm_bytes = log_comm_bytes
+        self.checkpointed_blocks: list[torch.nn.Module] = []
+        self._comm_stats = CommStats()
+        self._stop_counting: Optional[Callable[[], None]] = None
+        self._comm_counted = False
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DeepSpeed ZeRO 1-3 on GPUs and CPUs by lightning_fastdist"
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...).
+        if not isinstance(self.precision_plugin, DeepSpeedPrecision):
+            raise ValueError(
+                f"{type(self).__name__}: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
+                f"remove the {type(self.precision_plugin).__name__} plugin."
+            )
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        device = self.root_device
+        if device.type not in DEVICE_TYPES:
+            raise RuntimeError(f"{type(self).__name__}: runs on {' or '.join(DEVICE_TYPES)}, not {device.type}.")
+        check_deepspeed_device(device, type(self).__name__)
+        if device.type == "cuda":  # offloaded state in page-locked host memory: faster copies to and from the GPU
+            for section in ("offload_optimizer", "offload_param"):
+                self.config.get("zero_optimization", {}).get(section, {}).update(pin_memory=True)
+        # Lightning's DeepSpeedStrategy refuses any accelerator but CUDA here; what follows is DDP's.
+        super(DeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        # Lightning's, with the device-index check only where devices have indices, and our process group.
+        if self.root_device.type == "cuda":
+            assert self.parallel_devices is not None
+            _validate_device_index_selection(self.parallel_devices)
+        self._join_process_group()  # the launch's identity and the collective timeout (FaultTolerance)
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        skip_jit_built_comm_ops()
+        super()._init_deepspeed_distributed()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        self.start_fault_handling(trainer)
+        super().setup(trainer)  # builds the DeepSpeed engine
+        if self._stop_counting is None:
+            self._stop_counting = count_deepspeed_communication(self._comm_stats)
+            self._comm_counted = True
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model,
+        # checkpointing hooks on the bare blocks.
+        for option, value in self.buckets.items():
+            if value == "auto":
+                self.config["zero_optimization"][option] = auto_bucket_size(model)
+        if self.activation_checkpointing != "none" and not self.checkpointed_blocks:
+            block_classes = resolve_block_classes(model, self.blocks, option="blocks")
+            self.checkpointed_blocks = apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
+        return model
+
+    @override
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        import deepspeed  # noqa: PLC0415 - optional; import_deepspeed checked it in __init__
+
+        # Lightning passes device_rank=root_device.index, which a CPU device does not have.
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+    @property
+    def comm_stats(self) -> Optional[CommStats]:
+        """This rank's DeepSpeed collective bytes and gradient rounds (``None`` until the engine runs)."""
+        return self._comm_stats if self._comm_counted else None
+
+    @property
+    def comm_collectives(self) -> tuple[str, ...]:
+        """Gradient reduction and parameter gathering: all-reduce / reduce-scatter and all-gather."""
+        return (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sent_before = self._comm_stats.gradient_bytes_so_far()
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._comm_stats.gradient_bytes_so_far() > sent_before:
+            self._comm_stats.finish_round()
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Lightning calls this on every micro-batch and DeepSpeed steps at the accumulation boundary only:
+        # the step's communication count (CommBytesLogging) closes there too.
+        if self.deepspeed_engine.is_gradient_accumulation_boundary():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return super(CommBytesLogging, self).optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
+        self.refuse_non_finite(checkpoint, filepath)
+        self._add_resume_state(checkpoint)
+        path = Path(self.broadcast(filepath))
+        # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
+        save_folder_atomically(lambda staged: super(FastDeepSpeedStrategy, self).save_checkpoint(checkpoint, staged), path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=not self.load_full_weights)
+        # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.
+        checkpoint[RNG_KEY] = self.broadcast(checkpoint.get(RNG_KEY))
+        self._take_resume_state(checkpoint)
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if self._stop_counting is not None:
+            self._stop_counting()
+            self._stop_counting = None
+        super().teardown()
+
+
+if FastDeepSpeedStrategy.strategy_name not in StrategyRegistry:
+    FastDeepSpeedStrategy.register_strategies(StrategyRegistry)
