@@ -97,14 +97,15 @@ def deepspeed_cases(tmp: str) -> dict:
     corpus = str(write_corpus(tmp_path / "corpus.bin", 8, WORLD))
     runs: dict = {}
     for stage, options in ((2, {}), (3, {"activation_checkpointing": "full"})):
-        runs[f"zero{stage}-straight"] = fit(corpus, tmp_path / f"straight{stage}", TOTAL_STEPS, stage=stage, **options)
-        runs[f"zero{stage}-first"] = fit(corpus, tmp_path / f"split{stage}", RESUME_AT, stage=stage, **options)
-        runs[f"zero{stage}-resumed"] = fit(corpus, tmp_path / f"split{stage}", TOTAL_STEPS, True, stage=stage, **options)
+        options["stage"] = stage
+        runs[f"zero{stage}-straight"] = fit(corpus, tmp_path / f"straight{stage}", TOTAL_STEPS, **options)
+        runs[f"zero{stage}-first"] = fit(corpus, tmp_path / f"split{stage}", RESUME_AT, **options)
+        runs[f"zero{stage}-resumed"] = fit(corpus, tmp_path / f"split{stage}", TOTAL_STEPS, True, **options)
     for stage in (1, 2):
-        runs[f"zero{stage}-accumulate"] = fit(corpus, tmp_path / f"acc{stage}", 2, stage=stage, accumulate_grad_batches=2)
-    runs["zero3-offload-bf16"] = fit(
-        corpus, tmp_path / "offload", 2, precision="bf16-mixed", stage=3, offload_optimizer=True, offload_parameters=True
-    )
+        options = {"stage": stage, "accumulate_grad_batches": 2}
+        runs[f"zero{stage}-accumulate"] = fit(corpus, tmp_path / f"acc{stage}", 2, **options)
+    offload = {"offload_optimizer": True, "offload_parameters": True}
+    runs["zero3-offload-bf16"] = fit(corpus, tmp_path / "offload", 2, precision="bf16-mixed", stage=3, **offload)
     if torch.distributed.get_rank() == 0:  # one file from the ZeRO-3 checkpoint, loaded without DeepSpeed
         consolidate_checkpoint(tmp_path / "split3" / "last.ckpt", tmp_path / "model.ckpt")
         model = TinyGPT.load_from_checkpoint(tmp_path / "model.ckpt", map_location="cpu")
@@ -141,8 +142,10 @@ def test_checkpoints_are_deepspeed_folders_published_whole(runs):
     last = folder / "last.ckpt"
     assert (last / "latest").read_text() == "checkpoint"
     assert sorted(p.name for p in (last / "checkpoint").iterdir()) == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-    ]  # fmt: skip
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert not list(tmp_path.rglob(f"*{STAGING_SUFFIX}"))  # every save was published
     assert torch.load(last / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False)["global_step"] == 6
 
@@ -199,7 +202,7 @@ def test_options_are_checked_before_anything_starts():
     cases = [
         (dict(stage=4), "stage: got 4; use 1, 2 or 3"),
         (dict(stage=2, offload_parameters=True), "offload_parameters: needs stage=3"),
-        (dict(blocks=5), "blocks: got 5"),
+        (dict(blocks=5), "blocks: got 5; use .auto. or a list of module class names"),
         (dict(activation_checkpointing="most"), "activation_checkpointing: got 'most'"),
         (dict(timeout=-1), "timeout must be a finite number of seconds"),
     ]

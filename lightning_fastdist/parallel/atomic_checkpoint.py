@@ -83,7 +83,9 @@ def _is_file(path: Path) -> bool:
 
 def _is_states_folder(path: Path) -> bool:
     """Whether ``path`` is a folder of checkpoint files only (DeepSpeed's tag folder inside its checkpoint)."""
-    return not path.is_symlink() and path.is_dir() and all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
 
 
 def is_checkpoint_folder(path: Path) -> bool:

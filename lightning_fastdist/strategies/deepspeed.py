@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -33,7 +32,7 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.blocks import resolve_block_classes
+from lightning_fastdist.parallel.blocks import check_blocks_value
 from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
@@ -43,6 +42,7 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
+from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
@@ -63,7 +63,7 @@ def auto_bucket_size(model: torch.nn.Module) -> int:
 
 
 def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[str, Any]) -> None:
-    """One ``ValueError`` naming the option, for a stage DeepSpeed does not have, an offload it cannot do, a bad bucket."""
+    """One ``ValueError`` naming the option: a stage DeepSpeed lacks, an offload it cannot do, a bad bucket size."""
     if stage not in STAGES or isinstance(stage, bool):
         raise ValueError(f"stage: got {stage!r}; use 1, 2 or 3 (the ZeRO stage).")
     if offload_parameters and stage != 3:
@@ -89,8 +89,9 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
             ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
             ``n`` (every n-th block); the same implementation the other strategies use, applied
             before ``deepspeed.initialize``.
-        blocks: the blocks activation checkpointing acts on: ``"auto"`` (the classes a
-            ``ModuleList``/``Sequential`` repeats, e.g. TinyGPT's ``Block``) or class names.
+        blocks: the blocks activation checkpointing acts on: ``"auto"`` (the outermost repeated modules
+            that hold layers, e.g. TinyGPT's ``Block``, see :func:`~lightning_fastdist.parallel.blocks.find_blocks`)
+            or a list of class names.
         allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
             ``"auto"``: the trainable parameters, at most 2e8 (see :func:`auto_bucket_size`).
         reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
@@ -116,7 +117,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        blocks: Union[str, Sequence[str]] = "auto",
+        blocks: Union[Literal["auto"], list[str]] = "auto",
         allgather_bucket_size: Union[int, Literal["auto"]] = "auto",
         reduce_bucket_size: Union[int, Literal["auto"]] = "auto",
         load_full_weights: bool = False,
@@ -131,8 +132,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
         import_deepspeed(type(self).__name__)
         buckets = {"allgather_bucket_size": allgather_bucket_size, "reduce_bucket_size": reduce_bucket_size}
         check_deepspeed_options(stage, offload_parameters, buckets)
-        if blocks != "auto" and not (isinstance(blocks, (list, tuple)) and all(isinstance(name, str) for name in blocks)):
-            raise ValueError(f"blocks: got {blocks!r}; use 'auto' or a list of module class names.")
+        check_blocks_value(blocks)
         validate_activation_checkpointing(activation_checkpointing)
         self.timeout = collective_timeout(timeout, type(self).__name__)
         super().__init__(
@@ -224,8 +224,10 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
             if value == "auto":
                 self.config["zero_optimization"][option] = auto_bucket_size(model)
         if self.activation_checkpointing != "none" and not self.checkpointed_blocks:
-            block_classes = resolve_block_classes(model, self.blocks, option="blocks")
-            self.checkpointed_blocks = apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
+            block_classes = resolve_and_log_blocks(model, self.blocks)
+            without_kv_cache(model, self.activation_checkpointing, compiles_blocks=False)
+            mode = self.activation_checkpointing
+            self.checkpointed_blocks = apply_activation_checkpointing(model, mode, block_classes)
         return model
 
     @override
@@ -279,7 +281,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
         self._add_resume_state(checkpoint)
         path = Path(self.broadcast(filepath))
         # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
-        save_folder_atomically(lambda staged: super(FastDeepSpeedStrategy, self).save_checkpoint(checkpoint, staged), path)
+        save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ def consolidate_checkpoint(folder: _PATH, output: _PATH) -> dict[str, Any]:
 
     folder = Path(folder)
     if not (folder / "latest").is_file():
-        raise FileNotFoundError(f"consolidate_checkpoint: {folder} is not a DeepSpeed checkpoint folder (no 'latest' file).")
+        raise FileNotFoundError(f"consolidate_checkpoint: {folder} is not a DeepSpeed checkpoint (no 'latest' file).")
     converted: dict[str, Any] = {}
 
     def write(staged: Path) -> None:
