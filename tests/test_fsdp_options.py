@@ -85,3 +85,25 @@ def test_mixed_precision_policy_follows_the_trainer_precision():
     assert fsdp_dtypes("16-mixed") == (torch.float16, torch.float32)
     assert fsdp_dtypes("32-true") == (None, None)
     assert fsdp_dtypes("bf16-true") == (None, None)  # the module itself is converted to bf16
+
+
+def test_the_counted_collectives_call_no_deprecated_torch_function():
+    import warnings
+
+    import torch.distributed as dist
+
+    from lightning_fastdist.parallel.comm_accounting import CommStats
+    from lightning_fastdist.parallel.fsdp_comm_accounting import CountingAllGather, CountingReduceScatter
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stats, shard = CommStats(), torch.arange(4.0)
+        gathered, reduced = torch.empty(4), torch.empty(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor
+            CountingAllGather(stats)(output_tensor=gathered, input_tensor=shard, group=None)
+            CountingReduceScatter(stats)(output_tensor=reduced, input_tensor=shard, group=None, op=dist.ReduceOp.SUM)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(gathered, shard) and torch.equal(reduced, shard)
+    assert stats.total_bytes == 2 * 16

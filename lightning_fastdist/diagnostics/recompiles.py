@@ -46,7 +46,7 @@ CAUSES: tuple[tuple[re.Pattern[str], Cause], ...] = (
         ),
     ),
     (
-        re.compile(r"check_type_id\((?:self|L\['self'\])"),
+        re.compile(r"check_type_id\((?:self|L\['self'\])|__func__\.__code__"),
         Cause("another block class runs the same compiled forward", "nothing: one compile per block class is expected"),
     ),
     (
@@ -61,18 +61,18 @@ CAUSES: tuple[tuple[re.Pattern[str], Cause], ...] = (
         Cause("a module switched between train() and eval()", "nothing: one compile per mode is expected"),
     ),
     (
-        re.compile(r"_parameters\[|Guard failed on a parameter"),
+        re.compile(r"_parameters\[|Guard failed on a parameter|len\((?:self|fn\.__self__)\._modules"),
         Cause(
-            "instances of one block class hold parameters of different shapes (e.g. named leaf layers)",
-            "nothing for a few shapes (one compile each); to compile once, name blocks whose instances match",
+            "instances of one block class differ (parameter shapes or submodules)",
+            "nothing for a few variants (one compile each); to compile once, name blocks whose instances match",
         ),
     ),
     (
         re.compile(r"size mismatch|stride mismatch"),
         Cause(
-            "a tensor's shape changed (a new sequence length, a smaller last batch)",
+            "a tensor's shape changed (a new sequence length or batch size, or blocks of another width)",
             "set compile: {dynamic: true} if shapes vary on purpose, or keep them fixed "
-            "(drop_last=True, pad to one sequence length)",
+            "(drop_last=True, pad to one length); blocks of several widths compile once per width",
         ),
     ),
     (
