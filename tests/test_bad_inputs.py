@@ -100,6 +100,14 @@ ROWS = [
     Row("fullgraph-not-a-bool", "compile.fullgraph: expected true or false; got 'always'.", strategy("FastDDPStrategy", compile={"fullgraph": "always"})),
     Row("checkpoint-every-nth-beyond-blocks", "activation_checkpointing=999: TinyGPT has 1 block(s), so no block would be checkpointed; use an integer from 1 to 1",
         strategy("FastDDPStrategy", activation_checkpointing=999), raises=ValueError),
+    Row("ddp-comm-hook-callable", "FastDDPStrategy: ddp_comm_hook is not taken; name the hook instead: comm_hook='fp16', 'bf16', 'powersgd' or 'none'",
+        strategy("FastDDPStrategy", ddp_comm_hook="torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook")),
+    Row("unknown-ddp-argument", "Problem with given class_path 'lightning_fastdist.FastDDPStrategy': Option 'broadcast_bufers' is not accepted",
+        strategy("FastDDPStrategy", broadcast_bufers=False)),
+    Row("blocks-not-a-list", "Parser key \"blocks\": Expected a typing.Literal['auto']; Expected a <class 'list'>; Given value: Block",
+        strategy("FastDDPStrategy", blocks="Block")),
+    Row("blocks-and-its-old-name", "FastFSDPStrategy: shard_modules is the old name of blocks; give blocks only.",
+        strategy("FastFSDPStrategy", blocks=["Block"], shard_modules=["Block"])),
 ]  # fmt: skip
 
 

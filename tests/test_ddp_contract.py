@@ -83,3 +83,17 @@ def test_the_old_name_block_modules_still_works_with_one_deprecation_line():
     with pytest.deprecated_call(match=r"FastDDPStrategy: block_modules is renamed blocks; write blocks=\['Block'\]"):
         strategy = FastDDPStrategy(block_modules="Block")
     assert strategy.blocks == ["Block"]
+
+
+def test_a_recipe_passes_distributed_data_parallel_arguments_as_with_lightnings_ddp(in_tmp_dir, capsys):
+    from lightning_fastdist.cli import main
+
+    recipe = in_tmp_dir / "ddp.yaml"
+    recipe.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
+        "    init_args: {broadcast_buffers: false, init_sync: false}\n"
+    )
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(recipe), "--print_config"])
+    printed = capsys.readouterr().out
+    assert "broadcast_buffers: false" in printed and "init_sync: false" in printed

@@ -155,7 +155,6 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         }
         if bucket_cap_mb != "auto":
             ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
-        ddp_kwargs.update(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,6 +165,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             timeout=self.timeout,
             start_method=start_method,
             **ddp_kwargs,
+            **kwargs,  # to DistributedDataParallel, as in Lightning (and LightningCLI sees them through this call)
         )
         self.comm_hook = comm_hook
         self.powersgd_rank = powersgd_rank

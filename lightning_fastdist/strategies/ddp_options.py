@@ -32,9 +32,11 @@ def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     """
     parameters = inspect.signature(DistributedDataParallel.__init__).parameters
     accepted = [name for name in parameters if name not in _SET_BY_THE_STRATEGY]
-    for name in kwargs:
+    for name, value in kwargs.items():
         if name in REPLACED_LIGHTNING_OPTIONS:
-            raise ValueError(f"FastDDPStrategy: {name} is not taken; {REPLACED_LIGHTNING_OPTIONS[name]}.")
+            if value is not None:  # LightningCLI passes every argument it knows, unset ones as None
+                raise ValueError(f"FastDDPStrategy: {name} is not taken; {REPLACED_LIGHTNING_OPTIONS[name]}.")
+            continue
         if name not in accepted:
             raise ValueError(
                 f"FastDDPStrategy: {name!r} is an option of neither FastDDPStrategy nor DistributedDataParallel; "
