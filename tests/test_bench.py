@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from lightning_fastdist.commands.bench import main
+from lightning_fastdist.commands.bench import _overlay, main, parse_args
+from lightning_fastdist.commands.bench_setups import all_setups
 from lightning_fastdist.parallel.buckets import gradient_bytes
 from lightning_fastdist.demo import TinyGPT
 from tests.harness import cli_command, run_launcher
@@ -15,7 +16,7 @@ from tests.harness import cli_command, run_launcher
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--setups", "ddp,zero4"], "--setups: unknown zero4; known: ddp, ddp-fp16"),
+        (["--setups", "ddp,zero4"], "--setups: unknown zero4; known: lightning-ddp, lightning-fsdp2, lightning-deepspeed,"),
         (["--steps", "5"], "--steps: must be >= 6"),
         (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
     ],
@@ -28,30 +29,54 @@ def test_bad_arguments_name_the_flag(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_bench_compares_setups_and_writes_json_and_plot_and_nothing_else(in_tmp_dir):
+def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and_nothing_else(in_tmp_dir):
     users = "# the user's own config, with comments\ntrainer: {max_steps: 3}\n"
     (in_tmp_dir / "config.yaml").write_text(users)
     model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
                   "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
-    result = run_launcher(
-        cli_command("bench", "--steps", "7", "--setups", "ddp,ddp-fp16,fsdp-zero3,deepspeed-zero3", "--", *model_args),
-        timeout=300,
-    )
-    assert "setup" in result.stdout and "ddp-fp16" in result.stdout
+    setups = "lightning-ddp,lightning-deepspeed,ddp,fsdp-zero3,deepspeed-zero2"
+    result = run_launcher(cli_command("bench", "--steps", "7", "--setups", setups, "--", *model_args), timeout=400)
+    assert "setup" in result.stdout and "vs Lightning" in result.stdout
     rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
-    assert set(rows) == {"ddp", "ddp-fp16", "fsdp-zero3", "deepspeed-zero3"}
+    assert set(rows) == set(setups.split(","))
     model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
     full = gradient_bytes(model)
     root = full - gradient_bytes(model.blocks)  # embeddings and final norm, outside the blocks
     assert rows["ddp"]["comm_bytes_per_step"] == full
-    assert rows["ddp-fp16"]["comm_bytes_per_step"] == full // 2
     # ZeRO-3 gathers the blocks for forward and again for backward, the root once; reduce-scatters every gradient.
     assert rows["fsdp-zero3"]["comm_bytes_by_collective"] == {"allgather": 2 * full - root, "reduce_scatter": full}
-    for name in ("ddp", "ddp-fp16", "fsdp-zero3"):
-        assert rows[name]["steps"] == 7 and rows[name]["final_loss"] > 0
+    # DeepSpeed's ZeRO-2 all-reduces the gradients (and two 4-byte scalars: norm and overflow), gathers the weights.
+    assert rows["deepspeed-zero2"]["comm_bytes_by_collective"] == {"allreduce": full + 8, "allgather": full}
+    assert rows["lightning-ddp"]["comm_bytes_per_step"] is None  # Lightning's DDPStrategy counts nothing
+    for name in ("lightning-ddp", "ddp", "fsdp-zero3", "deepspeed-zero2"):
+        assert rows[name]["steps"] == 7
         assert rows[name]["tokens_per_s"] == pytest.approx(32 * rows[name]["samples_per_s"])  # 32-token sequences
+        # The same seed and data: every engine computes the same fp32 training, to rounding.
+        assert rows[name]["final_loss"] == pytest.approx(rows["lightning-ddp"]["final_loss"], abs=1e-4)
+    for name in ("ddp", "fsdp-zero3"):
         assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
-    assert "deepspeed" in rows["deepspeed-zero3"]["skipped"].lower()
+    assert rows["deepspeed-zero2"]["host_syncs_per_step"] == 1  # DeepSpeed's own gradient-norm check
+    ratio = rows["ddp"]["tokens_per_s"] / rows["lightning-ddp"]["tokens_per_s"]
+    assert rows["ddp"]["vs_lightning"] == pytest.approx(ratio)
+    assert rows["lightning-ddp"]["vs_lightning"] == 1.0 and rows["deepspeed-zero2"]["vs_lightning"] is None
+    assert "CUDA only" in rows["lightning-deepspeed"]["skipped"]
+    parity = "loss parity: the final losses of lightning-ddp, ddp, fsdp-zero3, deepspeed-zero2 lie within"
+    assert parity in result.stdout
     assert (in_tmp_dir / "bench_results" / "bench.png").stat().st_size > 10_000
     assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["bench_results", "config.yaml"]
     assert (in_tmp_dir / "config.yaml").read_text() == users
+
+
+def test_lightnings_fsdp2_baseline_puts_every_rank_in_the_data_parallel_dimension(in_tmp_dir):
+    # Lightning's default (tensor_parallel_size = devices) would leave a model sharded over
+    # device_mesh["data_parallel"] unsharded, with every rank reading the same batch.
+    args = parse_args(["--setups", "lightning-fsdp2,deepspeed-zero2", "--devices", "4"])
+    overlay = _overlay(all_setups()["lightning-fsdp2"], in_tmp_dir / "probe.json", in_tmp_dir, args)
+    assert overlay["trainer"]["strategy"]["init_args"] == {"data_parallel_size": 4, "tensor_parallel_size": 1}
+    assert overlay["model"] == {"class_path": "lightning_fastdist.commands.bench_baselines.HandShardedTinyGPT"}
+
+
+def test_deepspeed_rows_take_the_recipes_mixed_precision_as_the_trainers_precision(in_tmp_dir):
+    args = parse_args(["--config", "single_node", "--setups", "deepspeed-zero2"])  # bf16 through FastMixedPrecision
+    overlay = _overlay(all_setups()["deepspeed-zero2"], in_tmp_dir / "probe.json", in_tmp_dir, args)
+    assert overlay["trainer"]["plugins"] == [] and overlay["trainer"]["precision"] == "bf16-mixed"

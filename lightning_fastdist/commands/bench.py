@@ -1,13 +1,17 @@
 """``lightning-fastdist bench``: train one model under several setups, side by side.
 
-Each setup (DDP with and without compression or compile, FSDP2 ZeRO-2/3 with
-and without activation checkpointing, DeepSpeed ZeRO-2/3 where it can run)
+Each setup (our DDP with and without compression or compile, FSDP2 ZeRO-2/3 with
+and without activation checkpointing, DeepSpeed ZeRO-1/2/3 with and without
+offload, and Lightning's own DDP, FSDP2 and DeepSpeed strategies as baselines)
 trains the same recipe for ``--steps`` steps in fresh processes, measured by
 :class:`~lightning_fastdist.commands.bench_probe.BenchProbe`. The command
-prints a table as rows finish, and writes ``bench.json`` and ``bench.png``
-(tokens/s and peak memory per setup) into ``--output``, with each setup's log,
-overlay recipe and resolved config; nothing else is written. Every setup trains
-with :class:`~lightning_fastdist.SyncFreeLogging`, the stack our recipes use.
+prints a table as rows finish (each row's throughput also as a ratio to its
+engine's Lightning baseline, when that ran first), then how far apart the final
+losses of the exact setups are, and writes ``bench.json`` and ``bench.png``
+(tokens/s and peak memory per setup, coloured by engine) into ``--output``, with
+each setup's log, overlay recipe and resolved config; nothing else is written.
+Every setup trains with :class:`~lightning_fastdist.SyncFreeLogging`, the stack
+our recipes use.
 """
 
 from __future__ import annotations
@@ -20,19 +24,24 @@ from pathlib import Path
 
 import yaml
 
-from lightning_fastdist.commands.bench_setups import BenchSetup, all_setups
+from lightning_fastdist.commands.bench_setups import ENGINES, BenchSetup, all_setups
 from lightning_fastdist.recipes import find_recipe
 
-DEFAULT_SETUPS = "ddp,ddp-fp16,ddp-powersgd,fsdp-zero2,fsdp-zero3,fsdp-zero3-ac,deepspeed-zero2,deepspeed-zero3"
+DEFAULT_SETUPS = (
+    "lightning-ddp,lightning-fsdp2,lightning-deepspeed,ddp,ddp-bf16,fsdp-zero2,fsdp-zero3,"
+    "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
+)
 COLUMNS = (
-    ("setup", 16, "{}"),
+    ("setup", 23, "{}"),
     ("step ms", 9, "{:.1f}"),
     ("tokens/s", 10, "{:,.0f}"),
+    ("vs Lightning", 12, "{:.2f}x"),
     ("peak MiB", 9, "{:.0f}"),
     ("comm B/step", 12, "{:,.0f}"),
     ("syncs/step", 10, "{:.1f}"),
-    ("loss", 7, "{:.3f}"),
+    ("loss", 8, "{:.4f}"),
 )
+ENGINE_COLOURS = {"DDP": "tab:blue", "FSDP2": "tab:orange", "DeepSpeed": "tab:green"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,8 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
     if args.steps < 6:
         parser.error(f"--steps: must be >= 6 (2 warm-up, timed steps, 2 sync-counting, 1 last), got {args.steps}")
-    if find_recipe(args.config) is None:
+    recipe = find_recipe(args.config)
+    if recipe is None:
         parser.error(f"--config: recipe file {args.config!r} not found")
+    args.recipe = yaml.safe_load(recipe.read_text()) or {}
     return args
 
 
@@ -70,10 +81,30 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], str, list[str]]:
     return argv, "", []
 
 
-def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path) -> dict:
-    return {
+def _deepspeed_precision(recipe: dict) -> dict:
+    """DeepSpeed runs mixed precision itself: a recipe's FastMixedPrecision plugin becomes ``trainer.precision``."""
+    plugins = (recipe.get("trainer") or {}).get("plugins") or []
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        if isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("FastMixedPrecision"):
+            return {"plugins": [], "precision": (plugin.get("init_args") or {}).get("precision", "32-true")}
+    return {}
+
+
+def world_size(args: argparse.Namespace) -> int | None:
+    """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``trainer.num_nodes``, or ``None``."""
+    trainer = args.recipe.get("trainer") or {}
+    devices, nodes = args.devices or trainer.get("devices"), trainer.get("num_nodes", 1)
+    try:
+        return int(devices) * int(nodes)
+    except (TypeError, ValueError):
+        return None
+
+
+def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argparse.Namespace) -> dict:
+    recipe = args.recipe
+    overlay = {
         "trainer": {
-            "strategy": setup.strategy_config(),
+            "strategy": setup.strategy_config(world_size(args)),
             "default_root_dir": str(run_folder),  # the resolved config goes here, not into the working directory
             "logger": False,
             "enable_checkpointing": False,
@@ -85,15 +116,21 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path) -> dict:
             ],
         }
     }
+    if setup.uses_deepspeed:
+        overlay["trainer"].update(_deepspeed_precision(recipe))
+    if setup.model_class is not None:
+        overlay["model"] = {"class_path": setup.model_class}  # the recipe's init_args are kept
+    return overlay
 
 
 def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict:
     """Train ``setup`` in fresh processes; return its measurements, or why it did not run."""
-    if setup.needs:
-        return {"setup": setup.name, "skipped": setup.needs}
+    unavailable = setup.unavailable(args.recipe, world_size(args))
+    if unavailable:
+        return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"
     overlay = output / f"{setup.name}.yaml"
-    overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name)))
+    overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name, args)))
     command = [
         sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", args.config, "--config", str(overlay),
         "--trainer.max_steps", str(args.steps),
@@ -106,17 +143,45 @@ def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict
         finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
     if finished.returncode != 0 or not probe_output.is_file():
         tail = log.read_text()[-1500:]
-        return {"setup": setup.name, "failed": f"exit {finished.returncode}; see {log}", "log_tail": tail}
-    return {"setup": setup.name, **json.loads(probe_output.read_text())}
+        failure = {"failed": f"exit {finished.returncode}; see {log}", "log_tail": tail}
+        return {"setup": setup.name, "engine": setup.engine, **failure}
+    return {"setup": setup.name, "engine": setup.engine, "exact": setup.exact, **json.loads(probe_output.read_text())}
+
+
+def throughput(row: dict) -> float | None:
+    """Tokens per second, or samples per second for a model that does not read tokens."""
+    if "step_time_s" not in row:
+        return None
+    return row["tokens_per_s"] or row["samples_per_s"]
+
+
+def add_baseline_ratio(row: dict, rows: list[dict], setup: BenchSetup) -> None:
+    """Set ``vs_lightning``: the row's throughput over its engine's Lightning baseline's (``None``: none ran)."""
+    baseline = row if setup.name == setup.baseline else next((r for r in rows if r["setup"] == setup.baseline), None)
+    mine, theirs = throughput(row), throughput(baseline) if baseline else None
+    row["vs_lightning"] = mine / theirs if mine and theirs else None
+
+
+def loss_spread(rows: list[dict]) -> tuple[float, list[str]] | None:
+    """Largest minus smallest final loss over the exact setups that ran (fp32 data parallelism computes
+    the same thing, whatever the engine), and their names; ``None`` with fewer than two."""
+    exact = [row for row in rows if row.get("exact") and row.get("final_loss") is not None]
+    if len(exact) < 2:
+        return None
+    losses = [row["final_loss"] for row in exact]
+    return max(losses) - min(losses), [row["setup"] for row in exact]
 
 
 def format_row(row: dict) -> str:
+    name_width = COLUMNS[0][1]
     if "skipped" in row or "failed" in row:
-        return f"{row['setup']:<16} {'skipped: ' + row['skipped'] if 'skipped' in row else 'FAILED: ' + row['failed']}"
+        reason = "skipped: " + row["skipped"] if "skipped" in row else "FAILED: " + row["failed"]
+        return f"{row['setup']:<{name_width}} {reason}"
     values = (
         row["setup"],
         1000 * row["step_time_s"] if row["step_time_s"] else None,
         row["tokens_per_s"],
+        row.get("vs_lightning"),
         row["peak_memory_bytes_max_rank"] / 2**20,
         row["comm_bytes_per_step"],
         row["host_syncs_per_step"],
@@ -134,22 +199,30 @@ def header() -> str:
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
-    """Bar charts of tokens/s and peak memory per setup that ran."""
+    """Bar charts of throughput and peak memory per setup that ran, coloured by engine; Lightning's own hatched."""
     import matplotlib  # noqa: PLC0415 - only bench needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.patches import Patch  # noqa: PLC0415
 
-    measured = [r for r in rows if "step_time_s" in r and r["tokens_per_s"]]
+    measured = [r for r in rows if throughput(r)]
     names = [r["setup"] for r in measured]
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4))
-    speed.barh(names, [r["tokens_per_s"] for r in measured], color="tab:blue")
-    speed.set_xlabel("tokens / s (all ranks)")
-    memory.barh(names, [r["peak_memory_bytes_max_rank"] / 2**20 for r in measured], color="tab:orange")
+    colours = [ENGINE_COLOURS[r["engine"]] for r in measured]
+    hatches = ["//" if r["setup"].startswith("lightning-") else "" for r in measured]
+    unit = "tokens" if all(r["tokens_per_s"] for r in measured) else "samples"
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.35 * max(len(measured), 4)))
+    speed.barh(names, [throughput(r) for r in measured], color=colours, hatch=hatches, edgecolor="black")
+    speed.set_xlabel(f"{unit} / s (all ranks)")
+    peaks = [r["peak_memory_bytes_max_rank"] / 2**20 for r in measured]
+    memory.barh(names, peaks, color=colours, hatch=hatches, edgecolor="black")
     memory.set_xlabel(f"peak MiB per rank ({measured[0]['peak_memory_kind'] if measured else ''})")
     for axis in (speed, memory):
         axis.invert_yaxis()
-    figure.tight_layout()
+    legend = [Patch(facecolor=ENGINE_COLOURS[engine], edgecolor="black", label=engine) for engine in ENGINES]
+    legend.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="Lightning's own strategy"))
+    figure.legend(handles=legend, loc="lower center", ncol=len(legend), frameon=False)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
@@ -162,13 +235,17 @@ def main(argv: list[str]) -> int:
     setups = all_setups(args.compile_backend)
     print(f"bench: {len(args.setup_list)} setups x {args.steps} steps of {args.config}; logs in {output}/", flush=True)
     print(header(), flush=True)
-    rows = []
+    rows: list[dict] = []
     for index, name in enumerate(args.setup_list, start=1):
         if sys.stdout.isatty():  # a progress note that the row then overwrites
             print(f"[{index}/{len(args.setup_list)}] {name} ...", end="\r", flush=True)
         row = run_setup(setups[name], args, output)
+        add_baseline_ratio(row, rows, setups[name])
         rows.append(row)
         print(format_row(row), flush=True)
+    spread = loss_spread(rows)
+    if spread is not None:
+        print(f"loss parity: the final losses of {', '.join(spread[1])} lie within {spread[0]:.2e} of each other")
     (output / "bench.json").write_text(json.dumps(rows, indent=2))
     write_plot(rows, output / "bench.png")
     print(f"wrote {output / 'bench.json'} and {output / 'bench.png'}")
