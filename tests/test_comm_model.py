@@ -1,6 +1,7 @@
 """The doctor's communication model: the ring arithmetic, precision, accumulation and bad input.
 
-Its byte counts are checked against the strategies' real counters in test_fsdp_sharding.py and test_fast_ddp.py.
+Its byte counts are checked against the strategies' real counters in test_fsdp_sharding.py, test_fast_ddp.py and
+(DeepSpeed's stages 1 and 2) test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def test_accumulation_multiplies_only_zero3s_gathers():
         assert estimate_comm(shape(), mode, 4) == estimate_comm(shape(), mode, 1)
 
 
+def test_deepspeed_all_reduces_in_the_weights_dtype_at_stage_1_once_and_at_stage_2_per_micro_batch():
+    fp32, bf16 = shape(), shape(precision="bf16-mixed")
+    assert estimate_comm(fp32, "ds-zero1", 4).by_collective() == {"allreduce": 4_000_000, "allgather": 4_000_000}
+    assert estimate_comm(fp32, "ds-zero2", 4).by_collective() == {"allreduce": 16_000_000, "allgather": 4_000_000}
+    assert estimate_comm(bf16, "ds-zero2", 1).by_collective() == {"allreduce": 2_000_000, "allgather": 2_000_000}
+    # On a ring an all-reduce sends twice what a reduce-scatter does: DeepSpeed's ZeRO-2 sends 1.5x FSDP's.
+    assert estimate_comm(fp32, "ds-zero2").sent_per_device == 3 * estimate_comm(fp32, "zero2").sent_per_device // 2
+    zero3 = estimate_comm(bf16, "ds-zero3", 2)
+    assert zero3.reduce_scatter == 2 * 2_000_000 and zero3.allgather == 2 * 2 * (2 * 1_000_000 - root_parameters(bf16))
+
+
 def test_one_device_communicates_nothing():
     assert estimate_comm(shape(world_size=1), "zero3").sent_per_device == 0
     assert estimate_comm(shape(world_size=1), "ddp").by_collective() == {}
@@ -45,7 +57,10 @@ def test_one_device_communicates_nothing():
 
 @pytest.mark.parametrize(
     "mode, accumulation, message",
-    [("zero4", 1, "mode must be one of ddp, zero2, zero3, got 'zero4'"), ("ddp", 0, "accumulation must be an integer >= 1, got 0")],
+    [
+        ("zero4", 1, "mode must be one of ddp, zero2, zero3, ds-zero1, ds-zero2, ds-zero3, got 'zero4'"),
+        ("ddp", 0, "accumulation must be an integer >= 1, got 0"),
+    ],
 )
 def test_bad_arguments_name_the_field(mode, accumulation, message):
     with pytest.raises(ValueError, match=message):

@@ -20,7 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist import FastDeepSpeedStrategy, FastMixedPrecision, SpeedMonitor, SyncFreeLogging
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
+from lightning_fastdist.diagnostics.memory_model import TrainingShape, estimate_memory
 from lightning_fastdist.parallel.atomic_checkpoint import STAGING_SUFFIX
 from lightning_fastdist.strategies.deepspeed_checkpoint import consolidate_checkpoint
 from tests.fault_runs import BATCH, BLOCK, write_corpus
@@ -57,6 +59,19 @@ def full_weights(strategy: FastDeepSpeedStrategy) -> dict[str, torch.Tensor]:
     return {name: safe_get_full_fp32_param(p).detach().clone() for name, p in module.named_parameters()}
 
 
+def state_bytes(strategy: FastDeepSpeedStrategy) -> dict[str, int]:
+    """This rank's weights (its partitions under ZeRO-3) and optimizer state (fp32 master partition + AdamW moments)."""
+    engine = strategy.deepspeed_engine
+    weights = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    base = engine.optimizer.optimizer  # the torch AdamW DeepSpeed steps over this rank's fp32 partition
+    masters = list(base.state)  # the fp32 partitions AdamW has stepped (ZeRO-3 empties param_groups in between)
+    moments = [t for p in masters for t in base.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+    return {
+        "weights": sum(t.numel() * t.element_size() for t in weights),
+        "optimizer": sum(t.numel() * t.element_size() for t in masters + moments),
+    }
+
+
 def fit(corpus: str, folder: Path, max_steps: int, resume: bool = False, precision: str = "32-true", **options) -> dict:
     """Train TinyGPT with FastDeepSpeedStrategy(**options); this rank's record of the run."""
     from deepspeed.comm import comm
@@ -86,9 +101,15 @@ def fit(corpus: str, folder: Path, max_steps: int, resume: bool = False, precisi
         "rounds": stats.rounds,
         "checkpointed_blocks": len(strategy.checkpointed_blocks),
         "parameter_dtype": next(strategy.deepspeed_engine.module.parameters()).dtype,
+        "state_bytes": state_bytes(strategy),
         "compiled_ops": sorted(JIT_OPS & set(sys.modules)),
         "shm_comm_op": comm.cdb.shm_comm_op,
     }
+
+
+def shape_of(record: dict) -> TrainingShape:
+    """The doctor's description of the runs here."""
+    return TrainingShape(record["parameters"], layers=2, hidden=32, seq_len=BLOCK, micro_batch=BATCH, world_size=WORLD)
 
 
 def deepspeed_cases(tmp: str) -> dict:
@@ -168,11 +189,24 @@ def test_bytes_per_collective_follow_the_stage_and_accumulation(runs):
     # ZeRO-1 reduces the gradients once per optimizer step, ZeRO-2 on every micro-batch (2 here); both then
     # gather the updated weights. A few bytes more: the all-reduced gradient norm and overflow flag.
     assert zero1["rounds"] == 2 and zero2["rounds"] == 4
-    for record, reductions in ((zero1, 1), (zero2, 2)):
-        assert record["last_step"]["allgather"][1] == full
-        assert 0 <= record["last_step"]["allreduce"][1] - reductions * full <= 16
+    for stage, record in ((1, zero1), (2, zero2)):  # the doctor's communication model, checked
+        expected = estimate_comm(shape_of(record), f"ds-zero{stage}", accumulation=2)
+        assert expected.allreduce == stage * full and record["last_step"]["allgather"][1] == expected.allgather == full
+        assert 0 <= record["last_step"]["allreduce"][1] - expected.allreduce <= 16
     zero3 = records[0]["zero3-straight"]["last_step"]
     assert zero3["reduce_scatter"][1] == full  # every gradient once; the gathers depend on DeepSpeed's caching
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weights_and_optimizer_state_per_rank_match_the_memory_model(runs, stage):
+    records, _ = runs
+    record = records[0][f"zero{stage}-accumulate" if stage < 3 else "zero3-straight"]
+    estimate = estimate_memory(shape_of(record), f"ds-zero{stage}")
+    measured = record["state_bytes"]
+    # DeepSpeed pads each rank's partition to an alignment: a few bytes more than the formula.
+    assert measured["weights"] == pytest.approx(estimate.weights, rel=0.01)
+    assert measured["optimizer"] == pytest.approx(estimate.optimizer, rel=0.01)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import yaml
 
 from lightning_fastdist.commands.doctor import demo_model_shape, main
 from lightning_fastdist.demo import TinyGPT
-from lightning_fastdist.diagnostics.advisor import Target, recommend
+from lightning_fastdist.diagnostics.advisor import Target, build_recipe, recommend
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB, TrainingShape
@@ -54,6 +54,24 @@ def test_recommendation_moves_from_ddp_to_sharding_to_smaller_micro_batches():
     assert recommend(TrainingShape(10**6, 2, 128, 128, 8), v100).shape.precision == "16-mixed"
 
 
+def test_deepspeed_zero_offload_is_chosen_when_only_offloading_fits_and_its_recipe_sets_the_precision():
+    # 3B parameters on two 24 GiB GPUs: FSDP ZeRO-3 holds 16 bytes / 2 per parameter (24 GB) even with
+    # checkpointing; DeepSpeed's ZeRO-2 with the optimizer offloaded holds bf16 weights and a gradient shard.
+    two_gpus = Target("gpu", devices=2, device_memory_bytes=24 * GiB, bf16=True, cpu_cores=16)
+    choice = recommend(TrainingShape(3 * 10**9, 32, 2560, 2048, 1), two_gpus)
+    assert (choice.estimate.mode, choice.estimate.activation_checkpointing, choice.estimate.cpu_offload) == (
+        "ds-zero2", "none", True,
+    )  # fmt: skip
+    assert "DeepSpeed ZeRO-2 + optimizer offload: the fastest option" in choice.reasons[1]
+    recipe = build_recipe(choice, two_gpus, {"class_path": "m.M"}, {"class_path": "d.D"}, max_steps=10)
+    strategy = recipe["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_fastdist.FastDeepSpeedStrategy"
+    assert strategy["init_args"] == {
+        "stage": 2, "activation_checkpointing": "none", "offload_optimizer": True, "offload_parameters": False,
+    }  # fmt: skip
+    assert recipe["trainer"]["precision"] == "bf16-mixed" and "plugins" not in recipe["trainer"]  # DeepSpeed's own bf16
+
+
 def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, capsys):
     args = [
         "--params",
@@ -76,11 +94,12 @@ def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, ca
         "torch.distributed backends:",
         "CPU cores:",
         "NVLink:",
-        "zero3  full",
+        "zero3    full",
+        "ds-zero2 full",
         "Wrote plan.yaml",
     ):
         assert expected in printed
-    ddp_row = next(line for line in printed.splitlines() if line.lstrip().startswith("ddp    none"))
+    ddp_row = next(line for line in printed.splitlines() if line.lstrip().startswith("ddp      none"))
     sent = estimate_comm(TrainingShape(13 * 10**9, 1, 1, 2048, 4, world_size=8, precision="bf16-mixed"), "ddp")  # N, W, precision
     assert ddp_row.endswith(f"{sent.sent_per_device / 2**30:9.3f}G")  # the sent/step column
     recipe = recipe_at(in_tmp_dir / "plan.yaml")

@@ -41,13 +41,30 @@ def test_ddp_holds_16_bytes_per_parameter_and_zero_shards_them():
     assert estimate_memory(shape, "ddp", gradient_as_bucket_view=False).gradients == 8_000_000
 
 
+def test_deepspeed_keeps_an_fp32_master_copy_and_offloads_the_optimizer():
+    shape = TrainingShape(parameters=1_000_000, layers=4, hidden=128, seq_len=128, micro_batch=8, world_size=4)
+    buckets = 2 * 4 * 1_000_000  # two reduction buckets as large as the model (the "auto" size)
+    zero1, zero2, zero3 = (estimate_memory(shape, mode) for mode in ("ds-zero1", "ds-zero2", "ds-zero3"))
+    assert (zero1.weights, zero1.gradients, zero1.optimizer) == (4_000_000, 4_000_000 + buckets, 3_000_000)
+    assert (zero2.weights, zero2.gradients, zero2.optimizer) == (4_000_000, 1_000_000 + buckets, 3_000_000)
+    assert (zero3.weights, zero3.gradients) == (1_000_000, 1_000_000)
+    assert (zero3.optimizer, zero3.gathered_weights) == (3_000_000, 4_000_000)
+    assert zero3.state == 20 * 1_000_000 // 4  # 20 bytes per parameter in fp32, all sharded
+    bf16 = estimate_memory(TrainingShape(**{**shape.__dict__, "precision": "bf16-mixed"}), "ds-zero3")
+    assert bf16.state == 16 * 1_000_000 // 4  # the ZeRO paper's 2 + 2 + 12
+    offload2 = estimate_memory(shape, "ds-zero2", cpu_offload=True)
+    assert offload2.optimizer == 0 and offload2.host_bytes == 3_000_000 and offload2.weights == 4_000_000
+    offload3 = estimate_memory(shape, "ds-zero3", cpu_offload=True)
+    assert offload3.weights == offload3.optimizer == 0 and offload3.host_bytes == 4_000_000
+
+
 def test_checkpointing_and_bf16_lower_the_activations():
     shape = TrainingShape(parameters=10**6, layers=12, hidden=768, seq_len=1024, micro_batch=4)
     none, selective, full = (activation_bytes(shape, mode) for mode in ("none", "selective", "full"))
     assert full < selective < none
     mixed = TrainingShape(**{**shape.__dict__, "precision": "bf16-mixed"})
     assert activation_bytes(mixed) < none
-    assert len(estimate_table(shape)) == 2 + 4 + 4
+    assert len(estimate_table(shape)) == 2 + 4 + 4 + 3 * 4  # DDP, FSDP's two, DeepSpeed's three (offload too)
 
 
 @pytest.mark.parametrize(
@@ -63,11 +80,11 @@ def test_checkpointing_and_bf16_lower_the_activations():
         ),
         (
             lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "zero1"),
-            "mode must be one of ddp, zero2, zero3, got 'zero1'",
+            "mode must be one of ddp, zero2, zero3, ds-zero1, ds-zero2, ds-zero3, got 'zero1'",
         ),
         (
             lambda: estimate_memory(TrainingShape(1, 1, 1, 1, 1), "ddp", cpu_offload=True),
-            "cpu_offload needs mode zero2 or zero3",
+            "cpu_offload needs a sharded mode",
         ),
         (
             lambda: activation_bytes(TrainingShape(1, 1, 1, 1, 1), "half"),

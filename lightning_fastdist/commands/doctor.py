@@ -265,13 +265,13 @@ def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> st
         f"seq {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.world_size} ranks, {shape.precision}; "
         f"usable {usable / GiB:.2f} GiB) and bytes each device sends per optimizer step "
         f"({accumulation} micro-batch(es), ring collectives); formulas in docs/doctor.md",
-        f"  {'mode':6} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} {'total':>10}  fits"
+        f"  {'mode':8} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} {'total':>10}  fits"
         f" {'sent/step':>10}",
     ]
     for e in estimate_table(shape):
         sent = estimate_comm(shape, e.mode, accumulation).sent_per_device
         lines.append(
-            f"  {e.mode:6} {e.activation_checkpointing:10} {'yes' if e.cpu_offload else 'no':7} {e.state / GiB:9.3f}G "
+            f"  {e.mode:8} {e.activation_checkpointing:10} {'yes' if e.cpu_offload else 'no':7} {e.state / GiB:9.3f}G "
             f"{e.gathered_weights / GiB:9.3f}G {e.activations / GiB:10.3f}G {e.total / GiB:9.3f}G  "
             f"{'yes' if e.total <= usable else 'NO':4} {sent / GiB:9.3f}G"
         )

@@ -14,6 +14,16 @@ only two blocks' weights (bytes per mode:
 :mod:`~lightning_fastdist.diagnostics.comm_model`); activation checkpointing
 costs about one extra forward (~33% more compute); CPU offload moves the
 optimizer step to the host (slowest).
+
+Which engine: FSDP2 for every sharded configuration without offload (it holds
+less than DeepSpeed at the same sharding: no fp32 master copy in fp32 training,
+no gradient buckets, only two blocks' weights gathered under ZeRO-3; and its
+ZeRO-2 sends a reduce-scatter where DeepSpeed's all-reduces). DeepSpeed when
+only offloading fits: ZeRO-2 with optimizer offload (ZeRO-Offload) keeps the
+weights and gradients on the device and moves gradients out and weights back
+once per optimizer step, where FSDP2's offload moves every block's weights in
+for each forward and backward of each micro-batch. As the last resort, FSDP2
+ZeRO-3 with offload, which leaves the device the least (two blocks' weights).
 On one device sharding saves nothing, so only DDP (a plain single-device run),
 checkpointing and offload are considered.
 """
@@ -23,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
-from lightning_fastdist.diagnostics.memory_model import MemoryEstimate, TrainingShape, estimate_memory
+from lightning_fastdist.diagnostics.memory_model import DEEPSPEED_MODES, MemoryEstimate, TrainingShape, estimate_memory
 
 HEADROOM = 0.15  # CUDA context, allocator fragmentation, temporary buffers
 PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
@@ -32,9 +42,24 @@ PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
     ("zero3", "none", False),
     ("zero2", "full", False),
     ("zero3", "full", False),
+    ("ds-zero2", "none", True),
+    ("ds-zero2", "full", True),
     ("zero3", "full", True),
 )
-SINGLE_DEVICE_PREFERENCE = (("ddp", "none", False), ("ddp", "full", False), ("zero3", "full", True))
+SINGLE_DEVICE_PREFERENCE = (
+    ("ddp", "none", False),
+    ("ddp", "full", False),
+    ("ds-zero2", "full", True),
+    ("zero3", "full", True),
+)
+_MODE_NAMES = {
+    "ddp": "DDP",
+    "zero2": "FSDP ZeRO-2",
+    "zero3": "FSDP ZeRO-3",
+    "ds-zero1": "DeepSpeed ZeRO-1",
+    "ds-zero2": "DeepSpeed ZeRO-2",
+    "ds-zero3": "DeepSpeed ZeRO-3",
+}
 
 
 @dataclass(frozen=True)
@@ -163,16 +188,31 @@ def _finish(
 
 
 def _describe(mode: str, checkpointing: str, offload: bool) -> str:
-    parts = [{"ddp": "DDP", "zero2": "FSDP ZeRO-2", "zero3": "FSDP ZeRO-3"}[mode]]
+    parts = [_MODE_NAMES[mode]]
     if checkpointing != "none":
         parts.append(f"{checkpointing} activation checkpointing")
     if offload:
-        parts.append("CPU offload")
+        parts.append("optimizer offload" if mode in ("ds-zero1", "ds-zero2") else "CPU offload")
     return " + ".join(parts)
+
+
+def uses_deepspeed(estimate: MemoryEstimate) -> bool:
+    return estimate.mode in DEEPSPEED_MODES
 
 
 def strategy_section(estimate: MemoryEstimate) -> dict:
     """The ``trainer.strategy`` entry of a recipe for ``estimate``'s configuration."""
+    if uses_deepspeed(estimate):
+        stage = int(estimate.mode[-1])
+        return {
+            "class_path": "lightning_fastdist.FastDeepSpeedStrategy",
+            "init_args": {
+                "stage": stage,
+                "activation_checkpointing": estimate.activation_checkpointing,
+                "offload_optimizer": estimate.cpu_offload,
+                "offload_parameters": estimate.cpu_offload and stage == 3,
+            },
+        }
     if estimate.mode == "ddp":
         return {
             "class_path": "lightning_fastdist.FastDDPStrategy",
@@ -227,7 +267,7 @@ def build_recipe(
             {"class_path": "lightning_fastdist.BottleneckReport"},
         ],
     }
-    if precision == "32-true":
+    if precision == "32-true" or uses_deepspeed(recommendation.estimate):  # DeepSpeed runs 16-bit itself
         trainer["precision"] = precision
     else:
         device = "cuda" if target.accelerator == "gpu" else "cpu"

@@ -1,4 +1,4 @@
-"""Estimate each device's communication per optimizer step under DDP, ZeRO-2 and ZeRO-3.
+"""Estimate each device's communication per optimizer step under DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3.
 
 Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm_accounting`):
 each collective's full-size tensor, for ``N`` parameters, ``k`` micro-batches per
@@ -15,6 +15,20 @@ fp32 under mixed precision, DDP all-reduces the fp32 gradients):
   parameters) once, ``k c (2 N - R)``, plus ``g N``. ``R`` is taken as
   ``(V + s) h + 2 h``: a GPT with learned positions and a tied head.
 
+DeepSpeed (``ds-zero*``) communicates in the weights' dtype, ``w`` bytes (4 under
+``32-true``, else 2), and reduces gradients with all-reduces of buckets (on NCCL
+and gloo alike), also at stage 2:
+
+- ``ds-zero1``: an all-reduce of the gradients per optimizer step, ``w N``, and an
+  all-gather of the updated weights, ``w N``;
+- ``ds-zero2``: the all-reduce on every micro-batch, ``k w N``, and the all-gather ``w N``;
+- ``ds-zero3``: a reduce-scatter of the gradients on every micro-batch, ``k w N``, and
+  the gathers of FSDP's ZeRO-3, ``k w (2 N - R)``: an upper bound, as DeepSpeed keeps
+  gathered the parameters its backward reuses soon (``stage3_max_reuse_distance``)
+  and those below ``stage3_param_persistence_threshold`` (1e5 elements).
+
+(Plus a few bytes: the all-reduced gradient norm and overflow flag.)
+
 On a ring each device sends ``2 (W - 1) / W`` of an all-reduce and ``(W - 1) / W``
 of an all-gather or reduce-scatter (:attr:`CommEstimate.sent_per_device`), so at
 ``k = 1`` in fp32 ZeRO-2 sends what DDP sends and ZeRO-3 1.5 times as much.
@@ -22,14 +36,15 @@ FSDP pads each tensor's first dimension to a multiple of ``W``; that is left out
 A single device communicates nothing.
 
 Checked exactly against the strategies' counters on 2 CPU ranks
-(``tests/test_fsdp_sharding.py``, ``tests/test_fast_ddp.py``).
+(``tests/test_fsdp_sharding.py``, ``tests/test_fast_ddp.py``; DeepSpeed's stages 1
+and 2 in ``tests/test_deepspeed.py``; its stage 3 gathers are not checked).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_fastdist.diagnostics.memory_model import MODES, TrainingShape
+from lightning_fastdist.diagnostics.memory_model import DEEPSPEED_MODES, MODES, TrainingShape
 
 
 @dataclass(frozen=True)
@@ -37,7 +52,7 @@ class CommEstimate:
     """Bytes per optimizer step of each collective (full-size tensors) on one device.
 
     Attributes:
-        mode: ``"ddp"``, ``"zero2"`` or ``"zero3"``.
+        mode: one of :data:`~lightning_fastdist.diagnostics.memory_model.MODES`.
         world_size: devices sharing the work.
         allreduce: gradient all-reduce bytes.
         allgather: weight all-gather bytes.
@@ -67,6 +82,15 @@ def root_parameters(shape: TrainingShape) -> int:
     return (shape.vocab_size + shape.seq_len) * shape.hidden + 2 * shape.hidden
 
 
+def _estimate_deepspeed(shape: TrainingShape, mode: str, accumulation: int, weight_bytes: int) -> CommEstimate:
+    n, w, stage = shape.parameters, weight_bytes, int(mode[-1])
+    if stage == 3:
+        gathered = accumulation * (2 * n - min(n, root_parameters(shape)))
+        return CommEstimate(mode, shape.world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
+    reductions = 1 if stage == 1 else accumulation
+    return CommEstimate(mode, shape.world_size, allreduce=reductions * w * n, allgather=w * n)
+
+
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
     """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see the module docstring).
 
@@ -85,6 +109,8 @@ def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> Com
     n = shape.parameters
     compute_bytes = 4 if shape.precision == "32-true" else 2
     gradient_bytes = 2 if shape.precision == "bf16-true" else 4
+    if mode in DEEPSPEED_MODES:
+        return _estimate_deepspeed(shape, mode, accumulation, weight_bytes=compute_bytes)
     if mode == "ddp":
         return CommEstimate(mode, shape.world_size, allreduce=gradient_bytes * n)
     gathered = n if mode == "zero2" else accumulation * (2 * n - min(n, root_parameters(shape)))

@@ -1,4 +1,4 @@
-"""Estimate training memory per GPU for DDP, ZeRO-2 and ZeRO-3, with and without activation checkpointing and offload.
+"""Estimate training memory per GPU for DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3, with checkpointing and offload.
 
 The formula (``N`` parameters, ``W`` ranks, ``b`` micro-batch, ``s`` sequence
 length, ``h`` hidden width, ``L`` layers, ``V`` vocabulary):
@@ -23,8 +23,27 @@ bf16-true       2        2          4
   (``N`` x compute bytes), ``zero3`` only the two blocks being computed or
   prefetched (``2 N / L`` x compute bytes). Compute bytes are 2 under a bf16/fp16
   policy, else the weights' bytes.
-- ``cpu_offload`` (FSDP only): the sharded state lives in host memory; the GPU
+- ``cpu_offload`` (FSDP): the sharded state lives in host memory; the GPU
   keeps only the gathered weights and the activations.
+
+DeepSpeed (``ds-zero1``, ``ds-zero2``, ``ds-zero3``) keeps the weights in ``w``
+bytes (4 under ``32-true``; 2 under any 16-bit precision, which DeepSpeed runs by
+converting the model itself) and, in its optimizer, an fp32 master copy and the
+two AdamW moments: 12 bytes per parameter, whatever the precision, split across
+ranks at every stage (the ZeRO paper's accounting, plus the fp32 copy that
+DeepSpeed also keeps in fp32 training):
+
+- ``ds-zero1``: weights ``w N`` and gradients ``w N`` on every rank, optimizer ``12 N / W``;
+- ``ds-zero2``: weights ``w N``, gradients ``w N / W``, optimizer ``12 N / W``;
+- ``ds-zero3``: weights, gradients ``w N / W`` each, optimizer ``12 N / W``, and the
+  gathered weights DeepSpeed keeps alive: up to ``stage3_max_live_parameters``
+  (1e9) of them, and it keeps those a backward pass reuses, so ``w min(N, 1e9)``;
+- stages 1 and 2 reduce through two gradient buckets (``overlap_comm``) of
+  ``min(N, 2e8)`` elements (FastDeepSpeedStrategy's ``"auto"`` bucket size), counted
+  with the gradients: ``2 w min(N, 2e8)``;
+- ``cpu_offload``: the optimizer (and at stage 3 the weight partitions) in host memory;
+- activations are those of a model run in ``w``-byte precision throughout (no
+  fp32 residual copies: DeepSpeed converts the model rather than autocasting).
 
 Activations, per micro-batch, counted in units of ``b s h`` elements for a
 pre-norm GPT block with fused (flash / memory-efficient) attention and no
@@ -53,10 +72,15 @@ on 2 CPU ranks (``tests/test_memory_model.py``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+from lightning_fastdist.parallel.deepspeed_runtime import MAX_AUTO_BUCKET, MAX_LIVE_PARAMETERS
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-MODES = ("ddp", "zero2", "zero3")
+FSDP_MODES = ("zero2", "zero3")
+DEEPSPEED_MODES = ("ds-zero1", "ds-zero2", "ds-zero3")
+MODES = ("ddp", *FSDP_MODES, *DEEPSPEED_MODES)
+DEEPSPEED_OPTIMIZER_BYTES = 12  # per parameter: fp32 master copy + two fp32 AdamW moments
 CHECKPOINTING = ("none", "selective", "full")
 UNITS_PER_LAYER = 17
 SELECTIVE_UNITS_PER_LAYER = 9
@@ -105,9 +129,10 @@ class MemoryEstimate:
     """Estimated bytes per GPU for one configuration.
 
     Attributes:
-        mode: ``"ddp"``, ``"zero2"`` or ``"zero3"``.
+        mode: one of :data:`MODES` (``zero2``/``zero3`` are FSDP2's, ``ds-zero*`` DeepSpeed's).
         activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
-        cpu_offload: sharded state kept in host memory (FSDP only).
+        cpu_offload: sharded state kept in host memory (FSDP), or DeepSpeed's optimizer (and at stage 3
+            its weight partitions).
         weights: bytes of (sharded) weights on the GPU.
         gradients: bytes of (sharded) gradients on the GPU, communication buckets included.
         optimizer: bytes of AdamW state on the GPU.
@@ -184,6 +209,36 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
     return block_inputs + shape.layers * selective + (per_layer - selective) + head
 
 
+def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu_offload: bool) -> MemoryEstimate:
+    """DeepSpeed's stages (see the module docstring)."""
+    n, ranks = shape.parameters, shape.world_size
+    w = 4 if shape.precision == "32-true" else 2
+    stage = int(mode[-1])
+    weights = w * n if stage < 3 else -(-w * n // ranks)
+    gradients = w * n if stage == 1 else -(-w * n // ranks)
+    if stage < 3:
+        gradients += 2 * w * min(n, MAX_AUTO_BUCKET)  # two reduction buckets (overlap_comm)
+    optimizer = -(-DEEPSPEED_OPTIMIZER_BYTES * n // ranks)
+    gathered = w * min(n, MAX_LIVE_PARAMETERS) if stage == 3 else 0
+    host = 0
+    if cpu_offload:
+        host, optimizer = optimizer, 0
+        if stage == 3:
+            host, weights = host + weights, 0
+    activation_precision = "32-true" if w == 4 else "bf16-true"  # the model itself runs in w bytes
+    return MemoryEstimate(
+        mode=mode,
+        activation_checkpointing=checkpointing,
+        cpu_offload=cpu_offload,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        gathered_weights=gathered,
+        activations=activation_bytes(replace(shape, precision=activation_precision), checkpointing),
+        host_bytes=host,
+    )
+
+
 def estimate_memory(
     shape: TrainingShape,
     mode: str,
@@ -197,7 +252,8 @@ def estimate_memory(
         shape: the run.
         mode: one of :data:`MODES`.
         activation_checkpointing: one of :data:`CHECKPOINTING`.
-        cpu_offload: keep sharded state in host memory; only with ``zero2``/``zero3``.
+        cpu_offload: keep sharded state in host memory (FSDP), or DeepSpeed's optimizer (and at
+            stage 3 its weight partitions); not with ``ddp``.
         gradient_as_bucket_view: DDP's gradients live in its communication buckets (no extra copy).
 
     Raises:
@@ -206,7 +262,9 @@ def estimate_memory(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
     if cpu_offload and mode == "ddp":
-        raise ValueError("cpu_offload needs mode zero2 or zero3 (DDP keeps a full replica on every GPU).")
+        raise ValueError("cpu_offload needs a sharded mode (DDP keeps a full replica on every GPU).")
+    if mode in DEEPSPEED_MODES:
+        return _estimate_deepspeed(shape, mode, activation_checkpointing, cpu_offload)
     weight_b, grad_b, optim_b = _state_bytes_per_parameter(shape.precision)
     n = shape.parameters
     shards = 1 if mode == "ddp" else shape.world_size
@@ -239,7 +297,7 @@ def estimate_memory(
 
 
 def estimate_table(shape: TrainingShape) -> list[MemoryEstimate]:
-    """Estimates for every mode x {no, full} checkpointing, plus offload for the sharded modes."""
+    """Estimates for every mode x {no, full} checkpointing, plus offload for the sharded modes (all of DeepSpeed's)."""
     table = []
     for mode in MODES:
         for checkpointing in ("none", "full"):

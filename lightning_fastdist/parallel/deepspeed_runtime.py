@@ -7,6 +7,7 @@
   first ``init_distributed`` (about 75 s here, and an error without a compiler),
   although gloo carries every collective anyway. Marking the op incompatible
   makes DeepSpeed use ``torch.distributed`` alone.
+- :func:`auto_bucket_size`: buckets no larger than the model.
 - :func:`check_deepspeed_device`: DeepSpeed picks its accelerator once per process
   (CUDA when a GPU is visible); a Trainer on another device would have DeepSpeed
   put tensors where the model is not.
@@ -26,6 +27,8 @@ import torch
 
 INSTALL_HINT = "pip install lightning-fastdist[deepspeed]"
 SHM_COMM_OP = "deepspeed_shm_comm"
+MAX_AUTO_BUCKET = 200_000_000  # elements: Lightning's default bucket size, the cap of "auto"
+MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters: gathered parameters kept at once
 
 
 def deepspeed_available() -> bool:
@@ -40,6 +43,15 @@ def import_deepspeed(owner: str) -> ModuleType:
     import deepspeed  # noqa: PLC0415 - optional
 
     return deepspeed
+
+
+def auto_bucket_size(model: torch.nn.Module) -> int:
+    """The ``"auto"`` bucket size: the trainable parameters, at most :data:`MAX_AUTO_BUCKET` elements.
+
+    DeepSpeed allocates its buckets at full size on every micro-batch (one or two per bucket kind), so a
+    bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
+    """
+    return min(MAX_AUTO_BUCKET, sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
 def skip_jit_built_comm_ops() -> None:

@@ -38,6 +38,8 @@ from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed_runtime import (
+    MAX_AUTO_BUCKET,
+    auto_bucket_size,
     check_deepspeed_device,
     import_deepspeed,
     skip_jit_built_comm_ops,
@@ -49,19 +51,6 @@ from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
 STAGES = (1, 2, 3)
 DEVICE_TYPES = ("cpu", "cuda")
-BUCKET_OPTIONS = ("allgather_bucket_size", "reduce_bucket_size")
-MAX_AUTO_BUCKET = 200_000_000  # elements: Lightning's default bucket size, the cap of "auto"
-
-
-def auto_bucket_size(model: torch.nn.Module) -> int:
-    """``"auto"`` bucket size: the trainable parameters, at most :data:`MAX_AUTO_BUCKET` elements.
-
-    DeepSpeed allocates its buckets at full size on every micro-batch (one or two per bucket kind), so a
-    bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
-    """
-    return min(MAX_AUTO_BUCKET, sum(p.numel() for p in model.parameters() if p.requires_grad))
-
-
 def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[str, Any]) -> None:
     """One ``ValueError`` naming the option: a stage DeepSpeed lacks, an offload it cannot do, a bad bucket size."""
     if stage not in STAGES or isinstance(stage, bool):
@@ -93,7 +82,8 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
             that hold layers, e.g. TinyGPT's ``Block``, see :func:`~lightning_fastdist.parallel.blocks.find_blocks`)
             or a list of class names.
         allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
-            ``"auto"``: the trainable parameters, at most 2e8 (see :func:`auto_bucket_size`).
+            ``"auto"``: the trainable parameters, at most 2e8
+            (:func:`~lightning_fastdist.parallel.deepspeed_runtime.auto_bucket_size`).
         reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
         load_full_weights: ``ckpt_path`` is one file of full weights (e.g. from
             :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
