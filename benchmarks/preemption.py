@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -133,6 +134,11 @@ def one_run(root: Path, name: str, ranks: tuple[int, ...], delay: float, steps: 
     for rank in ranks:
         processes[rank].send_signal(signal.SIGTERM)
     ends = wait_all(processes)
+    if not (folder / "checkpoints" / "last.ckpt").exists():
+        kept = Path(tempfile.gettempdir()) / f"preemption-failure-{name}"
+        shutil.copytree(folder, kept, dirs_exist_ok=True)
+        return {"codes": [code for code, _ in ends], "exit_s": max(at for _, at in ends) - signalled_at,
+                "saved_step": None, "resumed_ok": False, "final": None, "kept": str(kept)}  # fmt: skip
     saved_step = last_checkpoint(folder)["global_step"]
     resumed = wait_all(launch(["fit", "--config", str(recipe), "--ckpt_path", "last"], folder))
     return {
@@ -159,11 +165,13 @@ def main() -> None:
             for target, ranks in TARGETS.items():
                 delay = generator.uniform(0.0, 1.5)
                 result = one_run(root, f"{target.replace(' ', '')}-{index}", ranks, delay, args.steps)
-                result["equal"] = same_state(result.pop("final"), reference)
+                final = result.pop("final")
+                result["equal"] = final is not None and same_state(final, reference)
                 summary[target].append(result)
                 print(f"{target:7s} run {index}: signal after {delay:.2f} s -> exit {result['codes']} in "
                       f"{result['exit_s']:.2f} s, saved step {result['saved_step']}, resumed "
-                      f"{'ok' if result['resumed_ok'] else 'FAILED'}, final state equal: {result['equal']}", flush=True)  # fmt: skip
+                      f"{'ok' if result['resumed_ok'] else 'FAILED'}, final state equal: {result['equal']}"
+                      + (f" (no checkpoint; logs kept in {result['kept']})" if "kept" in result else ""), flush=True)  # fmt: skip
         print("\ntarget   runs  exit 143  hangs  median / max s to exit  resumed equal")
         for target, results in summary.items():
             times = [r["exit_s"] for r in results]
