@@ -36,9 +36,10 @@ RECIPE_CPU_OVERRIDES = {
     "cpu_smoke": [],
     "single_node": EAGER_COMPILE,
     "large_model": [],
+    "large_model_deepspeed": [],
     "multi_node": [*EAGER_COMPILE, "--trainer.num_nodes", "1"],
 }
-RECIPES = ("cpu_smoke", "single_node", "large_model", "multi_node")
+RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node")
 
 
 def test_the_documented_recipes_are_packaged():
@@ -75,8 +76,9 @@ def test_every_recipe_has_a_finite_timeout_and_a_fixed_checkpoint_folder():
 
 
 def saved_step(checkpoint: Path) -> int:
-    """The global step a file or sharded (FSDP) checkpoint was saved at."""
-    path = checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint
+    """The global step a file, sharded (FSDP) or DeepSpeed checkpoint was saved at."""
+    deepspeed = checkpoint / "checkpoint" / "mp_rank_00_model_states.pt"  # stages 1 and 2
+    path = (deepspeed if deepspeed.exists() else checkpoint / "meta.pt") if checkpoint.is_dir() else checkpoint
     return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
 
 
