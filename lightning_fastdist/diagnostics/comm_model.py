@@ -23,9 +23,11 @@ and gloo alike), also at stage 2:
   all-gather of the updated weights, ``w N``;
 - ``ds-zero2``: the all-reduce on every micro-batch, ``k w N``, and the all-gather ``w N``;
 - ``ds-zero3``: a reduce-scatter of the gradients on every micro-batch, ``k w N``, and
-  the gathers of FSDP's ZeRO-3, ``k w (2 N - R)``: an upper bound, as DeepSpeed keeps
-  gathered the parameters its backward reuses soon (``stage3_max_reuse_distance``)
-  and those below ``stage3_param_persistence_threshold`` (1e5 elements).
+  an all-gather of every weight for each micro-batch's forward, ``k w N``; DeepSpeed
+  keeps up to ``stage3_max_live_parameters`` (1e9) gathered for the backward to reuse,
+  so only a larger model's backward gathers the rest again: ``k w (N + max(0, N - 1e9))``.
+  (FastDeepSpeedStrategy lets ZeRO-3 keep its trace under Lightning, see
+  :mod:`~lightning_fastdist.parallel.deepspeed_zero3_trace`; without that it gathers more.)
 
 (Plus a few bytes: the all-reduced gradient norm and overflow flag.)
 
@@ -36,8 +38,8 @@ FSDP pads each tensor's first dimension to a multiple of ``W``; that is left out
 A single device communicates nothing.
 
 Checked exactly against the strategies' counters on 2 CPU ranks
-(``tests/test_fsdp_sharding.py``, ``tests/test_fast_ddp.py``; DeepSpeed's stages 1
-and 2 in ``tests/test_deepspeed.py``; its stage 3 gathers are not checked).
+(``tests/test_fsdp_sharding.py``, ``tests/test_fast_ddp.py``; DeepSpeed's stages in
+``tests/test_deepspeed.py``, where the model is far below 1e9 parameters).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_fastdist.diagnostics.memory_model import DEEPSPEED_MODES, MODES, TrainingShape
+from lightning_fastdist.parallel.deepspeed_runtime import MAX_LIVE_PARAMETERS
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def root_parameters(shape: TrainingShape) -> int:
 def _estimate_deepspeed(shape: TrainingShape, mode: str, accumulation: int, weight_bytes: int) -> CommEstimate:
     n, w, stage = shape.parameters, weight_bytes, int(mode[-1])
     if stage == 3:
-        gathered = accumulation * (2 * n - min(n, root_parameters(shape)))
+        gathered = accumulation * (n + max(0, n - MAX_LIVE_PARAMETERS))
         return CommEstimate(mode, shape.world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
     reductions = 1 if stage == 1 else accumulation
     return CommEstimate(mode, shape.world_size, allreduce=reductions * w * n, allgather=w * n)

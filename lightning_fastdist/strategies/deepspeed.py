@@ -37,6 +37,7 @@ from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
+from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.deepspeed_runtime import (
     MAX_AUTO_BUCKET,
     auto_bucket_size,
@@ -235,6 +236,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        start_zero3_steps_at_the_outer_forward(engine)  # a LightningModule calls itself inside its forward
         return engine, deepspeed_optimizer
 
     @property
