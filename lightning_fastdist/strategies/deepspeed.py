@@ -86,7 +86,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
             ``"auto"``: the trainable parameters, at most 2e8
             (:func:`~lightning_fastdist.parallel.deepspeed_runtime.auto_bucket_size`).
         reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
-        load_full_weights: ``ckpt_path`` is one file of full weights (e.g. from
+        load_full_weights: at stage 3, ``ckpt_path`` is one file of full weights (e.g. from
             :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
             instead of a DeepSpeed checkpoint folder; optimizer state is then not restored.
         log_comm_bytes: log the bytes of the last optimizer step's collectives as
