@@ -32,12 +32,11 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.blocks import check_blocks_value
 from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
+from lightning_fastdist.parallel.blocks import check_blocks_value
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
-from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.deepspeed_runtime import (
     MAX_AUTO_BUCKET,
     auto_bucket_size,
@@ -45,6 +44,7 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
+from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
