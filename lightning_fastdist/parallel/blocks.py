@@ -133,7 +133,8 @@ def root_module_names(model: nn.Module, block_classes: Sequence[type[nn.Module]]
     names: list[str] = []
     for name, module in model.named_modules():
         owns = any(p is not None for p in module._parameters.values())
-        short = name.rsplit(".", 1)[-1] or type(module).__name__
+        parts = name.split(".")
+        short = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1] or type(module).__name__  # "head.0", "wte"
         if owns and id(module) not in inside and short not in names:
             names.append(short)
     return names
@@ -143,7 +144,7 @@ def describe_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]]) 
     """One line: each block class and its count, then the root's modules.
 
     ``blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)``, or, without
-    blocks, ``blocks: none in MyModel (root: 0, 2, 4)``.
+    blocks, ``blocks: none in MLPStack (root: net.0, net.2, net.4)``.
     """
     roots = root_module_names(model, block_classes)
     shown = ", ".join(roots[:ROOT_NAMES_SHOWN]) + (", ..." if len(roots) > ROOT_NAMES_SHOWN else "")

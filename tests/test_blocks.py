@@ -1,0 +1,64 @@
+"""``blocks: auto`` on models this project did not write: what it picks, and the one line that says so."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from torch import nn
+
+from lightning_fastdist.parallel.blocks import describe_blocks, find_blocks
+from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks
+from tests.model_zoo import MODELS, ResidualBlock
+
+
+class MLPBlock(nn.Module):
+    """A block whose MLP is ``Sequential(Linear, GELU, Linear)``: the Linears repeat, but inside the block."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(MLPBlock() for _ in range(4))
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 10))
+
+
+@pytest.mark.parametrize(
+    ("model_name", "line"),
+    [
+        ("gpt2", "blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)"),
+        ("bert", "blocks: BertLayer x 2 (+ root: word_embeddings, position_embeddings, token_type_embeddings, LayerNorm, "),
+        ("lightning-transformer", "blocks: TransformerEncoderLayer x 2, TransformerDecoderLayer x 2 (+ root: embedding, norm, decoder)"),
+        ("resnet", "blocks: ResidualBlock x 4 (+ root: stem.0, stem.1, head)"),
+        ("mlp", "blocks: none in MLPStack (root: net.0, net.2, net.4)"),
+    ],
+)  # fmt: skip
+def test_auto_picks_the_layers_of_each_model(model_name, line):
+    model = MODELS[model_name]()
+    assert describe_blocks(model, find_blocks(model)).startswith(line)
+
+
+def test_repeated_leaf_layers_inside_a_block_stay_in_the_block():
+    assert find_blocks(Stack()) == [MLPBlock]  # 4 units and the root, not every Linear (the head's included)
+
+
+def test_a_block_class_holding_another_repeated_class_is_the_outer_one():
+    outer = nn.Sequential(*[nn.Sequential(ResidualBlock(4, 4), ResidualBlock(4, 4)) for _ in range(2)])
+    assert find_blocks(outer) == [ResidualBlock]  # the stages are containers, never blocks themselves
+
+
+def test_the_chosen_blocks_are_logged_in_one_line_and_a_model_without_blocks_says_what_happens(caplog):
+    with caplog.at_level(logging.INFO):
+        resolve_and_log_blocks(Stack(), "auto")
+        resolve_and_log_blocks(MODELS["mlp"](), "auto", without_blocks="; one unit")
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("blocks:")]
+    assert lines == ["blocks: MLPBlock x 4 (+ root: embedding, head.0, head.1)", "blocks: none in MLPStack (root: net.0, net.2, net.4); one unit"]
