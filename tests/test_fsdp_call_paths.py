@@ -33,6 +33,9 @@ class EveryStep(HFCausalLM):
         sample = next(iter(super().batches(batch_size)))[0][:1]
         return DataLoader(TensorDataset(sample.repeat(64, 1)), batch_size=batch_size)
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
     def _loss(self, batch: list[torch.Tensor]) -> torch.Tensor:
         (tokens,) = batch
         return self.model(input_ids=tokens, labels=tokens).loss
@@ -80,9 +83,13 @@ def every_call_path(folder: str) -> dict:
     trainer, strategy, _ = fit(EveryStep(), 2, accumulate_grad_batches=2, limit_val_batches=2)
     result["rounds"] = strategy.comm_stats.rounds  # gradient reduce-scatter rounds: one per optimizer step
     model = trainer.lightning_module
+    with torch.no_grad():  # called directly, outside any step (the root is sharded now), as a callback would
+        direct = model(next(iter(model.batches()))[0]).argmax(-1)
     result["validate"] = trainer.validate(model, model.batches(), verbose=False)[0]["val_loss"]
     result["test"] = trainer.test(model, model.batches(), verbose=False)[0]["test_loss"]
-    result["predictions"] = [p.shape for p in trainer.predict(model, model.batches())]
+    predictions = trainer.predict(model, model.batches())
+    result["predictions"] = [p.shape for p in predictions]
+    result["direct_call_predicts_alike"] = torch.equal(direct, predictions[0])
     result["device"] = (model.device, trainer.strategy.root_device)
 
     every_step = ModelCheckpoint(folder, "{step}", every_n_train_steps=1, save_top_k=-1)
@@ -104,6 +111,7 @@ def test_a_module_calling_self_model_trains_evaluates_predicts_and_resumes_under
         assert 3.5 < rank["validate"] < 4.5 and 3.5 < rank["test"] < 4.5  # about ln(64) for an untrained model
         assert rank["predictions"] == [torch.Size([4, 16])] * 8  # 64 samples over 2 ranks in batches of 4
         assert rank["device"][0] == rank["device"][1]
+        assert rank["direct_call_predicts_alike"]
         assert rank["checkpoint_keys"] == rank["module_keys"]  # no "module." prefix from the root around it
         assert rank["resumed"] == pytest.approx(rank["straight"][2:], rel=1e-6)
         assert rank["manual"] == pytest.approx(rank["straight"], rel=1e-6)  # the same steps, stepped by hand

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_fastdist.parallel.blocks import block_modules
 
@@ -130,13 +130,30 @@ class RootUnit(nn.Module):
     """The root FSDP unit around a model: calling it calls the model, so a step redirected through it runs inside
     the root's hooks (its parameters gathered before, their gradients reduced after the backward).
 
-    Its ``module`` keeps the model's own names: save and load the model's state, not this wrapper's
-    (whose keys carry a ``module.`` prefix).
+    The model called directly, outside such a call (a callback's ``pl_module(x)``), gathers the root's
+    parameters for that forward and frees them after it: forward only, for generating or logging; its
+    gradients would not be reduced. Its ``module`` keeps the model's own names: save and load the
+    model's state, not this wrapper's (whose keys carry a ``module.`` prefix).
     """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        self._running = False
+        module.register_forward_pre_hook(self._gather_for_a_direct_call)
+        module.register_forward_hook(self._free_after_a_direct_call)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        self._running = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._running = False
+
+    def _gather_for_a_direct_call(self, module: nn.Module, args: Any) -> None:
+        if not self._running and isinstance(self, FSDPModule):
+            self.unshard()
+
+    def _free_after_a_direct_call(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._running and isinstance(self, FSDPModule):
+            self.reshard()
