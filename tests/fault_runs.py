@@ -114,3 +114,10 @@ def run_ranks(
         results.append(RankEnd(process.returncode, log.read(), killed, ended_at.get(rank, time.time())))
         log.close()
     return results
+
+
+def saved_step(checkpoint: Path) -> int:
+    """The global step a file, sharded (FSDP) or DeepSpeed checkpoint was saved at."""
+    deepspeed = checkpoint / "checkpoint" / "mp_rank_00_model_states.pt"  # stages 1 and 2
+    path = (deepspeed if deepspeed.exists() else checkpoint / "meta.pt") if checkpoint.is_dir() else checkpoint
+    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]

@@ -8,7 +8,8 @@ handler), before the optimizer step, during a checkpoint save and after the
 batch. Each interrupted run must stop on both ranks at the same step with
 ``Preempted`` (exit status 143 / 138), leave ``last.ckpt`` holding exactly that
 step, and the run resumed from it must end with weights equal to an
-uninterrupted run's (dropout on: the random states are restored too).
+uninterrupted run's (dropout on: the random states are restored too). The same
+holds for the sharded engines, FSDP2 and DeepSpeed ZeRO-2.
 
 A CLI run checks the same from outside: ``kill -TERM`` to one rank process of
 ``lightning-fastdist fit`` makes both exit 143, and ``--ckpt_path last`` finishes
@@ -33,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.callbacks.preemption import EXIT_STATUS_BASE, Preempted
 from lightning_fastdist.demo import TextDataModule, TinyGPT
-from tests.fault_runs import BATCH, BLOCK, run_ranks, write_corpus, write_recipe
+from tests.fault_runs import BATCH, BLOCK, run_ranks, saved_step, write_corpus, write_recipe
 from tests.harness import run_function
 
 MAX_STEPS = 10
@@ -77,9 +78,17 @@ def local_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def make_strategy(kind: str):
+    if kind == "deepspeed":
+        from lightning_fastdist import FastDeepSpeedStrategy  # noqa: PLC0415 - deepspeed is an optional extra
+
+        return FastDeepSpeedStrategy(stage=2, timeout=60)
+    return FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(timeout=60)
+
+
 def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool) -> L.Trainer:
     L.seed_everything(0, verbose=False)
-    strategy = FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(timeout=60)
+    strategy = make_strategy(kind)
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=MAX_STEPS, deterministic=True, logger=False,
@@ -103,9 +112,7 @@ def interrupt_and_resume(kind: str, corpus: str, root: str, cases: list[dict]) -
             fit(kind, corpus, folder, [sender], resume=False)
             stopped = {"status": "finished"}
         except Preempted as stop:
-            trainer_step = torch.load(Path(folder, "last.ckpt") / "meta.pt" if kind == "fsdp" else Path(folder, "last.ckpt"),
-                                      map_location="cpu", weights_only=False)["global_step"]  # fmt: skip
-            stopped = {"status": stop.code, "saved_step": trainer_step}
+            stopped = {"status": stop.code, "saved_step": saved_step(Path(folder, "last.ckpt"))}
         resumed = fit(kind, corpus, folder, [], resume=True)
         equal = all(torch.equal(weight, straight[name]) for name, weight in local_weights(resumed.lightning_module).items())
         results.append({**stopped, "resumed_steps": resumed.global_step, "equal_to_straight": equal})
@@ -146,14 +153,15 @@ def test_ddp_ten_signals_at_random_points_stop_save_and_resume_exactly(tmp_path)
 
 
 @pytest.mark.slow
-def test_fsdp_signals_stop_save_a_sharded_checkpoint_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
+def test_sharded_engines_stop_on_signals_save_and_resume_exactly(tmp_path, kind):
     corpus = str(write_corpus(tmp_path / "corpus.bin", train_batches_per_rank=8))
     cases = [
         {"ranks": [1], "step": 3, "moment": "backward", "signum": signal.SIGTERM},
         {"ranks": [0], "step": 4, "moment": "save", "signum": signal.SIGTERM},
         {"ranks": [0, 1], "step": 5, "moment": "forward", "signum": signal.SIGUSR1},
     ]
-    ranks = run_function(interrupt_and_resume, 2, args=("fsdp", corpus, str(tmp_path), cases), init_process_group=False, timeout=300)
+    ranks = run_function(interrupt_and_resume, 2, args=(kind, corpus, str(tmp_path), cases), init_process_group=False, timeout=300)
     check(cases, ranks)
 
 

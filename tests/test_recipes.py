@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from lightning_fastdist.cli import main
 from lightning_fastdist.recipes import available_recipes, recipes_dir
+from tests.fault_runs import saved_step
 from tests.harness import cli_command, free_port, run_cli, run_processes
 
 # A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
@@ -73,13 +73,6 @@ def test_every_recipe_has_a_finite_timeout_and_a_fixed_checkpoint_folder():
         (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
         assert checkpoint["init_args"]["dirpath"] == f"checkpoints/{name}", name
         assert trainer["check_val_every_n_epoch"] is None, name  # val_check_interval may exceed an epoch
-
-
-def saved_step(checkpoint: Path) -> int:
-    """The global step a file, sharded (FSDP) or DeepSpeed checkpoint was saved at."""
-    deepspeed = checkpoint / "checkpoint" / "mp_rank_00_model_states.pt"  # stages 1 and 2
-    path = (deepspeed if deepspeed.exists() else checkpoint / "meta.pt") if checkpoint.is_dir() else checkpoint
-    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
 
 
 def accumulation(name: str) -> int:
