@@ -185,42 +185,54 @@ def training_losses(strategy_name: str, compile_option, scope: str, checkpointin
 COMPILED_SETUPS = [("eager", "blocks", "none"), ("aot_eager", "blocks", "full"), ("aot_eager", "model", "none")]
 
 
-def eager_then_compiled_setups(strategy_name: str) -> list[dict]:
-    """The eager run, then every setup of COMPILED_SETUPS, in the same two processes."""
-    runs = [training_losses(strategy_name, False, "blocks", "none")]
-    for backend, scope, checkpointing in COMPILED_SETUPS:
-        runs.append(training_losses(strategy_name, {"backend": backend}, scope, checkpointing))
+def eager_then_compiled_setups() -> dict[str, list[dict]]:
+    """For each strategy, the eager run, then every setup of COMPILED_SETUPS, in the same two processes."""
+    runs = {}
+    for strategy_name in STRATEGIES:
+        runs[strategy_name] = [training_losses(strategy_name, False, "blocks", "none")]
+        for backend, scope, checkpointing in COMPILED_SETUPS:
+            runs[strategy_name].append(training_losses(strategy_name, {"backend": backend}, scope, checkpointing))
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy_name", ["ddp", "fsdp"])
-def test_compiled_training_matches_eager(strategy_name):
-    for eager, *compiled_runs in run_function(eager_then_compiled_setups, world_size=2, args=(strategy_name,), timeout=400):
-        for (backend, scope, checkpointing), compiled in zip(COMPILED_SETUPS, compiled_runs):
-            setup = f"{strategy_name}/{backend}/{scope}/checkpointing={checkpointing}"
-            assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5), setup
-            assert compiled["regions"] == (3 if scope == "blocks" else 1), setup
-            assert compiled["logged"], setup  # self.log inside training_step still works
+def test_compiled_training_matches_eager():
+    for rank in run_function(eager_then_compiled_setups, world_size=2, timeout=500):
+        for strategy_name, (eager, *compiled_runs) in rank.items():
+            for (backend, scope, checkpointing), compiled in zip(COMPILED_SETUPS, compiled_runs):
+                setup = f"{strategy_name}/{backend}/{scope}/checkpointing={checkpointing}"
+                assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5), setup
+                assert compiled["regions"] == (3 if scope == "blocks" else 1), setup
+                assert compiled["logged"], setup  # self.log inside training_step still works
 
 
 # ---------------------------------------------------------------- the one real inductor test
 
 
 @pytest.mark.slow
-def test_inductor_blocks_train_like_eager_single_process():
+def test_inductor_with_checkpointing_trains_a_huggingface_decoder_like_eager():
+    """GPT-2's blocks checkpointed and compiled by inductor, with its KV cache off as the strategies set it.
+
+    With the cache on, inductor's backward fails on the recomputed layer (mismatched strides).
+    """
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lightning_fastdist.parallel.kv_cache import turn_off_kv_cache
+    from tests.model_zoo import HFCausalLM
+
     torch._dynamo.reset()
 
     def two_steps(compiled: bool) -> list[float]:
-        model = tiny_gpt()
+        module = HFCausalLM()
+        assert turn_off_kv_cache(module) == ["model"]
         if compiled:
-            apply_compile(model, {"backend": "inductor"}, "blocks", [Block])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(0)
+            apply_activation_checkpointing(module, "full", [GPT2Block])
+            apply_compile(module, {"backend": "inductor"}, "blocks", [GPT2Block])
+        optimizer = module.configure_optimizers()
         losses = []
-        for _ in range(2):
-            tokens = torch.randint(0, 256, (4, 17), generator=generator)
-            loss = TinyGPT._loss(model(tokens[:, :-1]), tokens[:, 1:])
+        for batch in list(module.batches())[:2]:
+            loss = module.model(input_ids=batch[0], labels=batch[0]).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

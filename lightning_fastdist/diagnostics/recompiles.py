@@ -104,7 +104,7 @@ def summarize_recompile(message: str) -> str:
 
 
 class _Forward(logging.Handler):
-    """The logging handler a watcher attaches while it runs (kept apart: a handler holds a lock, which cannot pickle)."""
+    """The logging handler a watcher attaches while it runs (kept apart: a handler's lock cannot pickle)."""
 
     def __init__(self, watcher: RecompileWatcher) -> None:
         super().__init__(level=logging.DEBUG)

@@ -63,12 +63,12 @@ def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
         if (len(found) >= 2 or cls in only_class_of_a_list) and all(_holds_layers(m) for m in found)
     }
     ancestors = _strict_ancestors(model)
-    return [
-        cls
-        for cls in instances
-        if cls in candidates
-        and not any(type(outer) in candidates and type(outer) is not cls for m in instances[cls] for outer in ancestors[id(m)])
-    ]
+
+    def nested_in_another(cls: type[nn.Module]) -> bool:
+        enclosing = {type(outer) for m in instances[cls] for outer in ancestors[id(m)]}
+        return bool(enclosing & (candidates - {cls}))
+
+    return [cls for cls in instances if cls in candidates and not nested_in_another(cls)]
 
 
 def qualified_name(cls: type) -> str:

@@ -104,7 +104,9 @@ def apply_fsdp(
     mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # The root's inputs are whatever reaches it (a whole batch, targets included, when a step runs
     # through it): it leaves them as they are, and each block casts its own inputs.
-    root_mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    root_mixed_precision = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
     # torch cannot pin, and the "offloaded" state is where it already was.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()

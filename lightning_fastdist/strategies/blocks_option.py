@@ -41,12 +41,15 @@ def blocks_option(strategy: str, blocks: Any, old_name: str, old_value: Any) -> 
     value = [old_value] if isinstance(old_value, str) and old_value != "auto" else old_value
     check_blocks_value(value, old_name)
     rank_zero_deprecation(
-        f"{strategy}: {old_name} is renamed blocks; write blocks={value!r} ({old_name} stops working in the next release)."
+        f"{strategy}: {old_name} is renamed blocks; write blocks={value!r} "
+        f"({old_name} stops working in the next release)."
     )
     return value if value == "auto" else list(value)
 
 
-def resolve_and_log_blocks(model: nn.Module, blocks: str | Sequence[str], without_blocks: str = "") -> list[type[nn.Module]]:
+def resolve_and_log_blocks(
+    model: nn.Module, blocks: str | Sequence[str], without_blocks: str = ""
+) -> list[type[nn.Module]]:
     """Resolve ``blocks`` on ``model`` and log one line on rank 0 saying what was chosen.
 
     Args:
@@ -70,11 +73,8 @@ def without_kv_cache(model: nn.Module, activation_checkpointing: str | int, comp
         activation_checkpointing: the strategy's option (``"none"`` leaves the blocks alone).
         compiles_blocks: whether each block's forward is compiled.
     """
-    reasons = [
-        reason
-        for reason, applies in (("activation checkpointing", activation_checkpointing != "none"), ("per-block compile", compiles_blocks))
-        if applies
-    ]
+    reasons = ["activation checkpointing"] if activation_checkpointing != "none" else []
+    reasons += ["per-block compile"] if compiles_blocks else []
     changed = turn_off_kv_cache(model) if reasons else []
     if changed:
         rank_zero_info(

@@ -52,7 +52,12 @@ from lightning_fastdist.parallel.powersgd import PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
-from lightning_fastdist.strategies.ddp_options import check_bf16_backend, check_ddp_kwargs, check_ddp_options, sends_bf16
+from lightning_fastdist.strategies.ddp_options import (
+    check_bf16_backend,
+    check_ddp_kwargs,
+    check_ddp_options,
+    sends_bf16,
+)
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 

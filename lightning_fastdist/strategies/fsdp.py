@@ -211,7 +211,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
 
     @override
     def model_to_device(self) -> None:
-        """Move what FSDP did not place (parameterless modules such as torchmetrics metrics, ``LightningModule.device``).
+        """Move what FSDP did not place: parameterless modules (torchmetrics metrics), ``LightningModule.device``.
 
         FSDP puts every parameter and buffer on the device itself; ``Module.to`` then moves
         the rest, as in Lightning. Under ``cpu_offload`` the parameter shards stay on the CPU.
@@ -235,10 +235,10 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
            Parameters on the meta device stay there; :meth:`setup`
            materialises each rank's shard afterwards.
         """
-        block_classes = resolve_and_log_blocks(
-            model, self.blocks, without_blocks="; FSDP shards the whole model as one unit (name its blocks for one unit each)"
-        )
-        without_kv_cache(model, self.activation_checkpointing, self.compile_config is not None and self.compile_scope == "blocks")
+        one_unit = "; FSDP shards the whole model as one unit (name its blocks for one unit each)"
+        block_classes = resolve_and_log_blocks(model, self.blocks, without_blocks=one_unit)
+        compiles_blocks = self.compile_config is not None and self.compile_scope == "blocks"
+        without_kv_cache(model, self.activation_checkpointing, compiles_blocks)
         apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
         if self.compile_config is not None:
             self.compiled_regions = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
