@@ -76,3 +76,13 @@ def test_an_unknown_mode_names_the_option_and_the_choices(mode):
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(ValueError, match="found no block to checkpoint"):
         apply_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)), "full", [Block])
+
+
+def test_a_model_without_auto_blocks_is_told_to_name_them():
+    from lightning_fastdist.parallel.blocks import resolve_blocks
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"found no block to checkpoint in Sequential \(block classes: none found\); "
+                       r"name its repeated layers with blocks=\[\.\.\.\]"):  # fmt: skip
+        apply_activation_checkpointing(mlp, "full", resolve_blocks(mlp, "auto"))
+    assert len(apply_activation_checkpointing(mlp, "full", resolve_blocks(mlp, ["Linear"]))) == 2

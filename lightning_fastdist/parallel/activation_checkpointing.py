@@ -89,10 +89,10 @@ def apply_activation_checkpointing(
         return []
     blocks = outermost_block_modules(model, block_classes)
     if not blocks:
-        names = ", ".join(cls.__name__ for cls in block_classes) or "none given"
+        names = ", ".join(cls.__name__ for cls in block_classes) or "none found"
         raise ValueError(
             f"activation_checkpointing={mode!r} found no block to checkpoint in {type(model).__name__} "
-            f"(block classes: {names})."
+            f"(block classes: {names}); name its repeated layers with blocks=[...]."
         )
     if isinstance(mode, int):
         if mode > len(blocks):

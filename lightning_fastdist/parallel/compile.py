@@ -107,7 +107,7 @@ def apply_compile(
             names = ", ".join(cls.__name__ for cls in block_classes) or "none found"
             raise ValueError(
                 f"compile_scope='blocks' found no block to compile in {type(model).__name__} (block classes: {names}); "
-                "name them or use compile_scope='model'."
+                "name its repeated layers with blocks=[...] or use compile_scope='model'."
             )
     for module in targets:
         module.forward = torch.compile(module.forward, **config)
