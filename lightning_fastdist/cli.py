@@ -36,7 +36,8 @@ from typing import Any
 import torch.distributed
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_fastdist.callbacks.nonfinite_loss import NonFiniteLossError
@@ -108,6 +109,18 @@ class FastDistCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise UsageError(condense_parser_error(str(error))) from None
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        # Lightning switches to its Rich progress bar and model summary whenever the rich package is
+        # installed (transformers brings it along), which would change this CLI's output with the
+        # environment: the plain ones stay unless the recipe chose a progress bar or summary itself.
+        configured = config.get("callbacks") or []
+        chosen = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
+            callbacks = [*callbacks, TQDMProgressBar()]
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in chosen):
+            callbacks = [*callbacks, ModelSummary()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads a --ckpt_path file for its hyperparameters before anything else: a damaged file
