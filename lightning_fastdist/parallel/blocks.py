@@ -153,11 +153,3 @@ def describe_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]]) 
         return f"blocks: none in {type(model).__name__} (root: {shown or 'no parameters'})"
     counts = ", ".join(f"{cls.__name__} x {sum(isinstance(m, cls) for m in instances)}" for cls in block_classes)
     return f"blocks: {counts}" + (f" (+ root: {shown})" if roots else "")
-
-
-
-def resolve_block_classes(
-    model: nn.Module, blocks: str | Sequence[str], option: str = "blocks"
-) -> list[type[nn.Module]]:
-    """The former name of :func:`resolve_blocks` (a bare class name is taken as a list of one); callers move to it."""
-    return resolve_blocks(model, [blocks] if isinstance(blocks, str) and blocks != "auto" else blocks, option)
