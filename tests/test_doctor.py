@@ -139,6 +139,22 @@ def test_bad_flags_give_one_line_naming_the_flag(args, message, in_tmp_dir, caps
     assert not (in_tmp_dir / "x.yaml").exists()
 
 
+def test_output_replaces_only_a_recipe_doctor_wrote(in_tmp_dir, capsys):
+    assert main(["--config", "cpu_smoke", "--output", "plan.yaml"]) == 0
+    assert main(["--config", "cpu_smoke", "--output", "plan.yaml", "--max-steps", "7"]) == 0
+    assert recipe_at(in_tmp_dir / "plan.yaml")["trainer"]["max_steps"] == 7
+    users_file = in_tmp_dir / "mine.yaml"
+    users_file.write_text("# my own notes\ntrainer: {}\n")
+    (in_tmp_dir / "folder").mkdir()
+    capsys.readouterr()
+    assert main(["--config", "cpu_smoke", "--output", "mine.yaml"]) == 2
+    assert main(["--config", "cpu_smoke", "--output", "folder"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert "--output: mine.yaml exists and was not written by doctor, so it is kept" in errors[0]
+    assert "--output: folder is a folder; give a file path" in errors[2]
+    assert users_file.read_text() == "# my own notes\ntrainer: {}\n" and not any((in_tmp_dir / "folder").iterdir())
+
+
 def test_gpus_without_memory_on_a_machine_without_gpus_is_refused(in_tmp_dir, capsys):
     if detect_environment().gpus:
         pytest.skip("this machine has GPUs: their memory is read")

@@ -278,6 +278,24 @@ def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> st
     return "\n".join(lines)
 
 
+# First words of every recipe doctor writes: the only files ``--output`` may replace.
+HEADER_START = f"# Written by: {PROG}"
+
+
+def check_output_is_ours(output: Path) -> None:
+    """Refuse an ``--output`` that is a folder or a file doctor did not write (it is never replaced)."""
+    if output.is_dir():
+        raise DoctorError(f"--output: {output} is a folder; give a file path such as {output / 'doctor-recipe.yaml'}.")
+    if output.exists():
+        with output.open("rb") as file:
+            first_line = file.readline().decode(errors="replace")
+        if not first_line.startswith(HEADER_START):
+            raise DoctorError(
+                f"--output: {output} exists and was not written by doctor, so it is kept; "
+                "give another --output or move that file."
+            )
+
+
 def _recipe_header(recommendation: Recommendation, target: Target, command: str) -> str:
     lines = [
         f"# Written by: {command}",
@@ -331,6 +349,8 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
 def run(argv: list[str]) -> int:
     """Parse ``argv``, print the report and write the recipe; raises :class:`DoctorError` on bad input."""
     args = build_parser().parse_args(argv)
+    output = Path(args.output)
+    check_output_is_ours(output)
     environment = detect_environment()
     print(format_environment(environment))
     shape, target, model_section, data_section = _plan(args, environment)
@@ -347,9 +367,8 @@ def run(argv: list[str]) -> int:
     if not recommendation.fits:
         print("  WARNING: the estimate does not fit; the recipe is the most frugal configuration.")
     recipe = build_recipe(recommendation, target, model_section, data_section, args.max_steps)
-    output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["lightning-fastdist", "doctor", *argv])
+    command = " ".join([PROG, *argv])
     output.write_text(_recipe_header(recommendation, target, command) + yaml.safe_dump(recipe, sort_keys=False))
     print(f"\nWrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
