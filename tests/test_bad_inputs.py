@@ -54,6 +54,13 @@ def plugin(**init_args) -> dict:
     return {"trainer": {"plugins": [{"class_path": "lightning_fastdist.FastMixedPrecision", "init_args": init_args}]}}
 
 
+def merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
 ROWS = [
     Row("unknown-comm-hook", "Parser key \"comm_hook\": Expected a typing.Literal['none', 'fp16', 'bf16', 'powersgd']. Got value: fp8", strategy("FastDDPStrategy", comm_hook="fp8")),
     Row("powersgd-rank-zero", "FastDDPStrategy: powersgd_rank must be an integer >= 1, got 0.", strategy("FastDDPStrategy", powersgd_rank=0)),
@@ -108,14 +115,13 @@ ROWS = [
         strategy("FastDDPStrategy", blocks="Block")),
     Row("blocks-and-its-old-name", "FastFSDPStrategy: shard_modules is the old name of blocks; give blocks only.",
         strategy("FastFSDPStrategy", blocks=["Block"], shard_modules=["Block"])),
+    Row("deepspeed-unknown-stage", "Parser key \"stage\": Expected a typing.Literal[1, 2, 3]. Got value: 4", strategy("FastDeepSpeedStrategy", stage=4)),
+    Row("deepspeed-offload-parameters-below-stage-3", "offload_parameters: needs stage=3 (parameters are only partitioned at stage 3), got stage=2; offload_optimizer works at every stage.",
+        strategy("FastDeepSpeedStrategy", stage=2, offload_parameters=True)),
+    Row("deepspeed-bucket-size", "reduce_bucket_size: got 0; use 'auto' or a number of elements >= 1.", strategy("FastDeepSpeedStrategy", reduce_bucket_size=0)),
+    Row("deepspeed-precision-plugin", "FastDeepSpeedStrategy: precision comes from Trainer(precision=...), which DeepSpeed runs itself; remove the FastMixedPrecision plugin.",
+        merge(strategy("FastDeepSpeedStrategy"), plugin(precision="bf16-mixed"))),
 ]  # fmt: skip
-
-
-def merge(base: dict, extra: dict) -> dict:
-    merged = dict(base)
-    for key, value in extra.items():
-        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return merged
 
 
 def arguments(row: Row, folder: Path) -> list[str]:
