@@ -1,4 +1,4 @@
-"""Close each optimizer step's communication count and log it, without a device sync: one mixin for both strategies."""
+"""Close each optimizer step's communication count and log it, without a device sync: mixins for every strategy."""
 
 from __future__ import annotations
 
@@ -41,4 +41,21 @@ class CommBytesLogging:
         stats = self.comm_stats
         if stats is not None:
             stats.end_step()
+        return output
+
+
+class GradientRoundPerBackward:
+    """Mixin for a strategy whose gradients are sent from inside ``backward`` (FSDP's and DeepSpeed's hooks).
+
+    A backward that sent gradient bytes closes one round of gradient communication in ``_comm_stats``;
+    a backward under ``no_sync`` (accumulation) sent none and closes nothing.
+    """
+
+    _comm_stats: CommStats
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sent_before = self._comm_stats.gradient_bytes_so_far()
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        if self._comm_stats.gradient_bytes_so_far() > sent_before:
+            self._comm_stats.finish_round()
         return output

@@ -46,7 +46,7 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
 )
 from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks, without_kv_cache
-from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
+from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
@@ -66,7 +66,7 @@ def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[
             raise ValueError(f"{option}: got {value!r}; use 'auto' or a number of elements >= 1.")
 
 
-class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepSpeedStrategy):
+class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 1, 2 or 3 on GPUs or CPU processes, with our activation checkpointing and accounting.
 
     Args:
@@ -248,14 +248,6 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, DeepS
     def comm_collectives(self) -> tuple[str, ...]:
         """Gradient reduction and parameter gathering: all-reduce / reduce-scatter and all-gather."""
         return (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        sent_before = self._comm_stats.gradient_bytes_so_far()
-        output = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._comm_stats.gradient_bytes_so_far() > sent_before:
-            self._comm_stats.finish_round()
-        return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

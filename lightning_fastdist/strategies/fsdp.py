@@ -48,7 +48,7 @@ from lightning_fastdist.parallel.compile import apply_compile, normalize_compile
 from lightning_fastdist.parallel.fsdp import RootUnit, apply_fsdp, build_fsdp_mesh, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
-from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
+from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
@@ -67,7 +67,7 @@ def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]
     return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
-class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParallelStrategy):
+class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -265,16 +265,6 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, ModelParal
     def comm_collectives(self) -> tuple[str, ...]:
         """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce."""
         return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.sharding == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # FSDP issues a unit's reduce-scatter from its post-backward hook, so a backward that
-        # synchronised gradients has recorded their bytes by the time it returns.
-        sent_before = self._comm_stats.gradient_bytes_so_far()
-        output = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._comm_stats.gradient_bytes_so_far() > sent_before:
-            self._comm_stats.finish_round()
-        return output
 
     @contextmanager
     @override
