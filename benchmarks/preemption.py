@@ -9,7 +9,7 @@ sends SIGTERM to the chosen rank processes, then measures how long each rank
 takes to exit. ``--ckpt_path last`` then finishes the run, and its final loss is
 compared with an uninterrupted run's.
 
-    python benchmarks/preemption.py [--runs 10] [--steps 40] [--seed 0]
+    python benchmarks/preemption.py [--runs 10] [--steps 150] [--seed 0]
 
 Prints one line per run and a summary per target (rank 0 / rank 1 / both).
 """
@@ -80,11 +80,13 @@ def write_recipe(folder: Path, steps: int) -> Path:
     return path
 
 
-def launch(args: list[str], folder: Path) -> list[subprocess.Popen]:
-    port, script = free_port(), Path(sys.executable).with_name("lightning-fastdist")
+def launch(args: list[str], folder: Path, port: int | None = None, run_id: str | None = None) -> list[subprocess.Popen]:
+    """Both ranks of ``lightning-fastdist ARGS`` as torchrun starts them (on a free port unless given)."""
+    port, script = port or free_port(), Path(sys.executable).with_name("lightning-fastdist")
+    launcher = {"TORCHELASTIC_RUN_ID": run_id} if run_id else {}
     processes = []
     for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env = {**os.environ, **launcher, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
         log = open(folder / f"rank{rank}.log", "a")  # noqa: SIM115 - closed with the process
@@ -150,7 +152,7 @@ def one_run(root: Path, name: str, ranks: tuple[int, ...], delay: float, steps: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10, help="runs per target")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=150, help="steps of a run: enough that the signal lands mid-run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     generator = random.Random(args.seed)
