@@ -52,6 +52,8 @@ from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
 STAGES = (1, 2, 3)
 DEVICE_TYPES = ("cpu", "cuda")
+
+
 def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[str, Any]) -> None:
     """One ``ValueError`` naming the option: a stage DeepSpeed lacks, an offload it cannot do, a bad bucket size."""
     if stage not in STAGES or isinstance(stage, bool):
