@@ -64,7 +64,8 @@ def second_job(root: Path) -> None:
     job_a = launch(["fit", "--config", str(write_recipe(first, LONG_RUN_STEPS))], first, port, run_id="job-a")
     wait_for_first_step(first, job_a)
     started_at = time.monotonic()
-    ends = wait_all(launch(["fit", "--config", str(write_recipe(second, LONG_RUN_STEPS))], second, port, run_id="job-b"))
+    recipe_b = write_recipe(second, LONG_RUN_STEPS)
+    ends = wait_all(launch(["fit", "--config", str(recipe_b)], second, port, run_id="job-b"))
     step_when_b_ended = int((first / "step.txt").read_text())
     time.sleep(2.0)
     a_kept_training = all(p.poll() is None for p in job_a) and int((first / "step.txt").read_text()) > step_when_b_ended

@@ -1,6 +1,6 @@
 """Run code in several real CPU processes that talk over gloo, the way users launch them.
 
-Three entry points, all with a free port, a timeout, clean teardown (a hung
+Entry points, all with a free port, a timeout, clean teardown (a hung
 rank is killed with its whole process group) and the failing rank's error in
 the test failure:
 
