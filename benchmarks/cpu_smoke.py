@@ -25,7 +25,13 @@ from lightning_fastdist.recipes import find_recipe
 def main(extra_args: list[str]) -> None:
     recipe = yaml.safe_load(find_recipe("cpu_smoke").read_text())
     with tempfile.TemporaryDirectory(prefix="cpu-smoke-bench-") as workdir:
-        command = [str(Path(sys.executable).with_name("lightning-fastdist")), "fit", "--config", "cpu_smoke", *extra_args]
+        command = [
+            str(Path(sys.executable).with_name("lightning-fastdist")),
+            "fit",
+            "--config",
+            "cpu_smoke",
+            *extra_args,
+        ]
         started = time.perf_counter()
         result = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
         wall = time.perf_counter() - started
@@ -45,9 +51,13 @@ def main(extra_args: list[str]) -> None:
     steady_its = float(rates[-1]) if rates else float("nan")
     print(f"recipe            : cpu_smoke ({recipe['trainer']['strategy']}, {world} processes, {steps} steps)")
     print(f"wall time         : {wall:.1f} s (process start to exit)")
-    print(f"train loss        : first logged {train[0][1]:.3f} (step {train[0][0]}), last {train[-1][1]:.3f} (step {train[-1][0]})")
+    print(
+        f"train loss        : first logged {train[0][1]:.3f} (step {train[0][0]}), last {train[-1][1]:.3f} (step {train[-1][0]})"
+    )
     print(f"val loss          : {' -> '.join(f'{v:.3f}' for v in val)}")
-    print(f"tokens/s steady   : {steady_its * tokens_per_step:,.0f} ({steady_its:.2f} steps/s x {tokens_per_step} tokens)")
+    print(
+        f"tokens/s steady   : {steady_its * tokens_per_step:,.0f} ({steady_its:.2f} steps/s x {tokens_per_step} tokens)"
+    )
     print(f"tokens/s end2end  : {steps * tokens_per_step / wall:,.0f}")
 
 

@@ -39,11 +39,15 @@ SETUPS = [
     ("fast_ddp powersgd r8", lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10)),
     (
         "fast_ddp powersgd r8 fp16 factors",
-        lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="fp16"),
+        lambda: FastDDPStrategy(
+            comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="fp16"
+        ),
     ),
     (
         "fast_ddp powersgd r8 bf16 factors",
-        lambda: FastDDPStrategy(comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="bf16"),
+        lambda: FastDDPStrategy(
+            comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=10, powersgd_factor_dtype="bf16"
+        ),
     ),
 ]
 WARMUP_STEPS = 5
@@ -92,7 +96,9 @@ def benchmark(steps: int) -> None:
     if int(os.environ["RANK"]) != 0:
         return
     baseline, no_hook = results["lightning DDPStrategy"], results["fast_ddp none"]
-    print(f"\nTinyGPT {gradient_bytes(TinyGPT()) / 2**20:.2f} MiB of fp32 gradients, 2 CPU processes (gloo), {steps} steps")
+    print(
+        f"\nTinyGPT {gradient_bytes(TinyGPT()) / 2**20:.2f} MiB of fp32 gradients, 2 CPU processes (gloo), {steps} steps"
+    )
     print(f"{'setup':34} {'bytes/step':>12} {'vs none':>8} {'step ms':>8} {'vs DDP':>7} {'loss':>7} {'d loss':>7}")
     for name, r in results.items():
         print(

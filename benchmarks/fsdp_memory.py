@@ -85,11 +85,16 @@ def sharding_table() -> None:
         results = manager.dict()
         mp.spawn(_one_rank, args=(port, results), nprocs=2)
         results = dict(results)
-    print("Per-rank bytes, 2 ranks (MiB): params+grads+AdamW state | alive after forward (activations + gathered params)")
+    print(
+        "Per-rank bytes, 2 ranks (MiB): params+grads+AdamW state | alive after forward (activations + gathered params)"
+    )
     print(f"{'size':8} {'params':>8} | {'ddp':>15} {'zero2':>15} {'zero3':>15}")
     for size, options in SIZES.items():
         count = TinyGPT(**options).num_parameters()
-        cells = [f"{results[(size, m)][0] / MiB:6.2f} | {results[(size, m)][1] / MiB:6.2f}" for m in ("ddp", "zero2", "zero3")]
+        cells = [
+            f"{results[(size, m)][0] / MiB:6.2f} | {results[(size, m)][1] / MiB:6.2f}"
+            for m in ("ddp", "zero2", "zero3")
+        ]
         print(f"{size:8} {count / 1e6:7.2f}M | " + " ".join(f"{c:>15}" for c in cells))
 
 

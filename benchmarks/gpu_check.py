@@ -76,13 +76,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL {torch.cuda.nccl.version()}")
+    print(
+        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL {torch.cuda.nccl.version()}"
+    )
     small = dict(n_layer=4, n_head=4, n_embd=256, block_size=256)
     results = []
 
     try:
         run = train(FastDDPStrategy(), small, args.steps, 32, [SyncsAreErrors()])
-        results.append(check("no host sync on ordinary steps", True, f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}"))
+        results.append(
+            check("no host sync on ordinary steps", True, f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}")
+        )
     except RuntimeError as error:
         results.append(check("no host sync on ordinary steps", False, str(error).splitlines()[0]))
 
@@ -94,12 +98,20 @@ def main() -> int:
     ))  # fmt: skip
 
     run = train(FastFSDPStrategy(sharding="zero3", activation_checkpointing="full"), small, args.steps, 32)
-    results.append(check("FSDP2 world size 1", run.losses[-1] < run.losses[0] - 0.5, f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}"))
+    results.append(
+        check(
+            "FSDP2 world size 1",
+            run.losses[-1] < run.losses[0] - 0.5,
+            f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}",
+        )
+    )
 
     run = train(FastDDPStrategy(compile=True), GPT2_SMALL, args.steps, 16)
     mfu = run.mfu[-1] if run.mfu else float("nan")
     parameters = sum(p.numel() for p in TinyGPT(**GPT2_SMALL).parameters())
-    results.append(check("MFU of TinyGPT at GPT-2 small", mfu == mfu, f"{parameters / 1e6:.0f}M parameters, MFU {mfu:.1%}"))
+    results.append(
+        check("MFU of TinyGPT at GPT-2 small", mfu == mfu, f"{parameters / 1e6:.0f}M parameters, MFU {mfu:.1%}")
+    )
     return 0 if all(results) else 1
 
 

@@ -48,8 +48,10 @@ class StepClock(L.Callback):
 def fit(ours: bool, steps: int, log_every: int, count: bool) -> StepClock:
     syncs = count_host_syncs(device="cpu") if count else None
     clock = StepClock(syncs)
-    extra = dict(strategy=FastDDPStrategy(), plugins=[FastMixedPrecision("bf16-mixed")]) if ours else dict(
-        strategy="ddp", precision="bf16-mixed"
+    extra = (
+        dict(strategy=FastDDPStrategy(), plugins=[FastMixedPrecision("bf16-mixed")])
+        if ours
+        else dict(strategy="ddp", precision="bf16-mixed")
     )
     callbacks = [clock, SyncFreeLogging(), SpeedMonitor()] if ours else [clock]
     with tempfile.TemporaryDirectory(prefix="host-syncs-bench-") as root:

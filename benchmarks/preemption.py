@@ -90,7 +90,9 @@ def launch(args: list[str], folder: Path, port: int | None = None, run_id: str |
                "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
         log = open(folder / f"rank{rank}.log", "a")  # noqa: SIM115 - closed with the process
-        processes.append(subprocess.Popen([str(script), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder))
+        processes.append(
+            subprocess.Popen([str(script), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
+        )
     return processes
 
 

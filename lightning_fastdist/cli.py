@@ -53,7 +53,11 @@ from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointErr
 PROGRAM = "lightning-fastdist"
 # Failures during a run whose one-line message is the whole story (no traceback is printed for them).
 EXPLAINED_FAILURES = (
-    JobIdentityError, UnusableCheckpointError, NonFiniteCheckpointError, NonFiniteLossError, ResumeRefusedError,
+    JobIdentityError,
+    UnusableCheckpointError,
+    NonFiniteCheckpointError,
+    NonFiniteLossError,
+    ResumeRefusedError,
 )
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
@@ -150,7 +154,9 @@ class _DropTip(logging.Filter):
 def _silence_known_noise(resuming: bool) -> None:
     """Hide output that says nothing about the user's run; with :data:`QUIET_VARIABLE` also Lightning's info lines."""
     # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank (lightning/pytorch/utilities/_pytree.py).
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     if resuming:  # the recipes' fixed checkpoint folder holds the checkpoints being resumed from, as it should
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -208,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     subcommand = args[0] if args[0] in TRAINER_COMMANDS else ""
     try:
         if not args[0].startswith("-") and not subcommand:
-            raise UsageError(f"unknown command {args[0]!r}; choose from {', '.join([*TRAINER_COMMANDS, *EXTRA_COMMANDS])}.")
+            raise UsageError(
+                f"unknown command {args[0]!r}; choose from {', '.join([*TRAINER_COMMANDS, *EXTRA_COMMANDS])}."
+            )
         args = resolve_config_paths(args)
         check_ckpt_path(args)
         args, notes = drop_init_args_of_replaced_classes(args)

@@ -92,7 +92,9 @@ def check_yaml_file(flag: str, path: Path) -> None:
     except OSError as error:
         raise UsageError(f"{flag}: cannot read '{path}': {error.strerror}.") from None
     if content is None:
-        raise UsageError(f"{flag}: '{path}' is empty; a recipe holds a mapping of options (trainer:, model:, data:, ...).")
+        raise UsageError(
+            f"{flag}: '{path}' is empty; a recipe holds a mapping of options (trainer:, model:, data:, ...)."
+        )
     if not isinstance(content, dict):
         raise UsageError(
             f"{flag}: '{path}' must hold a mapping of options (trainer:, model:, data:, ...), "

@@ -176,7 +176,9 @@ class FastMixedPrecision(Precision):
             for optimizer in optimizers:
                 reason = fuse_optimizer(optimizer)
                 if reason is None:
-                    rank_zero_info(f"FastMixedPrecision: {type(optimizer).__name__} runs fused (no host sync per step).")
+                    rank_zero_info(
+                        f"FastMixedPrecision: {type(optimizer).__name__} runs fused (no host sync per step)."
+                    )
                 else:
                     rank_zero_warn(
                         f"FastMixedPrecision: cannot fuse {type(optimizer).__name__}: {reason}. fp16 loss scaling "
@@ -196,11 +198,15 @@ class FastMixedPrecision(Precision):
             self._unscaled.add(id(optimizer))
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("FastMixedPrecision: precision='16-mixed' cannot drive LBFGS (its step re-runs the closure).")
+            raise ValueError(
+                "FastMixedPrecision: precision='16-mixed' cannot drive LBFGS (its step re-runs the closure)."
+            )
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, nothing to step

@@ -21,8 +21,8 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist.parallel.atomic_checkpoint import SHARD_INDEX, publish, staging_path
-from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import DistributedRunError, run_function
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
 KILL_ON_LAST_SAVE = 3
 

@@ -8,8 +8,8 @@ import pytest
 
 from lightning_fastdist.commands.bench import _overlay, add_baseline_ratio, loss_spread, main, parse_args
 from lightning_fastdist.commands.bench_setups import all_setups
-from lightning_fastdist.parallel.buckets import gradient_bytes
 from lightning_fastdist.demo import TinyGPT
+from lightning_fastdist.parallel.buckets import gradient_bytes
 from tests.harness import cli_command, run_launcher
 
 

@@ -12,8 +12,8 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist.parallel.atomic_checkpoint import publish, save_file_atomically, staging_path
-from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import DistributedRunError, run_function
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
 SAVE_FORMATS = {
     # Sharded and written in the background by a model with activation checkpointing,

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.memory_model import TrainingShape
 from lightning_fastdist.parallel.fsdp_comm_accounting import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
-from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 from tests.harness import run_function
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

@@ -10,10 +10,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
-from lightning_fastdist.callbacks.preemption import Preempted
 
 from lightning_fastdist import FastDDPStrategy, FastMixedPrecision, SpeedMonitor, SyncFreeLogging, count_host_syncs
-from lightning_fastdist.callbacks.lightning_internals import lightning_version_is_tested, missing_internals, require_internals
+from lightning_fastdist.callbacks.lightning_internals import (
+    lightning_version_is_tested,
+    missing_internals,
+    require_internals,
+)
+from lightning_fastdist.callbacks.preemption import Preempted
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from tests.harness import run_function
 

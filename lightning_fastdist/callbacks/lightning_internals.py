@@ -34,7 +34,12 @@ INTERNALS = (
     ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor", (), "drop the per-batch SIGTERM broadcast (a host sync)"),
     ("fit_loop.epoch_loop", "advance", ("data_fetcher",), "agree on a signal before an optimizer step's first batch"),
     ("fit_loop.epoch_loop.batch_progress", "current", None, "know where an optimizer step starts"),
-    ("_checkpoint_connector", "hpc_save_path", ("folderpath",), "name the checkpoint of a stopped run without a ModelCheckpoint"),
+    (
+        "_checkpoint_connector",
+        "hpc_save_path",
+        ("folderpath",),
+        "name the checkpoint of a stopped run without a ModelCheckpoint",
+    ),
 )
 
 
@@ -57,7 +62,9 @@ def missing_internals(trainer: Trainer) -> list[str]:
     for path, name, parameters, purpose in INTERNALS:
         owner = _resolve(trainer, path)
         where = f"Trainer.{path}.{name}"
-        if owner is None or not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {}):  # no getattr: properties run
+        if (
+            owner is None or not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {})
+        ):  # no getattr: properties run
             missing.append(f"{where} (used to {purpose}) does not exist")
             continue
         if parameters is not None:

@@ -76,9 +76,13 @@ class NonFiniteLoss(Callback):
         if action not in ACTIONS:
             raise ValueError(f"NonFiniteLoss: action must be one of {', '.join(map(repr, ACTIONS))}, got {action!r}.")
         if check_every_n_steps is not None and not _is_positive_int(check_every_n_steps):
-            raise ValueError(f"NonFiniteLoss: check_every_n_steps must be an integer >= 1 or None, got {check_every_n_steps!r}.")
+            raise ValueError(
+                f"NonFiniteLoss: check_every_n_steps must be an integer >= 1 or None, got {check_every_n_steps!r}."
+            )
         if not _is_positive_int(max_consecutive_skips):
-            raise ValueError(f"NonFiniteLoss: max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}.")
+            raise ValueError(
+                f"NonFiniteLoss: max_consecutive_skips must be an integer >= 1, got {max_consecutive_skips!r}."
+            )
         self.action = action
         self.check_every_n_steps = check_every_n_steps
         self.max_consecutive_skips = max_consecutive_skips
@@ -120,10 +124,14 @@ class NonFiniteLoss(Callback):
             optimizer.found_inf = bad  # read by the fused kernel, which then leaves everything unchanged
         self._bad_steps = bad.clone() if self._bad_steps is None else self._bad_steps + bad
         self._bad_run = bad.clone() if self._bad_run is None else (self._bad_run + 1) * bad
-        self._longest_bad_run = self._bad_run if self._longest_bad_run is None else torch.maximum(self._longest_bad_run, self._bad_run)
+        self._longest_bad_run = (
+            self._bad_run if self._longest_bad_run is None else torch.maximum(self._longest_bad_run, self._bad_run)
+        )
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._bad_steps is None:
             return
         pl_module.log(METRIC, self._bad_steps + self._restored, on_step=True, on_epoch=False)
@@ -150,10 +158,17 @@ class NonFiniteLoss(Callback):
     def _check(self, trainer: Trainer) -> None:
         """The one host read: report new bad steps (``skip``) or stop (``stop``, or ``skip`` with too long a run)."""
         assert self._bad_steps is not None and self._longest_bad_run is not None
-        bad_steps, longest_run = (int(value) for value in torch.stack([self._bad_steps, self._longest_bad_run]).tolist())
+        bad_steps, longest_run = (
+            int(value) for value in torch.stack([self._bad_steps, self._longest_bad_run]).tolist()
+        )
         self._longest_bad_run = self._bad_run  # the next window starts with the run still going on
         total = self._restored + bad_steps
-        new, first, self._reported, self._last_check_step = total - self._reported, self._last_check_step, total, trainer.global_step
+        new, first, self._reported, self._last_check_step = (
+            total - self._reported,
+            self._last_check_step,
+            total,
+            trainer.global_step,
+        )
         if new == 0:
             return
         where = f"{new} optimizer step(s) between steps {first} and {trainer.global_step} had a NaN/inf training loss"

@@ -36,7 +36,13 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor in ``batch`` (a tensor, or nested sequences and mappings), depth first."""
     if isinstance(batch, torch.Tensor):
         return batch
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) and not isinstance(batch, str) else ()
+    items = (
+        batch.values()
+        if isinstance(batch, Mapping)
+        else batch
+        if isinstance(batch, Sequence) and not isinstance(batch, str)
+        else ()
+    )
     for item in items:
         found = first_tensor(item)
         if found is not None:
@@ -119,7 +125,9 @@ class SpeedMonitor(Callback):
         if self.flops_per_token is None:
             self.flops_per_token = getattr(pl_module, "flops_per_token", None)
         if self.peak_flops_per_device is None and root.type == "cuda":
-            self.peak_flops_per_device = peak_flops(torch.cuda.get_device_name(root), matmul_dtype(str(trainer.precision)))
+            self.peak_flops_per_device = peak_flops(
+                torch.cuda.get_device_name(root), matmul_dtype(str(trainer.precision))
+            )
         if self.flops_per_token is None or self.peak_flops_per_device is None:
             rank_zero_info(
                 "SpeedMonitor: MFU is not logged (flops_per_token or the device's peak FLOP/s is unknown; "
@@ -132,7 +140,9 @@ class SpeedMonitor(Callback):
             self._start = self._clock.mark()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._units.update(self.count_units(batch))
         if trainer._logger_connector.should_update_logs:
             self._close_window()

@@ -75,7 +75,9 @@ class SyncFreeLogging(Callback):
         self._patches.replace(pl_module, "log", self._log_sync_free(pl_module))
         self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
         if not getattr(trainer.strategy, "handles_preemption", False):
-            timeout = getattr(trainer.strategy, "_timeout", None) or default_pg_timeout  # Lightning's DDP keeps it there
+            timeout = (
+                getattr(trainer.strategy, "_timeout", None) or default_pg_timeout
+            )  # Lightning's DDP keeps it there
             self._preemption = PreemptionHandler(trainer, timeout)
             self._preemption.install()
 
@@ -123,7 +125,11 @@ class SyncFreeLogging(Callback):
         for key, value in metrics.items():
             base, _, loader = key.partition(_DATALOADER_MARK)
             forked_from = next(
-                (base[: -len(s)] for s in _FORK_SUFFIXES if base.endswith(s) and base[: -len(s)] in self.progress_bar_names),
+                (
+                    base[: -len(s)]
+                    for s in _FORK_SUFFIXES
+                    if base.endswith(s) and base[: -len(s)] in self.progress_bar_names
+                ),
                 None,
             )
             if forked_from is not None:

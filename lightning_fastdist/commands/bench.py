@@ -112,7 +112,10 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
             "limit_val_batches": 0,
             "callbacks": [
                 {"class_path": "lightning_fastdist.SyncFreeLogging"},
-                {"class_path": "lightning_fastdist.commands.bench_probe.BenchProbe", "init_args": {"output": str(probe_output)}},
+                {
+                    "class_path": "lightning_fastdist.commands.bench_probe.BenchProbe",
+                    "init_args": {"output": str(probe_output)},
+                },
             ],
         }
     }

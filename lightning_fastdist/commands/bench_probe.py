@@ -63,7 +63,9 @@ class BenchProbe(L.Callback):
     def _timing_ends_at(self, trainer: L.Trainer) -> int:
         return max(trainer.max_steps - SYNC_COUNT_STEPS - 1, self.warmup_steps + 1)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
             self._syncs.__exit__(None, None, None)
@@ -77,7 +79,9 @@ class BenchProbe(L.Callback):
             self._syncs = count_host_syncs()
             self._syncs.__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._window_start is not None and self._step_time is None:
             self._window_steps += 1
         self._units_per_step = {unit: count * trainer.world_size for unit, count in default_units(batch).items()}

@@ -99,7 +99,10 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
         BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
         BenchSetup(
-            "ddp-powersgd", "DDP", FAST_DDP, {"comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
+            "ddp-powersgd",
+            "DDP",
+            FAST_DDP,
+            {"comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
             exact=False,
         ),  # fmt: skip
         BenchSetup("ddp-compile", "DDP", FAST_DDP, {"compile": {"backend": compile_backend}}),
@@ -110,12 +113,18 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         BenchSetup("deepspeed-zero2", "DeepSpeed", FAST_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
         BenchSetup("deepspeed-zero3", "DeepSpeed", FAST_DEEPSPEED, {"stage": 3}, needs=no_deepspeed),
         BenchSetup(
-            "deepspeed-zero2-offload", "DeepSpeed", FAST_DEEPSPEED, {"stage": 2, "offload_optimizer": True},
+            "deepspeed-zero2-offload",
+            "DeepSpeed",
+            FAST_DEEPSPEED,
+            {"stage": 2, "offload_optimizer": True},
             needs=no_deepspeed,
         ),  # fmt: skip
         BenchSetup(
-            "deepspeed-zero3-offload", "DeepSpeed", FAST_DEEPSPEED,
-            {"stage": 3, "offload_optimizer": True, "offload_parameters": True}, needs=no_deepspeed,
+            "deepspeed-zero3-offload",
+            "DeepSpeed",
+            FAST_DEEPSPEED,
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+            needs=no_deepspeed,
         ),  # fmt: skip
     ]
     return {setup.name: setup for setup in setups}

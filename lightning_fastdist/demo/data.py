@@ -76,7 +76,11 @@ class TextDataModule(LightningDataModule):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        for name, value, minimum in (("batch_size", batch_size, 1), ("block_size", block_size, 1), ("num_workers", num_workers, 0)):
+        for name, value, minimum in (
+            ("batch_size", batch_size, 1),
+            ("block_size", block_size, 1),
+            ("num_workers", num_workers, 0),
+        ):
             if value < minimum:
                 raise ValueError(f"TextDataModule: {name} must be >= {minimum}, got {value}.")
         if not 0.0 < val_fraction <= 0.5:

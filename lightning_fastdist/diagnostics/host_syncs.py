@@ -165,7 +165,9 @@ class _DispatchCounter(TorchDispatchMode):
             target = args[0] if func is torch.ops.aten.copy_.default else result
             crosses = (source.device.type == "cpu") != (target.device.type == "cpu")
             if crosses and not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2]):
-                self.counter._record(f"{func.overloadpacket} {source.device.type}->{target.device.type}".replace("aten::", "aten."))
+                self.counter._record(
+                    f"{func.overloadpacket} {source.device.type}->{target.device.type}".replace("aten::", "aten.")
+                )
         return result
 
 

@@ -37,7 +37,9 @@ def _file_problem(path: Path) -> str | None:
     if head.startswith(_ZIP_MAGIC):
         # A zip archive ends with its directory: a file cut short (a crash or a full disk during a copy) has none.
         complete = zipfile.is_zipfile(path)
-        return None if complete else f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
+        return (
+            None if complete else f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
+        )
     if head.startswith(_PICKLE_MAGIC):
         return None
     printable = head.decode("utf-8", errors="replace")

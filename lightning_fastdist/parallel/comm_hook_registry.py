@@ -45,7 +45,9 @@ def register_comm_hook(
         powersgd_factor_dtype: a key of :data:`POWERSGD_FACTOR_DTYPES`: what P and Q are all-reduced in.
     """
     if name not in COMM_HOOK_NAMES:
-        raise ValueError(f"comm_hook={name!r} is not supported; accepted values: {', '.join(map(repr, COMM_HOOK_NAMES))}.")
+        raise ValueError(
+            f"comm_hook={name!r} is not supported; accepted values: {', '.join(map(repr, COMM_HOOK_NAMES))}."
+        )
     if name == "powersgd":
         state = PowerSGDState(
             process_group=process_group,

@@ -48,14 +48,18 @@ def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[s
     if compile is True:
         return {}
     if not isinstance(compile, Mapping):
-        raise ValueError(f"compile: expected true, false or a mapping of {', '.join(COMPILE_OPTIONS)}; got {compile!r}.")
+        raise ValueError(
+            f"compile: expected true, false or a mapping of {', '.join(COMPILE_OPTIONS)}; got {compile!r}."
+        )
     config = dict(compile)
     unknown = sorted(set(config) - set(COMPILE_OPTIONS))
     if unknown:
         raise ValueError(f"compile: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(COMPILE_OPTIONS)}.")
     backend = config.get("backend")
     if isinstance(backend, str) and backend not in compile_backends():
-        raise ValueError(f"compile.backend: {backend!r} is not a torch.compile backend; accepted: {', '.join(compile_backends())}.")
+        raise ValueError(
+            f"compile.backend: {backend!r} is not a torch.compile backend; accepted: {', '.join(compile_backends())}."
+        )
     mode = config.get("mode")
     if mode is not None and mode not in COMPILE_MODES:
         raise ValueError(f"compile.mode: {mode!r} is not a torch.compile mode; accepted: {', '.join(COMPILE_MODES)}.")

@@ -47,9 +47,13 @@ def validate_sharding(sharding: str, hsdp_group_size: int | None, world_size: in
     if hsdp_group_size is None:
         return
     if sharding != "hsdp":
-        raise ValueError(f"hsdp_group_size: only used with sharding='hsdp', got sharding={sharding!r}; remove it or use 'hsdp'.")
+        raise ValueError(
+            f"hsdp_group_size: only used with sharding='hsdp', got sharding={sharding!r}; remove it or use 'hsdp'."
+        )
     if isinstance(hsdp_group_size, bool) or not isinstance(hsdp_group_size, int) or hsdp_group_size < 1:
-        raise ValueError(f"hsdp_group_size: got {hsdp_group_size!r}; use a positive integer that divides the world size.")
+        raise ValueError(
+            f"hsdp_group_size: got {hsdp_group_size!r}; use a positive integer that divides the world size."
+        )
     if world_size is not None and world_size % hsdp_group_size != 0:
         raise ValueError(
             f"hsdp_group_size: {hsdp_group_size} does not divide the world size {world_size}; "

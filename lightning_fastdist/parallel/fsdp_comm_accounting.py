@@ -54,7 +54,9 @@ class CountingReduceScatter(_CountingComm):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         self.stats.record(input_tensor, REDUCE_SCATTER)
-        return getattr(dist, REDUCE_SCATTER_FUNCTION)(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return getattr(dist, REDUCE_SCATTER_FUNCTION)(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def count_fsdp_communication(units: Sequence[nn.Module], stats: CommStats, replicated: bool) -> bool:

@@ -192,7 +192,9 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend"
+            cls.strategy_name,
+            cls,
+            description="DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend",
         )
 
     @override
@@ -233,7 +235,9 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             return
         block_classes = resolve_and_log_blocks(self.model, self.blocks)
         without_kv_cache(self.model, self.activation_checkpointing, compiles_blocks)
-        self.checkpointed_blocks = apply_activation_checkpointing(self.model, self.activation_checkpointing, block_classes)
+        self.checkpointed_blocks = apply_activation_checkpointing(
+            self.model, self.activation_checkpointing, block_classes
+        )
         if compiles_blocks:
             self.compiled_regions = apply_compile(self.model, self.compile_config, "blocks", block_classes)
 

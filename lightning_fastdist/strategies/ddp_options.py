@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.parallel.comm_hook_registry import BF16_BACKENDS, COMM_HOOK_NAMES, POWERSGD_FACTOR_DTYPES
 
-
 # Lightning's DDPStrategy arguments that FastDDPStrategy replaces on purpose, and what to write instead.
 REPLACED_LIGHTNING_OPTIONS = {
     "ddp_comm_hook": "name the hook instead: comm_hook='fp16', 'bf16', 'powersgd' or 'none' (on every backend)",
@@ -80,7 +79,9 @@ def check_ddp_options(
         or not math.isfinite(bucket_cap_mb)
         or bucket_cap_mb <= 0
     ):
-        raise ValueError(f"FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got {bucket_cap_mb!r}.")
+        raise ValueError(
+            f"FastDDPStrategy: bucket_cap_mb must be a finite number > 0 or 'auto', got {bucket_cap_mb!r}."
+        )
     if powersgd_factor_dtype not in POWERSGD_FACTOR_DTYPES:
         raise ValueError(
             f"FastDDPStrategy: powersgd_factor_dtype={powersgd_factor_dtype!r} is not supported; accepted values: "

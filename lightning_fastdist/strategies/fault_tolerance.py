@@ -79,7 +79,11 @@ class FaultTolerance:
         os.environ["MASTER_PORT"] = str(environment.main_port)
         root = self.root_device  # type: ignore[attr-defined]
         join_process_group(
-            backend, self.global_rank, self.world_size, self.timeout, root if root.type != "cpu" else None  # type: ignore[attr-defined]
+            backend,
+            self.global_rank,
+            self.world_size,
+            self.timeout,
+            root if root.type != "cpu" else None,  # type: ignore[attr-defined]
         )
         if backend == "nccl":
             atexit.register(_destroy_dist_connection)  # as Lightning does: no warning about a live group at exit

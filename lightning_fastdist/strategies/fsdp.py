@@ -41,7 +41,11 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter, check_save_target, save_file_atomically
+from lightning_fastdist.parallel.atomic_checkpoint import (
+    ShardedCheckpointWriter,
+    check_save_target,
+    save_file_atomically,
+)
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
@@ -135,7 +139,9 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
                 f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
             )
         if async_checkpointing and checkpoint_format != "sharded":
-            raise ValueError("async_checkpointing: needs checkpoint_format='sharded' (a full file is written by rank 0 alone).")
+            raise ValueError(
+                "async_checkpointing: needs checkpoint_format='sharded' (a full file is written by rank 0 alone)."
+            )
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
@@ -175,12 +181,16 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._device_mesh = build_fsdp_mesh(self.root_device.type, self.world_size, self.sharding, self._shard_group_size)
+        self._device_mesh = build_fsdp_mesh(
+            self.root_device.type, self.world_size, self.sharding, self._shard_group_size
+        )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.async_checkpointing:
             # Background writes coordinate over their own group, never the one training uses.
-            self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=True, process_group=dist.new_group(backend="gloo"))
+            self._checkpoint_writer = ShardedCheckpointWriter(
+                asynchronous=True, process_group=dist.new_group(backend="gloo")
+            )
 
     @property
     @override
@@ -307,7 +317,9 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
             return
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        self._checkpoint_writer.save(tensors, path, write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME))
+        self._checkpoint_writer.save(
+            tensors, path, write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME)
+        )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
