@@ -23,14 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from preemption import free_port, launch, wait_all, write_recipe
+from preemption import free_port, launch, wait_all, wait_for_first_step, write_recipe
 
 LONG_RUN_STEPS = 400
-
-
-def wait_for_first_step(folder: Path, processes: list) -> None:
-    while not (folder / "step.txt").exists() and all(p.poll() is None for p in processes):
-        time.sleep(0.01)
 
 
 def telling_line(folder: Path, rank: int, words: tuple[str, ...]) -> str:
@@ -39,8 +34,10 @@ def telling_line(folder: Path, rank: int, words: tuple[str, ...]) -> str:
     return next((line.strip() for line in lines if any(word in line for word in words)), "(no such line)")
 
 
-def report(fault: str, codes: list[int], seconds: float, line: str) -> None:
-    print(f"{fault}\n  exit {codes} after {seconds:.2f} s\n  {line}", flush=True)
+def report(fault: str, ends: list[tuple[int, float]], since: float, line: str) -> None:
+    """Each rank's exit status (from :func:`wait_all`) and the time from ``since`` until the last one exited."""
+    codes, last_exit = [code for code, _ in ends], max(at for _, at in ends)
+    print(f"{fault}\n  exit {codes} after {last_exit - since:.2f} s\n  {line}", flush=True)
 
 
 def killed_rank(root: Path) -> None:
@@ -51,8 +48,8 @@ def killed_rank(root: Path) -> None:
     time.sleep(0.5)
     processes[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    (code0, at0), (code1, _) = wait_all(processes)
-    report("rank 1 SIGKILLed mid-run (survivor: rank 0)", [code0, code1], at0 - killed_at,
+    # The killed rank exits at once, so the last exit is the survivor's.
+    report("rank 1 SIGKILLed mid-run (survivor: rank 0)", wait_all(processes), killed_at,
            telling_line(folder, 0, ("training stopped",)))  # fmt: skip
 
 
@@ -72,8 +69,7 @@ def second_job(root: Path) -> None:
     for process in job_a:
         process.send_signal(signal.SIGTERM)
     wait_all(job_a)
-    report("a second job on the port of a running one (job B)", [code for code, _ in ends],
-           max(at for _, at in ends) - started_at,
+    report("a second job on the port of a running one (job B)", ends, started_at,
            f"{telling_line(second, 0, ('cannot start',))}\n  {telling_line(second, 1, ('refusing to join',))}\n"
            f"  job A kept training: {a_kept_training}")  # fmt: skip
 
@@ -91,15 +87,13 @@ def truncated_checkpoints(root: Path) -> None:
 
     started_at = time.monotonic()
     ends = wait_all(launch(["fit", "--config", recipe, "--ckpt_path", str(bad)], folder))
-    report("a truncated checkpoint given to --ckpt_path", [code for code, _ in ends],
-           max(at for _, at in ends) - started_at, telling_line(folder, 0, ("bad.ckpt",)))  # fmt: skip
+    report("a truncated checkpoint given to --ckpt_path", ends, started_at, telling_line(folder, 0, ("bad.ckpt",)))
 
     (folder / "rank0.log").write_text("")
     started_at = time.monotonic()
     ends = wait_all(launch(["fit", "--config", recipe, "--ckpt_path", "last", "--trainer.max_steps", "12"], folder))
     report("a truncated last.ckpt with --ckpt_path last (resumes from the newest that loads, 4 more steps)",
-           [code for code, _ in ends], max(at for _, at in ends) - started_at,
-           telling_line(folder, 0, ("Resuming from",)))  # fmt: skip
+           ends, started_at, telling_line(folder, 0, ("Resuming from",)))  # fmt: skip
 
 
 def main() -> None:

@@ -96,6 +96,12 @@ def launch(args: list[str], folder: Path, port: int | None = None, run_id: str |
     return processes
 
 
+def wait_for_first_step(folder: Path, processes: list[subprocess.Popen]) -> None:
+    """Until rank 0 has written its first step (``StepFile``) or a rank has exited."""
+    while not (folder / "step.txt").exists() and all(p.poll() is None for p in processes):
+        time.sleep(0.01)
+
+
 def wait_all(processes: list[subprocess.Popen]) -> list[tuple[int, float]]:
     """(exit status, time.monotonic() at exit) per process; kills whatever outlives the deadline."""
     ended: dict[int, tuple[int, float]] = {}
@@ -130,9 +136,7 @@ def one_run(root: Path, name: str, ranks: tuple[int, ...], delay: float, steps: 
     folder.mkdir()
     recipe = write_recipe(folder, steps)
     processes = launch(["fit", "--config", str(recipe)], folder)
-    step_file = folder / "step.txt"
-    while not step_file.exists() and all(p.poll() is None for p in processes):
-        time.sleep(0.01)
+    wait_for_first_step(folder, processes)
     time.sleep(delay)
     signalled_at = time.monotonic()
     for rank in ranks:
