@@ -278,7 +278,7 @@ def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> st
     return "\n".join(lines)
 
 
-# First words of every recipe doctor writes: the only files ``--output`` may replace.
+# First words of every recipe doctor writes (then its arguments): the only files ``--output`` may replace.
 HEADER_START = f"# Written by: {PROG}"
 
 
@@ -296,9 +296,9 @@ def check_output_is_ours(output: Path) -> None:
             )
 
 
-def _recipe_header(recommendation: Recommendation, target: Target, command: str) -> str:
+def _recipe_header(recommendation: Recommendation, target: Target, argv: list[str]) -> str:
     lines = [
-        f"# Written by: {command}",
+        " ".join([HEADER_START, *argv]),
         f"# For {target.nodes} node(s) x {target.devices} {target.accelerator}(s), {target.device_memory_bytes / GiB:.1f} GiB each.",
         f"# Estimated peak per device: {recommendation.estimate.total / GiB:.3f} GiB"
         f" (usable {recommendation.usable_bytes / GiB:.2f} GiB){'' if recommendation.fits else ' -- DOES NOT FIT'}.",
@@ -368,8 +368,7 @@ def run(argv: list[str]) -> int:
         print("  WARNING: the estimate does not fit; the recipe is the most frugal configuration.")
     recipe = build_recipe(recommendation, target, model_section, data_section, args.max_steps)
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join([PROG, *argv])
-    output.write_text(_recipe_header(recommendation, target, command) + yaml.safe_dump(recipe, sort_keys=False))
+    output.write_text(_recipe_header(recommendation, target, argv) + yaml.safe_dump(recipe, sort_keys=False))
     print(f"\nWrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
 
