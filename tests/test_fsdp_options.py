@@ -15,7 +15,7 @@ from lightning_fastdist import FastFSDPStrategy
 from lightning_fastdist.demo import Block, TinyGPT
 from lightning_fastdist.demo.model import MLP
 from lightning_fastdist.parallel.blocks import find_blocks, resolve_blocks
-from lightning_fastdist.strategies.fsdp import fsdp_dtypes
+from lightning_fastdist.parallel.fsdp import fsdp_dtypes
 
 
 def test_auto_finds_the_repeated_transformer_block():

@@ -21,7 +21,7 @@ root around the model instead: Lightning runs each step through its forward
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,9 +29,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.blocks import block_modules
+from lightning_fastdist.parallel.compile import apply_compile
 
 SHARDING_MODES = ("zero3", "zero2", "hsdp")
+
+# Lightning precision name -> (dtype FSDP computes in, dtype it reduces gradients in).
+# "-true" precisions convert the module itself, so FSDP keeps the parameters' dtype.
+_MIXED_PRECISION_DTYPES = {
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+}
+
+
+def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of the FSDP mixed-precision policy for a Lightning precision name."""
+    return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
 def validate_sharding(sharding: str, hsdp_group_size: int | None, world_size: int | None = None) -> None:
@@ -130,6 +144,59 @@ def apply_fsdp(
             offload_policy=offload,
         )
     return units
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    block_classes: Sequence[type[nn.Module]],
+    sharding: str = "zero3",
+    activation_checkpointing: str | int = "none",
+    precision: str = "32-true",
+    cpu_offload: bool = False,
+    compile_config: Mapping[str, Any] | None = None,
+    compile_scope: str = "blocks",
+) -> tuple[RootUnit, list[nn.Module], list[nn.Module]]:
+    """Checkpoint, compile and shard ``model`` in place, in this fixed order; return the root, units, compiled regions.
+
+    1. Activation checkpointing, per block: its hooks must sit inside the FSDP
+       unit so that a recomputed block finds its parameters gathered.
+    2. ``torch.compile`` of each block's (or the model's) ``forward``: after
+       checkpointing, whose hooks then run around the compiled forward, and
+       before FSDP, whose all-gather hooks stay outside the compiled graph.
+    3. FSDP: every block first, the root last: a :class:`RootUnit` around
+       ``model`` that takes what is left (embeddings, final norm, head).
+       Parameters on the meta device stay there; materialise each rank's shard afterwards.
+
+    ``FastFSDPStrategy`` and ``doctor --simulate`` both run this function, so what is
+    simulated is what trains.
+
+    Args:
+        model: the model (a LightningModule or any ``nn.Module``).
+        mesh: from :func:`build_fsdp_mesh`.
+        block_classes: the resolved blocks (:func:`~lightning_fastdist.parallel.blocks.resolve_blocks`).
+        sharding: one of :data:`SHARDING_MODES`.
+        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or ``n`` (see
+            :func:`~lightning_fastdist.parallel.activation_checkpointing.apply_activation_checkpointing`).
+        precision: a Lightning precision name; ``"bf16-mixed"``/``"16-mixed"`` set FSDP's mixed-precision policy.
+        cpu_offload: see :func:`apply_fsdp`.
+        compile_config: ``torch.compile`` arguments, or ``None`` for no compile.
+        compile_scope: ``"blocks"`` or ``"model"``.
+    """
+    apply_activation_checkpointing(model, activation_checkpointing, block_classes)
+    compiled = apply_compile(model, compile_config, compile_scope, block_classes) if compile_config is not None else []
+    param_dtype, reduce_dtype = fsdp_dtypes(precision)
+    root = RootUnit(model)
+    units = apply_fsdp(
+        root,
+        mesh,
+        block_classes,
+        sharding=sharding,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=cpu_offload,
+    )
+    return root, units, compiled
 
 
 class RootUnit(nn.Module):

@@ -37,10 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
-from lightning_fastdist.parallel.activation_checkpointing import (
-    apply_activation_checkpointing,
-    validate_activation_checkpointing,
-)
+from lightning_fastdist.parallel.activation_checkpointing import validate_activation_checkpointing
 from lightning_fastdist.parallel.atomic_checkpoint import (
     ShardedCheckpointWriter,
     check_save_target,
@@ -48,8 +45,8 @@ from lightning_fastdist.parallel.atomic_checkpoint import (
 )
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
-from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
-from lightning_fastdist.parallel.fsdp import RootUnit, apply_fsdp, build_fsdp_mesh, validate_sharding
+from lightning_fastdist.parallel.compile import normalize_compile_config, validate_compile_scope
+from lightning_fastdist.parallel.fsdp import RootUnit, build_fsdp_mesh, shard_model, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
@@ -57,18 +54,6 @@ from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 
 CHECKPOINT_FORMATS = ("sharded", "full")
-
-# Lightning precision name -> (dtype FSDP computes in, dtype it reduces gradients in).
-# "-true" precisions convert the module itself, so FSDP keeps the parameters' dtype.
-_MIXED_PRECISION_DTYPES = {
-    "bf16-mixed": (torch.bfloat16, torch.float32),
-    "16-mixed": (torch.float16, torch.float32),
-}
-
-
-def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` of the FSDP mixed-precision policy for a Lightning precision name."""
-    return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
 class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, ModelParallelStrategy):
@@ -233,35 +218,24 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
             self.model.to(self.root_device)
 
     def parallelize(self, model: nn.Module) -> RootUnit:
-        """Apply activation checkpointing, compile and FSDP to ``model`` in place, in this fixed order; return the root.
+        """Resolve the blocks, then checkpoint, compile and shard ``model`` in place; return the root.
 
-        1. Activation checkpointing, per block: its hooks must sit inside the FSDP
-           unit so that a recomputed block finds its parameters gathered.
-        2. ``torch.compile`` of each block's (or the model's) ``forward``: after
-           checkpointing, whose hooks then run around the compiled forward, and
-           before FSDP, whose all-gather hooks stay outside the compiled graph.
-        3. FSDP: every block first, the root last: a :class:`RootUnit` around
-           ``model`` that takes what is left (embeddings, final norm, head).
-           Parameters on the meta device stay there; :meth:`setup`
-           materialises each rank's shard afterwards.
+        The order and its reasons: :func:`~lightning_fastdist.parallel.fsdp.shard_model`.
         """
         one_unit = "; FSDP shards the whole model as one unit (name its blocks for one unit each)"
         block_classes = resolve_and_log_blocks(model, self.blocks, without_blocks=one_unit)
         compiles_blocks = self.compile_config is not None and self.compile_scope == "blocks"
         without_kv_cache(model, self.activation_checkpointing, compiles_blocks)
-        apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
-        if self.compile_config is not None:
-            self.compiled_regions = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
-        param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin.precision)
-        root = RootUnit(model)
-        units = apply_fsdp(
-            root,
+        root, units, self.compiled_regions = shard_model(
+            model,
             self.device_mesh,
             block_classes,
             sharding=self.sharding,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
+            activation_checkpointing=self.activation_checkpointing,
+            precision=self.precision_plugin.precision,
             cpu_offload=self.cpu_offload,
+            compile_config=self.compile_config,
+            compile_scope=self.compile_scope,
         )
         self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.sharding == "hsdp")
         return root
