@@ -56,6 +56,7 @@ _MODE_NAMES = {
     "ddp": "DDP",
     "zero2": "FSDP ZeRO-2",
     "zero3": "FSDP ZeRO-3",
+    "hsdp": "FSDP HSDP",
     "ds-zero1": "DeepSpeed ZeRO-1",
     "ds-zero2": "DeepSpeed ZeRO-2",
     "ds-zero3": "DeepSpeed ZeRO-3",
@@ -153,7 +154,7 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
             estimate = estimate_memory(trial, mode, checkpointing, cpu_offload=offload)
             if estimate.total <= usable:
                 reasons.append(
-                    f"{_describe(mode, checkpointing, offload)}: the fastest option whose estimated peak "
+                    f"{describe_setup(mode, checkpointing, offload)}: the fastest option whose estimated peak "
                     f"({estimate.total / 2**30:.2f} GiB) fits in {usable / 2**30:.2f} GiB usable per device"
                 )
                 return _finish(estimate, trial, global_batch, target, True, usable, reasons)
@@ -166,7 +167,7 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
     trial = replace(shape, micro_batch=1)
     estimate = estimate_memory(trial, *preference[-1][:2], cpu_offload=preference[-1][2])
     reasons.append(
-        f"does not fit: even {_describe(*preference[-1])} at micro-batch 1 needs an estimated "
+        f"does not fit: even {describe_setup(*preference[-1])} at micro-batch 1 needs an estimated "
         f"{estimate.total / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB; use more or larger devices"
     )
     return _finish(estimate, trial, global_batch, target, False, usable, reasons)
@@ -187,7 +188,8 @@ def _finish(
     return Recommendation(estimate, shape, accumulate, fits, usable, reasons)
 
 
-def _describe(mode: str, checkpointing: str, offload: bool) -> str:
+def describe_setup(mode: str, checkpointing: str, offload: bool) -> str:
+    """``"FSDP ZeRO-3 + full activation checkpointing"``: a configuration in words."""
     parts = [_MODE_NAMES[mode]]
     if checkpointing != "none":
         parts.append(f"{checkpointing} activation checkpointing")

@@ -15,6 +15,10 @@ fp32 under mixed precision, DDP all-reduces the fp32 gradients):
   parameters) once, ``k c (2 N - R)``, plus ``g N``. ``R`` is taken as
   ``(V + s) h + 2 h``: a GPT with learned positions and a tied head.
 
+- ``hsdp`` (``doctor --simulate`` only): ZeRO-3 within shard groups of ``G`` ranks,
+  ``k c (2 N - R)`` gathered and ``g N`` reduce-scattered there, then each rank's
+  gradient shard, ``g N / G``, all-reduced across the ``W / G`` replicas.
+
 DeepSpeed (``ds-zero*``) communicates in the weights' dtype, ``w`` bytes (4 under
 ``32-true``, else 2), and reduces gradients with all-reduces of buckets (on NCCL
 and gloo alike), also at stage 2:
@@ -49,17 +53,21 @@ from dataclasses import dataclass
 from lightning_fastdist.diagnostics.memory_model import DEEPSPEED_MODES, MODES, TrainingShape
 from lightning_fastdist.parallel.deepspeed_runtime import MAX_LIVE_PARAMETERS
 
+COMM_MODES = (*MODES, "hsdp")
+
 
 @dataclass(frozen=True)
 class CommEstimate:
     """Bytes per optimizer step of each collective (full-size tensors) on one device.
 
     Attributes:
-        mode: one of :data:`~lightning_fastdist.diagnostics.memory_model.MODES`.
+        mode: one of :data:`COMM_MODES`.
         world_size: devices sharing the work.
         allreduce: gradient all-reduce bytes.
         allgather: weight all-gather bytes.
         reduce_scatter: gradient reduce-scatter bytes.
+        shard_group: ranks that all-gather and reduce-scatter together under ``hsdp`` (its all-reduce
+            runs across the ``world_size / shard_group`` replicas); ``None``: every collective spans the world.
     """
 
     mode: str
@@ -67,6 +75,7 @@ class CommEstimate:
     allreduce: int = 0
     allgather: int = 0
     reduce_scatter: int = 0
+    shard_group: int | None = None
 
     def by_collective(self) -> dict[str, int]:
         """The collectives this mode runs and their bytes, named as the strategies log them."""
@@ -76,8 +85,13 @@ class CommEstimate:
     @property
     def sent_per_device(self) -> int:
         """Bytes each device sends per optimizer step with ring collectives."""
-        w = self.world_size
-        return (2 * (w - 1) * self.allreduce + (w - 1) * (self.allgather + self.reduce_scatter)) // w
+        group = self.shard_group or self.world_size
+        replicas = self.world_size // group if self.shard_group else self.world_size
+        sent = (
+            2 * (replicas - 1) * self.allreduce * group
+            + (group - 1) * (self.allgather + self.reduce_scatter) * replicas
+        )
+        return sent // (replicas * group)
 
 
 def root_parameters(shape: TrainingShape) -> int:
@@ -85,13 +99,13 @@ def root_parameters(shape: TrainingShape) -> int:
     return (shape.vocab_size + shape.seq_len) * shape.hidden + 2 * shape.hidden
 
 
-def _estimate_deepspeed(shape: TrainingShape, mode: str, accumulation: int, weight_bytes: int) -> CommEstimate:
-    n, w, stage = shape.parameters, weight_bytes, int(mode[-1])
+def _estimate_deepspeed(world_size: int, n: int, mode: str, accumulation: int, weight_bytes: int) -> CommEstimate:
+    w, stage = weight_bytes, int(mode[-1])
     if stage == 3:
         gathered = accumulation * (n + max(0, n - MAX_LIVE_PARAMETERS))
-        return CommEstimate(mode, shape.world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
+        return CommEstimate(mode, world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
     reductions = 1 if stage == 1 else accumulation
-    return CommEstimate(mode, shape.world_size, allreduce=reductions * w * n, allgather=w * n)
+    return CommEstimate(mode, world_size, allreduce=reductions * w * n, allgather=w * n)
 
 
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
@@ -105,21 +119,53 @@ def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> Com
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
+    return comm_per_step(
+        mode, shape.world_size, shape.parameters, root_parameters(shape), shape.precision, accumulation
+    )
+
+
+def comm_per_step(
+    mode: str,
+    world_size: int,
+    parameters: int,
+    root_params: int,
+    precision: str,
+    accumulation: int = 1,
+    shard_group: int | None = None,
+) -> CommEstimate:
+    """One optimizer step's communication from counted parameters (see the module docstring).
+
+    Args:
+        mode: one of :data:`COMM_MODES`.
+        world_size: ranks.
+        parameters: ``N``, the model's trainable parameters.
+        root_params: ``R``, those outside every block (FSDP's root unit).
+        precision: a Lightning precision name.
+        accumulation: micro-batches per optimizer step.
+        shard_group: ranks per shard group, for ``hsdp`` only.
+    """
+    if mode not in COMM_MODES:
+        raise ValueError(f"mode must be one of {', '.join(COMM_MODES)}, got {mode!r}.")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}.")
-    if shape.world_size == 1:
+    if world_size == 1:
         return CommEstimate(mode, 1)
-    n = shape.parameters
-    compute_bytes = 4 if shape.precision == "32-true" else 2
-    gradient_bytes = 2 if shape.precision == "bf16-true" else 4
+    n = parameters
+    compute_bytes = 4 if precision == "32-true" else 2
+    gradient_bytes = 2 if precision == "bf16-true" else 4
     if mode in DEEPSPEED_MODES:
-        return _estimate_deepspeed(shape, mode, accumulation, weight_bytes=compute_bytes)
+        return _estimate_deepspeed(world_size, n, mode, accumulation, weight_bytes=compute_bytes)
     if mode == "ddp":
-        return CommEstimate(mode, shape.world_size, allreduce=gradient_bytes * n)
-    gathered = n if mode == "zero2" else accumulation * (2 * n - min(n, root_parameters(shape)))
-    return CommEstimate(
-        mode,
-        shape.world_size,
-        allgather=gathered * compute_bytes,
-        reduce_scatter=gradient_bytes * n,
-    )
+        return CommEstimate(mode, world_size, allreduce=gradient_bytes * n)
+    gathered = n if mode == "zero2" else accumulation * (2 * n - min(n, root_params))
+    if mode == "hsdp":
+        group = shard_group or world_size
+        return CommEstimate(
+            mode,
+            world_size,
+            allreduce=0 if group == world_size else -(-gradient_bytes * n // group),
+            allgather=gathered * compute_bytes,
+            reduce_scatter=gradient_bytes * n,
+            shard_group=group,
+        )
+    return CommEstimate(mode, world_size, allgather=gathered * compute_bytes, reduce_scatter=gradient_bytes * n)

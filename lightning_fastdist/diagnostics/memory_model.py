@@ -209,11 +209,29 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
     return block_inputs + shape.layers * selective + (per_layer - selective) + head
 
 
-def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu_offload: bool) -> MemoryEstimate:
-    """DeepSpeed's stages (see the module docstring)."""
-    n, ranks = shape.parameters, shape.world_size
-    w = 4 if shape.precision == "32-true" else 2
-    stage = int(mode[-1])
+@dataclass(frozen=True)
+class DeepSpeedState:
+    """Bytes per GPU of DeepSpeed's model state at one stage (see the module docstring)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered_weights: int
+    host_bytes: int
+
+
+def deepspeed_state(parameters: int, world_size: int, precision: str, stage: int, cpu_offload: bool) -> DeepSpeedState:
+    """DeepSpeed's weights, gradients (buckets included), optimizer state and gathered weights per GPU.
+
+    Args:
+        parameters: ``N``.
+        world_size: ``W``.
+        precision: a Lightning precision name (any 16-bit one keeps 2-byte weights).
+        stage: 1, 2 or 3.
+        cpu_offload: the optimizer (and at stage 3 the weight partitions) in host memory.
+    """
+    n, ranks = parameters, world_size
+    w = 4 if precision == "32-true" else 2
     weights = w * n if stage < 3 else -(-w * n // ranks)
     gradients = w * n if stage == 1 else -(-w * n // ranks)
     if stage < 3:
@@ -225,17 +243,28 @@ def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu
         host, optimizer = optimizer, 0
         if stage == 3:
             host, weights = host + weights, 0
-    activation_precision = "32-true" if w == 4 else "bf16-true"  # the model itself runs in w bytes
+    return DeepSpeedState(weights, gradients, optimizer, gathered, host)
+
+
+def deepspeed_activation_precision(precision: str) -> str:
+    """The precision DeepSpeed's model runs in: it converts the model to 16 bits itself rather than autocasting."""
+    return "32-true" if precision == "32-true" else "bf16-true"
+
+
+def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu_offload: bool) -> MemoryEstimate:
+    """DeepSpeed's stages (see the module docstring)."""
+    state = deepspeed_state(shape.parameters, shape.world_size, shape.precision, int(mode[-1]), cpu_offload)
+    activation_precision = deepspeed_activation_precision(shape.precision)
     return MemoryEstimate(
         mode=mode,
         activation_checkpointing=checkpointing,
         cpu_offload=cpu_offload,
-        weights=weights,
-        gradients=gradients,
-        optimizer=optimizer,
-        gathered_weights=gathered,
+        weights=state.weights,
+        gradients=state.gradients,
+        optimizer=state.optimizer,
+        gathered_weights=state.gathered_weights,
         activations=activation_bytes(replace(shape, precision=activation_precision), checkpointing),
-        host_bytes=host,
+        host_bytes=state.host_bytes,
     )
 
 
