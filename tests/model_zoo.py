@@ -183,3 +183,54 @@ MODELS: dict[str, type[ZooModule]] = {
     "resnet": ResidualCNN,
     "mlp": MLPStack,
 }
+
+
+class HFLlama(L.LightningModule):
+    """A HuggingFace Llama decoder from a config given as arguments (tiny in tests, 7B for the planner's scale test).
+
+    Trained the HuggingFace way, ``self.model(input_ids=..., labels=...).loss``, with AdamW; built from its
+    config, never downloaded.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = VOCAB,
+        hidden_size: int = 32,
+        intermediate_size: int = 64,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        max_position_embeddings: int = SEQUENCE,
+    ) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - the test extra
+
+        self.save_hyperparameters()
+        config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class RandomTokens(L.LightningDataModule):
+    """Seeded random token ids, ``batch_size`` sequences of ``seq_len`` per batch."""
+
+    def __init__(self, vocab_size: int = VOCAB, seq_len: int = SEQUENCE, batch_size: int = 4, samples: int = 8) -> None:
+        super().__init__()
+        self.vocab_size, self.seq_len, self.batch_size, self.samples = vocab_size, seq_len, batch_size, samples
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab_size, (self.samples, self.seq_len), generator=generator)
+        return DataLoader(TensorDataset(tokens), batch_size=self.batch_size)

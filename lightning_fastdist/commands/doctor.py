@@ -5,6 +5,7 @@ Examples::
     lightning-fastdist doctor                                     # this machine, the demo model
     lightning-fastdist doctor --config cpu_smoke                  # the model and batch of a recipe
     lightning-fastdist doctor --params 1.3B --seq-len 2048 --micro-batch 8 --gpus 8 --gpu-memory 80
+    lightning-fastdist doctor --config my.yaml --simulate --world-size 64 --gpus 8 --gpu-memory 80 --json plan.json
 
 The recipe it writes (``--output``) runs with ``lightning-fastdist fit --config PATH``.
 Without ``--config`` the recipe's model is the demo TinyGPT sized to ``--params``:
@@ -24,7 +25,9 @@ from typing import NoReturn
 import torch
 import yaml
 
-from lightning_fastdist.diagnostics.advisor import Recommendation, Target, build_recipe, recommend
+from lightning_fastdist.commands import doctor_simulate
+from lightning_fastdist.commands.simulate import NotTraceable, recipe_run, simulate
+from lightning_fastdist.diagnostics.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB, TrainingShape, estimate_table
@@ -127,6 +130,16 @@ def build_parser() -> _Parser:
     devices.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
     devices.add_argument("--gpu-memory", type=_positive_float, metavar="GIB", help="memory of one GPU in GiB")
     devices.add_argument("--no-bf16", action="store_true", help="the planned GPUs have no bfloat16 (V100, T4)")
+    simulation = parser.add_argument_group("simulation (trace the recipe's own model and step; docs/doctor.md)")
+    simulation.add_argument(
+        "--simulate",
+        action="store_true",
+        help="trace one training step of the recipe's model as rank 0 of --world-size ranks (fake tensors, no memory)",
+    )
+    simulation.add_argument(
+        "--world-size", type=_positive_int, help="ranks to simulate (default: --gpus x --nodes, else the recipe's)"
+    )
+    simulation.add_argument("--json", metavar="PATH", help="also write the simulated numbers as JSON (bytes)")
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output", default="doctor-recipe.yaml", help="where to write the recipe (default doctor-recipe.yaml)"
@@ -346,6 +359,69 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
     return shape, target, model_section, data_section
 
 
+SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given and no GPU is visible
+
+
+def _simulated_cluster(args: argparse.Namespace, environment: Environment) -> tuple[int, int, int]:
+    """``(world_size, gpus_per_node, memory_bytes)`` to simulate, from the flags, the recipe and this machine."""
+    config = _read_recipe(args.config)
+    trainer = config.get("trainer") or {}
+    recipe_devices = trainer.get("devices") if isinstance(trainer.get("devices"), int) else None
+    recipe_nodes = trainer.get("num_nodes") if isinstance(trainer.get("num_nodes"), int) else 1
+    world_size = args.world_size or (args.gpus or recipe_devices or 0) * (args.nodes or recipe_nodes)
+    if not world_size:
+        raise DoctorError("--world-size: needed with --simulate (ranks to plan for, e.g. 64).")
+    gpus_per_node = min(args.gpus or recipe_devices or len(environment.gpus) or 8, world_size)
+    if world_size % gpus_per_node:
+        raise DoctorError(f"--world-size: {world_size} is not a multiple of --gpus {gpus_per_node} (GPUs per node).")
+    if args.gpu_memory is not None:
+        memory = int(args.gpu_memory * GiB)
+    elif environment.gpus:
+        memory = min(gpu.memory_bytes for gpu in environment.gpus)
+    else:
+        print(f"No GPU visible and no --gpu-memory: fits is judged for {SIMULATED_GPU_MEMORY_GIB:.0f} GiB GPUs.")
+        memory = int(SIMULATED_GPU_MEMORY_GIB * GiB)
+    return world_size, gpus_per_node, memory
+
+
+def run_simulation(args: argparse.Namespace, argv: list[str], environment: Environment) -> int | None:
+    """``--simulate``: print the table, write the JSON and the recipe; ``None`` when the model cannot be traced."""
+    if args.config is None:
+        raise DoctorError("--simulate: needs --config RECIPE (the recipe whose model, data and step are traced).")
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None:
+        try:
+            doctor_simulate.check_json_is_ours(json_path)
+        except doctor_simulate.JsonNotOurs as error:
+            raise DoctorError(str(error)) from None
+    world_size, gpus_per_node, memory = _simulated_cluster(args, environment)
+    config = _read_recipe(args.config)
+    run = recipe_run(config, _section(config, "model", DEMO_MODEL), _section(config, "data", DEMO_DATA))
+    try:
+        simulation = simulate(run, world_size, gpus_per_node)
+    except NotTraceable as error:
+        print(f"\ndoctor --simulate: cannot trace the recipe ({error}); the formula estimate follows.")
+        args.gpus, args.nodes, args.gpu_memory = gpus_per_node, world_size // gpus_per_node, memory / GiB
+        return None
+    usable = int(memory * (1 - HEADROOM))
+    chosen, fits = doctor_simulate.choose(simulation, usable)
+    print()
+    print(doctor_simulate.format_simulation(simulation, run.precision, usable, memory))
+    print(f"\nRecommendation for world {world_size}: {doctor_simulate.describe_setup_of(chosen)}")
+    if not fits:
+        print("  WARNING: no simulated setup fits; the recipe is the most frugal one.")
+    if json_path is not None:
+        doctor_simulate.write_json(json_path, doctor_simulate.simulation_json(simulation, usable, memory, chosen))
+        print(f"Wrote {json_path}.")
+    recipe = doctor_simulate.tailored_recipe(config, chosen, gpus_per_node, world_size // gpus_per_node, run.precision)
+    header = [" ".join([HEADER_START, *argv]), *doctor_simulate.recipe_comments(chosen, fits, usable, world_size)]
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join(header) + "\n" + yaml.safe_dump(recipe, sort_keys=False))
+    print(f"Wrote {output}. Run: lightning-fastdist fit --config {output}")
+    return 0
+
+
 def run(argv: list[str]) -> int:
     """Parse ``argv``, print the report and write the recipe; raises :class:`DoctorError` on bad input."""
     args = build_parser().parse_args(argv)
@@ -353,6 +429,12 @@ def run(argv: list[str]) -> int:
     check_output_is_ours(output)
     environment = detect_environment()
     print(format_environment(environment))
+    if args.simulate:
+        status = run_simulation(args, argv, environment)
+        if status is not None:
+            return status
+    elif args.world_size is not None or args.json is not None:
+        raise DoctorError("--world-size and --json: only with --simulate.")
     shape, target, model_section, data_section = _plan(args, environment)
     try:
         recommendation = recommend(shape, target, args.global_batch)
