@@ -21,6 +21,7 @@ root around the model instead: Lightning runs each step through its forward
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils._pytree import tree_map_only
 
 from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.blocks import block_modules
@@ -100,6 +102,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    selectively_checkpointed: Sequence[nn.Module] = (),
 ) -> list[nn.Module]:
     """Shard ``model`` in place: each block becomes an FSDP unit (inner blocks first), the root last.
 
@@ -114,6 +117,11 @@ def apply_fsdp(
         cpu_offload: keep the sharded parameters, gradients and optimizer step on
             the CPU and copy each unit to the device for its compute (on a CPU mesh
             nothing moves, which lets a GPU recipe run unchanged on CPU).
+        selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs to
+            ``param_dtype`` in a pre-forward hook that runs before checkpointing's in the forward but
+            inside the recomputation in the backward, where selective checkpointing meets ops the
+            forward never ran and fails. These blocks cast their inputs in a hook of their own, inside
+            the checkpointed region both times.
 
     Returns:
         The modules that were sharded, the root last.
@@ -131,7 +139,12 @@ def apply_fsdp(
     # Children before parents: fully_shard must see a block's own parameters
     # before an enclosing unit claims them.
     units = [*reversed(block_modules(model, block_classes)), model]
+    cast_inside = {id(block) for block in selectively_checkpointed} if param_dtype is not None else set()
     for unit in units:
+        policy = root_mixed_precision if unit is model else mixed_precision
+        if id(unit) in cast_inside:
+            policy = root_mixed_precision  # no cast in FSDP's hook: the block's own hook casts
+            unit.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
         # The root (embeddings, final norm, head) ends the forward and starts the backward:
         # resharding it in between would only gather the same weights again at once, so it
         # stays gathered, as FSDP2 does for a root by default.
@@ -140,7 +153,7 @@ def apply_fsdp(
             unit,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=root_mixed_precision if unit is model else mixed_precision,
+            mp_policy=policy,
             offload_policy=offload,
         )
     return units
@@ -183,7 +196,7 @@ def shard_model(
         compile_config: ``torch.compile`` arguments, or ``None`` for no compile.
         compile_scope: ``"blocks"`` or ``"model"``.
     """
-    apply_activation_checkpointing(model, activation_checkpointing, block_classes)
+    checkpointed = apply_activation_checkpointing(model, activation_checkpointing, block_classes)
     compiled = apply_compile(model, compile_config, compile_scope, block_classes) if compile_config is not None else []
     param_dtype, reduce_dtype = fsdp_dtypes(precision)
     root = RootUnit(model)
@@ -195,8 +208,18 @@ def shard_model(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         cpu_offload=cpu_offload,
+        selectively_checkpointed=checkpointed if activation_checkpointing == "selective" else (),
     )
     return root, units, compiled
+
+
+def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook: floating-point tensors among the inputs cast to ``dtype``, as FSDP's policy would."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+    return tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
 
 
 class RootUnit(nn.Module):
