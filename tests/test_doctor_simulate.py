@@ -78,6 +78,7 @@ def test_sharded_state_at_world_64_is_a_32nd_of_world_2_and_hsdp_shards_within_a
     )
     ds3 = by_setup[1]["ds-zero3"]
     assert ds3.optimizer == -(-12 * large.parameters // 64)  # DeepSpeed's fp32 master copy and two moments, sharded
+    assert simulate(run, 64, 8, checkpointing=("none",), processes=2).rows == large.rows  # two workers, same numbers
 
 
 def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():

@@ -53,6 +53,7 @@ from lightning_fastdist.diagnostics.memory_model import deepspeed_activation_pre
 from lightning_fastdist.diagnostics.step_memory import (
     StepMemory,
     fake_world,
+    join_fake_world,
     measure_step,
     to_empty_keeping_ties,
     tracing_unavailable,
@@ -354,10 +355,8 @@ _Task = tuple[str, str, "str | None"]  # (setup or "ds", checkpointing, precisio
 
 def _start_worker(world_size: int) -> None:
     """A worker process is rank 0 of its own fake world for its whole life."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - private torch API
-
     warnings.simplefilter("ignore")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    join_fake_world(world_size)
 
 
 def _run_task(run: RecipeRun, batch: Any, task: _Task, gpus_per_node: int) -> TracedStep | str:

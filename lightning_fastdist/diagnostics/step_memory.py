@@ -72,14 +72,19 @@ def tracing_unavailable() -> str | None:
     return None
 
 
-@contextmanager
-def fake_world(world_size: int) -> Generator[None, None, None]:
+def join_fake_world(world_size: int) -> None:
     """Make this process rank 0 of a fake process group of ``world_size`` ranks (collectives do nothing)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - private torch API
 
     if dist.is_initialized():
-        raise RuntimeError("fake_world: a process group is already initialised in this process.")
+        raise RuntimeError("fake world: a process group is already initialised in this process.")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+@contextmanager
+def fake_world(world_size: int) -> Generator[None, None, None]:
+    """:func:`join_fake_world` for the duration of a ``with`` block."""
+    join_fake_world(world_size)
     try:
         yield
     finally:
