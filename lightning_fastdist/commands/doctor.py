@@ -362,9 +362,8 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
 SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given and no GPU is visible
 
 
-def _simulated_cluster(args: argparse.Namespace, environment: Environment) -> tuple[int, int, int]:
+def _simulated_cluster(args: argparse.Namespace, config: dict, environment: Environment) -> tuple[int, int, int]:
     """``(world_size, gpus_per_node, memory_bytes)`` to simulate, from the flags, the recipe and this machine."""
-    config = _read_recipe(args.config)
     trainer = config.get("trainer") or {}
     recipe_devices = trainer.get("devices") if isinstance(trainer.get("devices"), int) else None
     recipe_nodes = trainer.get("num_nodes") if isinstance(trainer.get("num_nodes"), int) else 1
@@ -394,8 +393,8 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
             doctor_simulate.check_json_is_ours(json_path)
         except doctor_simulate.JsonNotOurs as error:
             raise DoctorError(str(error)) from None
-    world_size, gpus_per_node, memory = _simulated_cluster(args, environment)
     config = _read_recipe(args.config)
+    world_size, gpus_per_node, memory = _simulated_cluster(args, config, environment)
     run = recipe_run(config, _section(config, "model", DEMO_MODEL), _section(config, "data", DEMO_DATA))
     try:
         simulation = simulate(run, world_size, gpus_per_node)
