@@ -15,7 +15,6 @@ replace its ``model:``/``data:`` sections with yours, keeping the trainer sectio
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import re
 import sys
@@ -26,7 +25,7 @@ import torch
 import yaml
 
 from lightning_fastdist.commands import doctor_simulate
-from lightning_fastdist.commands.simulate import NotTraceable, recipe_run, simulate
+from lightning_fastdist.commands.simulate import NotTraceable, import_class, recipe_run, simulate
 from lightning_fastdist.diagnostics.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
@@ -180,10 +179,9 @@ def demo_model_shape(
 
 
 def _import(class_path: str) -> type:
-    module_name, _, class_name = class_path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
+        return import_class(class_path)
+    except ImportError:
         raise DoctorError(f"--config: model.class_path {class_path!r} cannot be imported.") from None
 
 

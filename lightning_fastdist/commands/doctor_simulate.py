@@ -9,13 +9,11 @@ devices and nodes replaced.
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import json
 from pathlib import Path
-from typing import Any
 
-from lightning_fastdist.commands.simulate import SimulatedSetup, Simulation
+from lightning_fastdist.commands.simulate import SimulatedSetup, Simulation, import_class
 from lightning_fastdist.diagnostics.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
@@ -126,8 +124,7 @@ def _as_estimate(row: SimulatedSetup) -> MemoryEstimate:
 
 
 def _accepted_options(class_path: str) -> set[str]:
-    module_name, _, class_name = class_path.rpartition(".")
-    return set(inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters)
+    return set(inspect.signature(import_class(class_path)).parameters)
 
 
 def tailored_recipe(config: dict, chosen: SimulatedSetup, gpus_per_node: int, nodes: int, precision: str) -> dict:

@@ -29,6 +29,7 @@ the model's counted parameters (``N``, and ``R`` outside the blocks).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import multiprocessing
 import os
@@ -156,6 +157,15 @@ def recipe_run(config: dict, model: dict, data: dict) -> RecipeRun:
     return RecipeRun(model, data, recipe_precision(trainer), int(accumulation), blocks)
 
 
+def import_class(class_path: str) -> type:
+    """``"package.module.Class"`` -> the class; ``ImportError`` when it cannot be imported."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ImportError(f"{class_path!r} cannot be imported") from error
+
+
 def instantiate(value: Any) -> Any:
     """Build ``{"class_path": ..., "init_args": {...}}`` entries (nested ones too), as LightningCLI does."""
     if isinstance(value, list):
@@ -164,11 +174,10 @@ def instantiate(value: Any) -> Any:
         return value
     if "class_path" not in value:
         return {key: instantiate(item) for key, item in value.items()}
-    module_name, _, class_name = value["class_path"].rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
-        raise NotTraceable(f"{value['class_path']!r} cannot be imported") from None
+        cls = import_class(value["class_path"])
+    except ImportError as error:
+        raise NotTraceable(str(error)) from None
     return cls(**{key: instantiate(item) for key, item in (value.get("init_args") or {}).items()})
 
 
@@ -359,7 +368,7 @@ def _start_worker(world_size: int) -> None:
     join_fake_world(world_size)
 
 
-def _run_task(run: RecipeRun, batch: Any, task: _Task, gpus_per_node: int) -> TracedStep | str:
+def _run_task(run: RecipeRun, batch: Any, task: _Task, *, gpus_per_node: int) -> TracedStep | str:
     """One trace, or the one-line reason it failed."""
     setup, checkpointing, precision = task
     try:
@@ -375,10 +384,10 @@ def _run_tasks(run: RecipeRun, batch: Any, tasks: list[_Task], world_size: int, 
     if processes <= 1:
         with warnings.catch_warnings(), fake_world(world_size):
             warnings.simplefilter("ignore")  # self.log without a Trainer, FSDP's notes on fake tensors
-            return [_run_task(run, batch, task, gpus_per_node) for task in tasks]
+            return [_run_task(run, batch, task, gpus_per_node=gpus_per_node) for task in tasks]
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group, no threads inherited
     with ProcessPoolExecutor(processes, context, initializer=_start_worker, initargs=(world_size,)) as pool:
-        return list(pool.map(_run_task, *zip(*[(run, batch, task, gpus_per_node) for task in tasks])))
+        return list(pool.map(functools.partial(_run_task, run, batch, gpus_per_node=gpus_per_node), tasks))
 
 
 def simulate(
