@@ -119,7 +119,7 @@ def test_a_model_in_the_working_directory_is_simulated_and_the_recipe_it_gets_tr
             """
         )
     )
-    recipe = write_recipe(
+    write_recipe(
         tmp_path / "recipe.yaml", {"class_path": "my_models.Net"}, {"class_path": "my_models.Data"},
         strategy={"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}},
     )  # fmt: skip
