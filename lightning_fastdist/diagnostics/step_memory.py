@@ -136,10 +136,16 @@ def _peak_only(tracker_class: type) -> type:
 
     torch's trackers update every active module's peak after every op; for a 7B model that is
     most of a simulation's time. The override keeps the rank's peak and its categories, as the
-    original does for them (torch 2.13's ``MemTracker._update_peak_stats``).
+    original does for them (torch 2.13's ``MemTracker._update_peak_stats``), and lets the device
+    queries (``prim.device``, which allocate nothing) pass without tracking.
     """
 
     class PeakOnly(tracker_class):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.prim.device.default:  # a device query: tens of thousands a step, no memory
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _update_peak_stats(self, peak_state) -> None:
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot[TOTAL]:
@@ -149,7 +155,7 @@ def _peak_only(tracker_class: type) -> type:
     return PeakOnly
 
 
-def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple):
+def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: tuple):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: PLC0415 - private torch API
     from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -159,24 +165,25 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple):
         tracker.track_inputs(inputs)
         return tracker
     tracker = _peak_only(MemTracker)()
-    tracker.track_external(model, optimizer, *[t for t in inputs if isinstance(t, torch.Tensor)])
+    optimizers = [optimizer] if optimizer is not None else []
+    tracker.track_external(model, *optimizers, *[t for t in inputs if isinstance(t, torch.Tensor)])
     return tracker
 
 
 def measure_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     forward_backward: Callable[[], object],
     inputs: tuple = (),
     keep_gradients: bool = False,
     warm_up_on_zero_gradients: bool = False,
-    measure_optimizer_step: bool = True,
 ) -> StepMemory:
     """Create the optimizer state with a first step, then measure a second: its peak, and this rank's state after it.
 
     Args:
         model: the model as trained (an FSDP2 root, a DDP wrapper or a plain module).
-        optimizer: its optimizer.
+        optimizer: its optimizer; ``None``: measure one forward and backward alone (when another
+            optimizer will run, as DeepSpeed's does: the peak is then the forward's and backward's).
         forward_backward: runs one forward and backward (the step's loss backpropagated).
         inputs: the batch's tensors, tracked as inputs.
         keep_gradients: gradients stay allocated between steps (DDP's gradients live in its
@@ -184,30 +191,28 @@ def measure_step(
         warm_up_on_zero_gradients: create the optimizer state with a step on zero gradients instead of
             a forward and backward (half the time of a simulation; not for a real DDP, whose
             gradients must be its bucket views).
-        measure_optimizer_step: include the optimizer step in the peak (off when another optimizer
-            will run, as DeepSpeed's does: then the peak is the forward's and backward's).
     """
-    if warm_up_on_zero_gradients:
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                parameter.grad = torch.zeros_like(parameter)
-    else:
-        forward_backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=not keep_gradients)
+    if optimizer is not None:
+        if warm_up_on_zero_gradients:
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.grad = torch.zeros_like(parameter)
+        else:
+            forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not keep_gradients)
     tracker = _tracker(model, optimizer, inputs)
     with tracker:
         forward_backward()
         grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        if measure_optimizer_step:
+        if optimizer is not None:
             optimizer.step()
-    if not measure_optimizer_step:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=not keep_gradients)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=not keep_gradients)
     (by_category,) = tracker.get_tracker_snapshot("peak").values()
     peak = {getattr(category, "value", category): nbytes for category, nbytes in by_category.items()}
     params = tensor_bytes(model.parameters())
-    optimizer_bytes = tensor_bytes(optimizer_state_tensors(optimizer))
+    optimizer_bytes = tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0
     gathered = sum(peak.get(category, 0) for category in GATHERED_CATEGORIES)
     state_at_peak = sum(peak.get(category, 0) for category in STATE_CATEGORIES)
     return StepMemory(
