@@ -29,10 +29,12 @@ the model's counted parameters (``N``, and ``R`` outside the blocks).
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import multiprocessing
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -274,7 +276,7 @@ def measure_setup(
             to_empty_keeping_ties(module, "cpu")
         else:
             trained.to_empty(device="cpu")  # FSDP2's own, which keeps ties
-        optimizer = _first_optimizer(module)
+        optimizer = None if setup == "ds" else _first_optimizer(module)  # DeepSpeed's state is the formula's
         if fake:
             batch = tree_map_only(torch.Tensor, fake_mode.from_tensor, batch)
         if precision in _TRUE_DTYPES:
@@ -288,7 +290,6 @@ def measure_setup(
             inputs,
             keep_gradients=setup == "ddp",
             warm_up_on_zero_gradients=fake,
-            measure_optimizer_step=setup != "ds",
         )
     return TracedStep(memory, parameters, root_parameters)
 
@@ -381,13 +382,44 @@ def _run_task(run: RecipeRun, batch: Any, task: _Task, *, gpus_per_node: int) ->
 
 
 def _run_tasks(run: RecipeRun, batch: Any, tasks: list[_Task], world_size: int, gpus_per_node: int, processes: int):
-    if processes <= 1:
+    """Run the traces in this process and ``processes - 1`` spawned workers, each taking the next one when free.
+
+    This process traces from the start while the workers boot (a worker imports for seconds).
+    """
+    trace = functools.partial(_run_task, run, batch, gpus_per_node=gpus_per_node)
+    waiting = collections.deque(sorted(enumerate(tasks), key=lambda item: item[1][1] == "none"))  # recomputing first
+    results: list[TracedStep | str | None] = [None] * len(tasks)
+    failures: list[BaseException] = []
+
+    def take_in_turn(run_one: Callable[[_Task], TracedStep | str]) -> None:
+        while not failures:
+            try:
+                index, task = waiting.popleft()
+            except IndexError:  # none left
+                return
+            try:
+                results[index] = run_one(task)
+            except BaseException as error:  # a worker died (or Ctrl-C): everyone stops, it is raised below
+                failures.append(error)
+
+    workers = processes - 1
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group, no threads inherited
+    pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(world_size,)) if workers else None
+    with pool or nullcontext():
+        feeders = [
+            threading.Thread(target=take_in_turn, args=(lambda task: pool.submit(trace, task).result(),))
+            for _ in range(workers)
+        ]
+        for feeder in feeders:
+            feeder.start()
         with warnings.catch_warnings(), fake_world(world_size):
             warnings.simplefilter("ignore")  # self.log without a Trainer, FSDP's notes on fake tensors
-            return [_run_task(run, batch, task, gpus_per_node=gpus_per_node) for task in tasks]
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group, no threads inherited
-    with ProcessPoolExecutor(processes, context, initializer=_start_worker, initargs=(world_size,)) as pool:
-        return list(pool.map(functools.partial(_run_task, run, batch, gpus_per_node=gpus_per_node), tasks))
+            take_in_turn(trace)
+        for feeder in feeders:
+            feeder.join()
+    if failures:
+        raise failures[0]
+    return results
 
 
 def simulate(
@@ -404,9 +436,10 @@ def simulate(
         world_size: ranks to simulate.
         gpus_per_node: ranks per node; ``hsdp`` is simulated when the world spans more than one node.
         checkpointing: the activation checkpointing modes to trace.
-        processes: worker processes sharing the traces (each a fake world of its own); ``None``: two
-            (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on, where a trace takes
-            seconds, else one (a worker's start-up costs more than a small model's traces).
+        processes: processes sharing the traces, this one and spawned workers (each a fake world of its
+            own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
+            where a trace takes seconds, else this one alone (a worker's start-up costs more than a small
+            model's traces).
 
     Raises:
         NotTraceable: torch lacks the tools, the recipe's model or data cannot be built, or no setup traced.
