@@ -97,7 +97,11 @@ def run_ranks(
                                            start_new_session=True), log))  # fmt: skip
     end, ended_at = time.monotonic() + deadline_s, {}
     while time.monotonic() < end and not wait_for <= ended_at.keys():
-        if signal_when is not None and signal_when[0].exists() and int(signal_when[0].read_text() or 0) >= signal_when[1]:
+        if (
+            signal_when is not None
+            and signal_when[0].exists()
+            and int(signal_when[0].read_text() or 0) >= signal_when[1]
+        ):
             processes[signal_when[2]][0].send_signal(signal.SIGTERM)
             signal_when = None
         for rank, (process, _) in enumerate(processes):

@@ -108,7 +108,9 @@ def _function_entry(
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         if init_process_group:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_seconds))
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_seconds)
+            )
         # Plain pickle copies tensor data; the queue's own pickler would pass tensors
         # through shared memory that vanishes when this process exits.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -268,7 +270,9 @@ def run_processes(
     if timed_out or failed:
         reason = f"timed out after {timeout:.0f} s" if timed_out else "failed"
         parts = [f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed]
-        label = " ".join(commands[0]) + (f" (and {len(commands) - 1} more)" if len(set(map(tuple, commands))) > 1 else "")
+        label = " ".join(commands[0]) + (
+            f" (and {len(commands) - 1} more)" if len(set(map(tuple, commands))) > 1 else ""
+        )
         raise DistributedRunError(f"{label} {reason} on {len(commands)} processes:\n" + "\n".join(parts))
     return outputs
 
@@ -294,7 +298,9 @@ def cli_command(*args: str) -> list[str]:
     return [str(script), *args]
 
 
-def run_cli(args: Sequence[str], world_size: int = 2, timeout: float = 180.0, cwd: str | Path | None = None) -> list[RankOutput]:
+def run_cli(
+    args: Sequence[str], world_size: int = 2, timeout: float = 180.0, cwd: str | Path | None = None
+) -> list[RankOutput]:
     """Run ``lightning-fastdist ARGS`` as ``world_size`` externally launched ranks (as under torchrun)."""
     return run_command(cli_command(*args), world_size=world_size, timeout=timeout, cwd=cwd)
 
@@ -320,7 +326,9 @@ def run_launcher(
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise DistributedRunError(f"{' '.join(command)} timed out after {timeout:.0f} s:\n{_tail(stdout + stderr)}") from None
+        raise DistributedRunError(
+            f"{' '.join(command)} timed out after {timeout:.0f} s:\n{_tail(stdout + stderr)}"
+        ) from None
     if process.returncode != 0:
         raise DistributedRunError(f"{' '.join(command)} exited {process.returncode}:\n{_tail(stdout + stderr)}")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

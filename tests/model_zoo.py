@@ -94,7 +94,9 @@ class HFMaskedLM(ZooModule):
         tokens = _tokens()
         masked = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(1)) < 0.25
         labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-        return DataLoader(TensorDataset(torch.where(masked, torch.zeros_like(tokens), tokens), labels), batch_size=batch_size)
+        return DataLoader(
+            TensorDataset(torch.where(masked, torch.zeros_like(tokens), tokens), labels), batch_size=batch_size
+        )
 
 
 class DemoTransformer(ZooModule):
@@ -129,7 +131,9 @@ class ResidualBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels_out)
         self.shortcut = nn.Sequential()
         if stride != 1 or channels_in != channels_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -156,7 +160,9 @@ class ResidualCNN(ZooModule):
     def batches(self, batch_size: int = 4) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
         images = torch.randn(SAMPLES, 3, 16, 16, generator=generator)
-        return DataLoader(TensorDataset(images, torch.randint(0, 10, (SAMPLES,), generator=generator)), batch_size=batch_size)
+        return DataLoader(
+            TensorDataset(images, torch.randint(0, 10, (SAMPLES,), generator=generator)), batch_size=batch_size
+        )
 
 
 class MLPStack(ZooModule):

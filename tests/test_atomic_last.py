@@ -55,7 +55,9 @@ def train(kind: str, folder: str, max_steps: int, kill: bool, resume: bool) -> l
 
     if kill:
         kill_when_last_is_written(kind)
-    strategy = FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(checkpoint_format="sharded", timeout=60)
+    strategy = (
+        FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(checkpoint_format="sharded", timeout=60)
+    )
     checkpoints = ModelCheckpoint(folder, "{step}", every_n_train_steps=1, save_last=True)
     losses = LossRecorder()
     trainer = make_trainer(strategy, max_steps=max_steps, enable_checkpointing=True, callbacks=[checkpoints, losses])
@@ -80,7 +82,9 @@ def test_a_kill_while_replacing_last_leaves_the_previous_last_loadable(tmp_path,
     assert staging_path(last).exists()  # the third last.ckpt was written, never published
     assert saved_step(kind, last) == KILL_ON_LAST_SAVE - 1
 
-    resumed = run_function(train, 2, args=(kind, str(folder), KILL_ON_LAST_SAVE, False, True), init_process_group=False, timeout=180)
+    resumed = run_function(
+        train, 2, args=(kind, str(folder), KILL_ON_LAST_SAVE, False, True), init_process_group=False, timeout=180
+    )
     assert len(resumed[0]) == 1  # resumed at step 2 from last.ckpt, trained step 3 only
     assert saved_step(kind, last) == KILL_ON_LAST_SAVE
     assert not staging_path(last).exists()

@@ -57,7 +57,9 @@ def plugin(**init_args) -> dict:
 def merge(base: dict, extra: dict) -> dict:
     merged = dict(base)
     for key, value in extra.items():
-        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 

@@ -16,7 +16,10 @@ from tests.harness import cli_command, run_launcher
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--setups", "ddp,zero4"], "--setups: unknown zero4; known: lightning-ddp, lightning-fsdp2, lightning-deepspeed,"),
+        (
+            ["--setups", "ddp,zero4"],
+            "--setups: unknown zero4; known: lightning-ddp, lightning-fsdp2, lightning-deepspeed,",
+        ),
         (["--steps", "5"], "--steps: must be >= 6"),
         (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
     ],

@@ -61,4 +61,7 @@ def test_the_chosen_blocks_are_logged_in_one_line_and_a_model_without_blocks_say
         resolve_and_log_blocks(Stack(), "auto")
         resolve_and_log_blocks(MODELS["mlp"](), "auto", without_blocks="; one unit")
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("blocks:")]
-    assert lines == ["blocks: MLPBlock x 4 (+ root: embedding, head.0, head.1)", "blocks: none in MLPStack (root: net.0, net.2, net.4); one unit"]
+    assert lines == [
+        "blocks: MLPBlock x 4 (+ root: embedding, head.0, head.1)",
+        "blocks: none in MLPStack (root: net.0, net.2, net.4); one unit",
+    ]

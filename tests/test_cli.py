@@ -179,14 +179,21 @@ class MyData(L.LightningDataModule):
 """
 
 
-def test_modules_in_the_working_directory_are_found_and_recipe_init_args_stay_with_their_class(in_tmp_dir, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(in_tmp_dir))])  # as a console script sees it
+def test_modules_in_the_working_directory_are_found_and_recipe_init_args_stay_with_their_class(
+    in_tmp_dir, capsys, monkeypatch
+):
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if p not in ("", str(in_tmp_dir))]
+    )  # as a console script sees it
     (in_tmp_dir / "mydata.py").write_text(MY_DATA)
     with pytest.raises(SystemExit):
         main(["fit", "--config", "cpu_smoke", "--data", "mydata.MyData", "--print_config"])
     captured = capsys.readouterr()
     data = yaml.safe_load(captured.out)["data"]
-    assert data == {"class_path": "mydata.MyData", "init_args": {"batch_size": 1, "num_workers": 0}}  # not the recipe's 16
+    assert data == {
+        "class_path": "mydata.MyData",
+        "init_args": {"batch_size": 1, "num_workers": 0},
+    }  # not the recipe's 16
     (note,) = [line for line in captured.err.splitlines() if "note:" in line]
     assert "the recipe's data init_args (batch_size, block_size, num_workers) were written for " in note
 
@@ -252,7 +259,9 @@ def test_cpu_smoke_with_a_model_from_the_working_directory_on_two_launched_proce
     (in_tmp_dir / "mymodel.py").write_text(MY_MODEL)  # imported by rank 0 and by the rank Lightning launches
     model = ["--model", "mymodel.MyModel", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2"]
     result = run_launcher(
-        cli_command("fit", "--config", "recipes/cpu_smoke.yaml", *model, *SHORT_RUN), env={QUIET_VARIABLE: "1"}, timeout=240
+        cli_command("fit", "--config", "recipes/cpu_smoke.yaml", *model, *SHORT_RUN),
+        env={QUIET_VARIABLE: "1"},
+        timeout=240,
     )
     log_dir = Path("lightning_logs", "cpu_smoke", "version_0")
     rows = read_metrics(log_dir)

@@ -108,7 +108,11 @@ def check_powersgd(start_iter: int, steps: int, factor_dtype: str = "fp32") -> d
     # Error feedback loses nothing: summed applied updates + mean residual == summed exact averages.
     worst_identity_gap = 0.0
     for i in range(len(parameters)):
-        residual = state.errors[i].reshape(parameters[i].shape).clone() if i in state.errors else torch.zeros_like(parameters[i])
+        residual = (
+            state.errors[i].reshape(parameters[i].shape).clone()
+            if i in state.errors
+            else torch.zeros_like(parameters[i])
+        )
         dist.all_reduce(residual)
         residual /= dist.get_world_size()
         worst_identity_gap = max(worst_identity_gap, relative_error(applied_sum[i] + residual, exact_sum[i]))
@@ -143,5 +147,7 @@ def test_auto_bucket_size_aims_at_eight_buckets_within_bounds():
 
 
 def test_unknown_hook_name_lists_the_accepted_ones():
-    with pytest.raises(ValueError, match="comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'"):
+    with pytest.raises(
+        ValueError, match="comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'"
+    ):
         register_comm_hook(None, "fp8")

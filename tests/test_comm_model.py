@@ -13,7 +13,9 @@ from lightning_fastdist.diagnostics.memory_model import TrainingShape
 
 
 def shape(world_size: int = 8, precision: str = "32-true") -> TrainingShape:
-    return TrainingShape(1_000_000, layers=4, hidden=128, seq_len=64, micro_batch=2, world_size=world_size, precision=precision)
+    return TrainingShape(
+        1_000_000, layers=4, hidden=128, seq_len=64, micro_batch=2, world_size=world_size, precision=precision
+    )
 
 
 def test_in_fp32_zero2_sends_what_ddp_sends_and_zero3_up_to_half_as_much_again():

@@ -23,7 +23,12 @@ def tiny_gpt() -> TinyGPT:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(False, None), (None, None), (True, {}), ({"backend": "eager", "dynamic": True}, {"backend": "eager", "dynamic": True})],
+    [
+        (False, None),
+        (None, None),
+        (True, {}),
+        ({"backend": "eager", "dynamic": True}, {"backend": "eager", "dynamic": True}),
+    ],
 )
 def test_compile_option_values(value, expected):
     assert normalize_compile_config(value) == expected
@@ -33,8 +38,14 @@ def test_compile_option_values(value, expected):
     ("value", "message"),
     [
         ({"backend": "turbo"}, "compile.backend: 'turbo' is not a torch.compile backend; accepted: .*inductor"),
-        ({"mode": "fastest"}, "compile.mode: 'fastest' is not a torch.compile mode; accepted: default, reduce-overhead"),
-        ({"fulgraph": True}, "compile: unknown option.s. fulgraph; accepted: backend, mode, fullgraph, dynamic, options"),
+        (
+            {"mode": "fastest"},
+            "compile.mode: 'fastest' is not a torch.compile mode; accepted: default, reduce-overhead",
+        ),
+        (
+            {"fulgraph": True},
+            "compile: unknown option.s. fulgraph; accepted: backend, mode, fullgraph, dynamic, options",
+        ),
         ({"mode": "max-autotune", "options": {"a": 1}}, "set either mode or options"),
         ({"dynamic": "yes"}, "compile.dynamic: expected true, false or null"),
         ("inductor", "compile: expected true, false or a mapping"),

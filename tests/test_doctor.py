@@ -100,7 +100,9 @@ def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, ca
     ):
         assert expected in printed
     ddp_row = next(line for line in printed.splitlines() if line.lstrip().startswith("ddp      none"))
-    sent = estimate_comm(TrainingShape(13 * 10**9, 1, 1, 2048, 4, world_size=8, precision="bf16-mixed"), "ddp")  # N, W, precision
+    sent = estimate_comm(
+        TrainingShape(13 * 10**9, 1, 1, 2048, 4, world_size=8, precision="bf16-mixed"), "ddp"
+    )  # N, W, precision
     assert ddp_row.endswith(f"{sent.sent_per_device / 2**30:9.3f}G")  # the sent/step column
     recipe = recipe_at(in_tmp_dir / "plan.yaml")
     assert recipe["trainer"]["accelerator"] == "gpu" and recipe["trainer"]["devices"] == 8

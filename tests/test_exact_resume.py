@@ -82,9 +82,27 @@ def train(kind: str, corpus: str, folder: str, max_steps: int, resume: bool) -> 
 
 def run(kind: str, tmp_path: Path) -> tuple[list[dict], list[dict], list[dict]]:
     corpus = str(write_corpus(tmp_path / "corpus.bin", BATCHES_PER_EPOCH, WORLD))
-    straight = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "straight"), TOTAL_STEPS, False), init_process_group=False, timeout=240)
-    first = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "split"), RESUME_AT, False), init_process_group=False, timeout=240)
-    second = run_function(train, WORLD, args=(kind, corpus, str(tmp_path / "split"), TOTAL_STEPS, True), init_process_group=False, timeout=240)
+    straight = run_function(
+        train,
+        WORLD,
+        args=(kind, corpus, str(tmp_path / "straight"), TOTAL_STEPS, False),
+        init_process_group=False,
+        timeout=240,
+    )
+    first = run_function(
+        train,
+        WORLD,
+        args=(kind, corpus, str(tmp_path / "split"), RESUME_AT, False),
+        init_process_group=False,
+        timeout=240,
+    )
+    second = run_function(
+        train,
+        WORLD,
+        args=(kind, corpus, str(tmp_path / "split"), TOTAL_STEPS, True),
+        init_process_group=False,
+        timeout=240,
+    )
     return straight, first, second
 
 
@@ -97,7 +115,9 @@ def assert_identical(straight: list[dict], first: list[dict], second: list[dict]
         for name, weight in straight[rank]["weights"].items():
             assert torch.equal(second[rank]["weights"][name], weight), f"rank {rank}: {name} differs"
     # Within the first epoch the two ranks together see every training window exactly once.
-    first_epoch = [tuple(row) for rank in range(WORLD) for batch in straight[rank]["batches"][:BATCHES_PER_EPOCH] for row in batch]
+    first_epoch = [
+        tuple(row) for rank in range(WORLD) for batch in straight[rank]["batches"][:BATCHES_PER_EPOCH] for row in batch
+    ]
     assert len(first_epoch) == len(set(first_epoch)) == WORLD * BATCH * BATCHES_PER_EPOCH
 
 

@@ -29,7 +29,9 @@ class RecordComm(L.Callback):
 
 def make_trainer(strategy: FastDDPStrategy, callbacks=(), **kwargs) -> L.Trainer:
     """The shared quiet CPU Trainer, deterministic, running until ``max_steps``/``max_epochs`` given here."""
-    return workloads.make_trainer(strategy, callbacks=list(callbacks), deterministic=True, **{"max_steps": -1, **kwargs})
+    return workloads.make_trainer(
+        strategy, callbacks=list(callbacks), deterministic=True, **{"max_steps": -1, **kwargs}
+    )
 
 
 def small_data() -> TextDataModule:
@@ -47,13 +49,22 @@ def test_registered_as_fast_ddp():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(comm_hook="fp8"), "comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'"),
+        (
+            dict(comm_hook="fp8"),
+            "comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'",
+        ),
         (dict(powersgd_rank=0), "powersgd_rank must be an integer >= 1, got 0"),
         (dict(powersgd_start_iter=1), "powersgd_start_iter must be an integer >= 2, got 1"),
         (dict(bucket_cap_mb=-5), "bucket_cap_mb must be a finite number > 0 or 'auto', got -5"),
         (dict(bucket_cap_mb="big"), "bucket_cap_mb must be a finite number > 0 or 'auto', got 'big'"),
-        (dict(comm_hook="bf16", process_group_backend="mpi"), "comm_hook='bf16' needs process_group_backend in 'gloo', 'nccl'"),
-        (dict(powersgd_factor_dtype="fp8"), "powersgd_factor_dtype='fp8' is not supported; accepted values: 'fp32', 'fp16', 'bf16'"),
+        (
+            dict(comm_hook="bf16", process_group_backend="mpi"),
+            "comm_hook='bf16' needs process_group_backend in 'gloo', 'nccl'",
+        ),
+        (
+            dict(powersgd_factor_dtype="fp8"),
+            "powersgd_factor_dtype='fp8' is not supported; accepted values: 'fp32', 'fp16', 'bf16'",
+        ),
     ],
 )
 def test_bad_options_are_refused_at_construction(options, message):

@@ -83,7 +83,10 @@ def train_with_checkpoints(
 @pytest.mark.parametrize("save_format", SAVE_FORMATS)
 def test_saved_at_two_ranks_resumes_at_one_and_two_with_identical_next_losses(tmp_path, save_format):
     saved = run_function(
-        train_with_checkpoints, 2, args=(str(tmp_path / "saved"), SAVE_FORMATS[save_format], 4), init_process_group=False
+        train_with_checkpoints,
+        2,
+        args=(str(tmp_path / "saved"), SAVE_FORMATS[save_format], 4),
+        init_process_group=False,
     )[0]
     checkpoint = tmp_path / "saved" / "checkpoints" / "step=2.ckpt"
     assert checkpoint.is_dir() if save_format == "sharded-async" else checkpoint.is_file()
@@ -106,7 +109,9 @@ def test_saved_at_two_ranks_resumes_at_one_and_two_with_identical_next_losses(tm
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, checkpoint_format):
     options = dict(checkpoint_format=checkpoint_format)
     with pytest.raises(DistributedRunError, match="exit code -9"):
-        run_function(train_with_checkpoints, 2, args=(str(tmp_path / "killed"), options, 3, None, 2), init_process_group=False)
+        run_function(
+            train_with_checkpoints, 2, args=(str(tmp_path / "killed"), options, 3, None, 2), init_process_group=False
+        )
     folder = tmp_path / "killed" / "checkpoints"
     assert (folder / "step=2.ckpt.partial").exists()  # the save was under way when the process died
     assert not (folder / "step=2.ckpt").exists()

@@ -53,7 +53,11 @@ class MeasureShards(L.Callback):
 class CountCollectives(L.Callback):
     """Counts the real FSDP collective calls (``torch.distributed`` functions, wrapped) during each micro-batch."""
 
-    FUNCTIONS = {"reduce_scatter": REDUCE_SCATTER_FUNCTION, "all_reduce": "all_reduce", "all_gather": ALL_GATHER_FUNCTION}
+    FUNCTIONS = {
+        "reduce_scatter": REDUCE_SCATTER_FUNCTION,
+        "all_reduce": "all_reduce",
+        "all_gather": ALL_GATHER_FUNCTION,
+    }
     NAMES = tuple(FUNCTIONS)
 
     def __init__(self) -> None:
@@ -114,7 +118,11 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
     ranks = run_function(train_and_measure, 2, args=("zero3", 4, None), init_process_group=False)
     for rank in ranks:
         assert rank["all_params_dtensor"] and rank["grads_dtensor"]
-        assert rank["units"] == ["", "module.blocks.0", "module.blocks.1"]  # the root around the LightningModule, two blocks
+        assert rank["units"] == [
+            "",
+            "module.blocks.0",
+            "module.blocks.1",
+        ]  # the root around the LightningModule, two blocks
         assert rank["local_bytes"] <= rank["global_bytes"] / 2 * 1.05
         # 2 optimizer steps x 4 micro-batches; one reduce-scatter per unit, on micro-batches 4 and 8 only
         assert rank["reduce_scatter"] == [0, 0, 0, 3, 0, 0, 0, 3]
@@ -127,7 +135,10 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
         size, root = rank["parameter_bytes"], rank["root_parameter_bytes"]
         assert rank["counted_last_step"] == {"allgather": (20, 4 * (2 * size - root)), "reduce_scatter": (3, size)}
         assert {name: b for name, (_, b) in rank["counted_last_step"].items()} == doctor_estimate(size, "zero3", 4)
-        assert rank["logged"] == {"comm/allgather_bytes_per_step": 4 * (2 * size - root), "comm/reduce_scatter_bytes_per_step": size}
+        assert rank["logged"] == {
+            "comm/allgather_bytes_per_step": 4 * (2 * size - root),
+            "comm/reduce_scatter_bytes_per_step": size,
+        }
         assert rank["rounds"] == 2  # one gradient synchronisation per optimizer step
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 
@@ -204,7 +215,11 @@ def train_meta_initialised_model() -> dict:
     model = MetaBlocksGPT(n_layer=2, n_embd=32, n_head=2, block_size=16)
     probe, losses = BuildOnMeta(), LossRecorder()
     make_trainer(FastFSDPStrategy(), max_steps=5, callbacks=[probe, losses]).fit(model, repeated_batches())
-    return {"built_on_meta": model.blocks_were_meta, "meta_after_setup": probe.meta_after_setup, "losses": losses.losses}
+    return {
+        "built_on_meta": model.blocks_were_meta,
+        "meta_after_setup": probe.meta_after_setup,
+        "losses": losses.losses,
+    }
 
 
 @pytest.mark.slow

@@ -51,7 +51,9 @@ def test_run_function_kills_a_hung_rank_at_the_timeout():
 
 
 def test_run_command_gives_torchrun_environment_and_shows_failing_output():
-    script = "import os, sys; r = os.environ['RANK']; print('rank', r, 'of', os.environ['WORLD_SIZE']); sys.exit(int(r) * 3)"
+    script = (
+        "import os, sys; r = os.environ['RANK']; print('rank', r, 'of', os.environ['WORLD_SIZE']); sys.exit(int(r) * 3)"
+    )
     with pytest.raises(DistributedRunError) as failure:
         run_command([sys.executable, "-c", script], world_size=2, timeout=60)
     message = str(failure.value)

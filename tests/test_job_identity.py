@@ -66,7 +66,10 @@ def test_a_second_job_on_the_same_port_cannot_join_the_first(tmp_path):
     strategy = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}}
     folders = {name: tmp_path / name for name in ("a", "b")}
     progress, release = folders["a"] / "paused.txt", folders["a"] / "release.txt"
-    pause = {"class_path": "tests.test_job_identity.PauseUntilFile", "init_args": {"started": str(progress), "release": str(release)}}
+    pause = {
+        "class_path": "tests.test_job_identity.PauseUntilFile",
+        "init_args": {"started": str(progress), "release": str(release)},
+    }
     recipe_a = write_recipe(folders["a"], strategy, MAX_STEPS, extra_callbacks=[pause])
     recipe_b = write_recipe(folders["b"], strategy, MAX_STEPS)
     deadline = time.monotonic() + DEADLINE_S
@@ -90,7 +93,10 @@ def test_a_second_job_on_the_same_port_cannot_join_the_first(tmp_path):
 
 
 def test_the_run_id_comes_from_the_launcher():
-    assert launch_run_id({"LIGHTNING_FASTDIST_RUN_ID": "abc", "TORCHELASTIC_RUN_ID": "x"}) == "LIGHTNING_FASTDIST_RUN_ID=abc"
+    assert (
+        launch_run_id({"LIGHTNING_FASTDIST_RUN_ID": "abc", "TORCHELASTIC_RUN_ID": "x"})
+        == "LIGHTNING_FASTDIST_RUN_ID=abc"
+    )
     assert launch_run_id({"TORCHELASTIC_RUN_ID": "none"}) is None  # torchrun's default id names no launch
     assert launch_run_id({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2"}) == "SLURM_JOB_ID=77.2"
     assert launch_run_id({}) is None

@@ -36,9 +36,13 @@ class Setup:
 SETUPS = {
     "fast_ddp none": Setup("fast_ddp"),
     "fast_ddp bf16": Setup("fast_ddp", dict(comm_hook="bf16"), rel=1e-3),
-    "fast_ddp powersgd": Setup("fast_ddp", dict(comm_hook="powersgd", powersgd_start_iter=2, powersgd_rank=1), rel=1e-2),
+    "fast_ddp powersgd": Setup(
+        "fast_ddp", dict(comm_hook="powersgd", powersgd_start_iter=2, powersgd_rank=1), rel=1e-2
+    ),
     "fast_fsdp zero3": Setup("fast_fsdp"),
-    "fast_fsdp zero2 + AC selective": Setup("fast_fsdp", dict(sharding="zero2", activation_checkpointing="selective"), per_block=True),
+    "fast_fsdp zero2 + AC selective": Setup(
+        "fast_fsdp", dict(sharding="zero2", activation_checkpointing="selective"), per_block=True
+    ),
     "fast_fsdp zero3 + AC full": Setup("fast_fsdp", dict(activation_checkpointing="full"), per_block=True),
     "fast_fsdp zero3 + AC full + compile": Setup(
         "fast_fsdp", dict(activation_checkpointing="full", compile={"backend": "aot_eager"}), per_block=True
@@ -93,7 +97,11 @@ def train_the_matrix(model_names: list[str]) -> dict:
                 except Exception as error:  # noqa: BLE001 - every cell of the matrix is reported
                     runs[(model_name, setup_name)] = {"error": f"{type(error).__name__}: {error}"[:500]}
     runs["our_future_warnings"] = sorted(
-        {f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, FutureWarning) and "lightning_fastdist" in w.filename}
+        {
+            f"{w.filename}:{w.lineno}: {w.message}"
+            for w in caught
+            if issubclass(w.category, FutureWarning) and "lightning_fastdist" in w.filename
+        }
     )
     return runs
 

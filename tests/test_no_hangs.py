@@ -33,7 +33,10 @@ def survivor_message() -> str:
 )
 def test_the_surviving_rank_exits_with_a_clear_error(tmp_path, strategy_class, hang):
     marker = tmp_path / "fault.txt"
-    fault = {"class_path": "tests.faults.KillOnce", "init_args": {"at_step": FAULT_STEP, "rank": 1, "marker": str(marker), "hang": hang}}
+    fault = {
+        "class_path": "tests.faults.KillOnce",
+        "init_args": {"at_step": FAULT_STEP, "rank": 1, "marker": str(marker), "hang": hang},
+    }
     strategy = {"class_path": strategy_class, "init_args": {"timeout": COLLECTIVE_TIMEOUT_S}}
     recipe = write_recipe(tmp_path, strategy, max_steps=10, extra_callbacks=[fault])
 
@@ -45,4 +48,6 @@ def test_the_surviving_rank_exits_with_a_clear_error(tmp_path, strategy_class, h
     assert survivor.returncode != 0
     assert survivor_message() in survivor.output, survivor.output[-3000:]
     seconds = survivor.ended_at - marker.stat().st_mtime
-    print(f"rank 0 exited {seconds:.1f} s after rank 1 {'hung' if hang else 'died'} (collective timeout {COLLECTIVE_TIMEOUT_S} s)")
+    print(
+        f"rank 0 exited {seconds:.1f} s after rank 1 {'hung' if hang else 'died'} (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
+    )

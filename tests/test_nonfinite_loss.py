@@ -167,7 +167,10 @@ def test_a_nan_loss_never_reaches_a_checkpoint_and_skip_stops_a_diverged_run(tmp
         # Without the callback the strategy itself refuses to save NaN weights.
         assert ends["no-callback"].startswith("NonFiniteCheckpointError at step 4"), ends
         # NaN on every step from step 1: skipped, but not for most of the run.
-        assert ends["skip-every-step"].startswith("NonFiniteLossError at step 5") and "4 of them in a row" in ends["skip-every-step"]
+        assert (
+            ends["skip-every-step"].startswith("NonFiniteLossError at step 5")
+            and "4 of them in a row" in ends["skip-every-step"]
+        )
     for scenario in ("stop", "no-callback", "skip-every-step"):
         saved = saved_steps_all_finite(tmp_path / scenario)
         assert saved and all(saved.values()), (scenario, saved)

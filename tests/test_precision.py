@@ -37,7 +37,9 @@ def test_adam_adamw_sgd_switch_to_fused_in_place_and_others_say_why_not():
     for optimizer in (torch.optim.Adam(model.parameters()), torch.optim.AdamW(model.parameters()),
                       torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)):  # fmt: skip
         assert fuse_optimizer(optimizer) is None
-        assert optimizer._step_supports_amp_scaling and all(g["fused"] and not g["foreach"] for g in optimizer.param_groups)
+        assert optimizer._step_supports_amp_scaling and all(
+            g["fused"] and not g["foreach"] for g in optimizer.param_groups
+        )
     assert "RMSprop has no fused implementation" in fuse_optimizer(torch.optim.RMSprop(model.parameters()))
 
 

@@ -49,7 +49,12 @@ class SignalAt(L.Callback):
         self.sent = False
 
     def _send(self, trainer: L.Trainer, moment: str) -> None:
-        if not self.sent and moment == self.moment and trainer.global_step == self.step and trainer.global_rank in self.ranks:
+        if (
+            not self.sent
+            and moment == self.moment
+            and trainer.global_step == self.step
+            and trainer.global_rank in self.ranks
+        ):
             self.sent = True
             os.kill(os.getpid(), self.signum)
 
@@ -59,7 +64,9 @@ class SignalAt(L.Callback):
             # The last block's backward runs first: the signal lands while the rest of the backward (and, under
             # DDP, the gradient all-reduce) is still going on.
             block = module.blocks[-1]
-            handle = block.register_full_backward_hook(lambda *_: (self._send(trainer, "backward"), handle.remove()) and None)
+            handle = block.register_full_backward_hook(
+                lambda *_: (self._send(trainer, "backward"), handle.remove()) and None
+            )
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self._send(trainer, "optimizer_step")
@@ -114,7 +121,9 @@ def interrupt_and_resume(kind: str, corpus: str, root: str, cases: list[dict]) -
         except Preempted as stop:
             stopped = {"status": stop.code, "saved_step": saved_step(Path(folder, "last.ckpt"))}
         resumed = fit(kind, corpus, folder, [], resume=True)
-        equal = all(torch.equal(weight, straight[name]) for name, weight in local_weights(resumed.lightning_module).items())
+        equal = all(
+            torch.equal(weight, straight[name]) for name, weight in local_weights(resumed.lightning_module).items()
+        )
         results.append({**stopped, "resumed_steps": resumed.global_step, "equal_to_straight": equal})
     return results
 
@@ -139,7 +148,9 @@ def check(cases: list[dict], ranks: list[list[dict]]) -> None:
         expected = EXIT_STATUS_BASE + case["signum"]
         assert rank0["status"] == rank1["status"] == expected, (case, rank0, rank1)
         # The same step on both ranks, saved as last.ckpt, at most two optimizer steps after the signal.
-        assert rank0["saved_step"] == rank1["saved_step"] and case["step"] < rank0["saved_step"] <= case["step"] + 2, case
+        assert rank0["saved_step"] == rank1["saved_step"] and case["step"] < rank0["saved_step"] <= case["step"] + 2, (
+            case
+        )
         for rank in (rank0, rank1):
             assert rank["resumed_steps"] == MAX_STEPS and rank["equal_to_straight"], (case, rank)
 
@@ -148,7 +159,9 @@ def check(cases: list[dict], ranks: list[list[dict]]) -> None:
 def test_ddp_ten_signals_at_random_points_stop_save_and_resume_exactly(tmp_path):
     corpus = str(write_corpus(tmp_path / "corpus.bin", train_batches_per_rank=8))
     cases = seeded_cases(10, seed=18)
-    ranks = run_function(interrupt_and_resume, 2, args=("ddp", corpus, str(tmp_path), cases), init_process_group=False, timeout=400)
+    ranks = run_function(
+        interrupt_and_resume, 2, args=("ddp", corpus, str(tmp_path), cases), init_process_group=False, timeout=400
+    )
     check(cases, ranks)
 
 
@@ -161,7 +174,9 @@ def test_sharded_engines_stop_on_signals_save_and_resume_exactly(tmp_path, kind)
         {"ranks": [0], "step": 4, "moment": "save", "signum": signal.SIGTERM},
         {"ranks": [0, 1], "step": 5, "moment": "forward", "signum": signal.SIGUSR1},
     ]
-    ranks = run_function(interrupt_and_resume, 2, args=(kind, corpus, str(tmp_path), cases), init_process_group=False, timeout=300)
+    ranks = run_function(
+        interrupt_and_resume, 2, args=(kind, corpus, str(tmp_path), cases), init_process_group=False, timeout=300
+    )
     check(cases, ranks)
 
 
@@ -186,7 +201,9 @@ class ProgressFile(L.Callback):
 def test_cli_sigterm_to_one_rank_process_exits_143_and_resumes_to_the_same_loss(tmp_path):
     strategy = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}}
     straight = write_recipe(tmp_path / "straight", strategy, max_steps=12)
-    assert all(end.returncode == 0 for end in run_ranks(["fit", "--config", str(straight)], 2, 120, tmp_path / "straight"))
+    assert all(
+        end.returncode == 0 for end in run_ranks(["fit", "--config", str(straight)], 2, 120, tmp_path / "straight")
+    )
 
     progress = tmp_path / "stopped" / "progress.txt"
     report_progress = {"class_path": "tests.test_preemption.ProgressFile", "init_args": {"path": str(progress)}}

@@ -55,7 +55,10 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_finishes_like_an_un
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
 
     marker = tmp_path / "restarted" / "killed.txt"
-    kill = {"class_path": "tests.faults.KillOnce", "init_args": {"at_step": KILL_AFTER, "rank": 1, "marker": str(marker)}}
+    kill = {
+        "class_path": "tests.faults.KillOnce",
+        "init_args": {"at_step": KILL_AFTER, "rank": 1, "marker": str(marker)},
+    }
     restarted = write_recipe(tmp_path / "restarted", strategy, MAX_STEPS, extra_callbacks=[kill])
     started = time.monotonic()
     recovered = torchrun(restarted, max_restarts=1, cwd=tmp_path / "restarted")

@@ -36,7 +36,14 @@ def test_resume_skips_consumed_batches_without_loading_them():
     batches = iter(first)
     consumed = [next(batches).tolist() for _ in range(2)]
     state = first.state_dict()
-    assert state == {"epoch": 0, "batches": 2, "samples": 8, "world_size": 1, "batch_size": 4, "order": ["shuffled", 3, 24]}
+    assert state == {
+        "epoch": 0,
+        "batches": 2,
+        "samples": 8,
+        "world_size": 1,
+        "batch_size": 4,
+        "order": ["shuffled", 3, 24],
+    }
 
     dataset = CountingDataset()
     resumed = loader(dataset)
@@ -80,7 +87,9 @@ def test_worker_seeds_follow_the_global_seed_and_epoch_and_leave_the_global_gene
     def worker_seed(epoch: int, draws_before: int) -> tuple[int, torch.Tensor]:
         torch.manual_seed(7)
         torch.rand(draws_before)  # whatever ran before the epoch started
-        epoch_loader = ResumableDataLoader(WorkerSeed(), batch_size=4, sampler=EpochShuffleSampler(range(4)), num_workers=1)
+        epoch_loader = ResumableDataLoader(
+            WorkerSeed(), batch_size=4, sampler=EpochShuffleSampler(range(4)), num_workers=1
+        )
         epoch_loader.sampler.set_epoch(epoch)
         expected_next = torch.get_rng_state()
         seed = int(next(iter(epoch_loader))[0])
@@ -102,7 +111,10 @@ def test_epoch_order_depends_only_on_seed_and_epoch():
 
 def test_epoch_shuffle_reads_distributed_samplers_order_with_the_seed_everything_seed(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "42")  # what seed_everything(42) sets
-    ours, lightnings = EpochShuffleSampler(range(SAMPLES)), DistributedSampler(range(SAMPLES), num_replicas=1, rank=0, seed=42)
+    ours, lightnings = (
+        EpochShuffleSampler(range(SAMPLES)),
+        DistributedSampler(range(SAMPLES), num_replicas=1, rank=0, seed=42),
+    )
     for epoch in (0, 3):
         ours.set_epoch(epoch)
         lightnings.set_epoch(epoch)
@@ -116,9 +128,15 @@ def rank_loaders(world_size: int, batch_size: int, sampler=None) -> list[Resumab
     """One training loader per rank, as Lightning builds them (one process keeps the module's sampler)."""
     data = range(SAMPLES)
     if world_size == 1:
-        return [ResumableDataLoader(data, batch_size=batch_size, sampler=sampler or EpochShuffleSampler(data, seed=0), drop_last=True)]
+        return [
+            ResumableDataLoader(
+                data, batch_size=batch_size, sampler=sampler or EpochShuffleSampler(data, seed=0), drop_last=True
+            )
+        ]
     return [
-        ResumableDataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data, world_size, rank, seed=0), drop_last=True)
+        ResumableDataLoader(
+            data, batch_size=batch_size, sampler=DistributedSampler(data, world_size, rank, seed=0), drop_last=True
+        )
         for rank in range(world_size)
     ]
 
@@ -159,13 +177,21 @@ def test_another_world_size_continues_at_the_next_sample(before, after, steps_be
     assert len(set(read)) == len(read)
     assert sorted(read) == sorted(index for batch in train_steps(rank_loaders(*after), None) for index in batch)
     if before[0] * before[1] == after[0] * after[1]:  # the global batches of an uninterrupted run
-        assert [sorted(batch) for batch in seen + rest] == [sorted(batch) for batch in train_steps(rank_loaders(*before), None)]
+        assert [sorted(batch) for batch in seen + rest] == [
+            sorted(batch) for batch in train_steps(rank_loaders(*before), None)
+        ]
 
 
 @pytest.mark.parametrize(
     ("before", "after", "steps_before", "sampler", "message"),
     [
-        ((2, 4), (1, 8), 3, EpochShuffleSampler(range(SAMPLES), seed=5), r"reads another order \(\['shuffled', 5, 64\], the checkpoint's: \['shuffled', 0, 64\]\)"),
+        (
+            (2, 4),
+            (1, 8),
+            3,
+            EpochShuffleSampler(range(SAMPLES), seed=5),
+            r"reads another order \(\['shuffled', 5, 64\], the checkpoint's: \['shuffled', 0, 64\]\)",
+        ),
         ((2, 4), (1, 8), 3, RandomSampler(range(SAMPLES)), "the sampler's order is not known"),
         ((1, 4), (2, 4), 3, None, "drop_last would skip 4 samples of the epoch that an uninterrupted run reads"),
         ((2, 4), (3, 4), 1, None, r"its ranks would be left with different numbers of batches \(\[4, 4, 5\]\)"),

@@ -79,7 +79,9 @@ def save_after_fit_then_resume(kind: str, corpus: str, folder: str) -> dict:
 
 def run(kind: str, tmp_path: Path) -> list[dict]:
     corpus = str(write_corpus(tmp_path / "corpus.bin", BATCHES_PER_EPOCH, WORLD))
-    return run_function(save_after_fit_then_resume, WORLD, args=(kind, corpus, str(tmp_path)), init_process_group=False, timeout=300)
+    return run_function(
+        save_after_fit_then_resume, WORLD, args=(kind, corpus, str(tmp_path)), init_process_group=False, timeout=300
+    )
 
 
 def assert_resumes_where_it_stopped(per_rank: list[dict]) -> None:

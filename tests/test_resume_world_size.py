@@ -39,7 +39,15 @@ class RecordSteps(L.Callback):
         self.batches.append(batch[0].tolist())
 
 
-def fit(corpus: str, devices: int, batch_size: int, strategy=None, max_steps: int = -1, ckpt_path: Path | None = None, save_to: Path | None = None) -> dict:
+def fit(
+    corpus: str,
+    devices: int,
+    batch_size: int,
+    strategy=None,
+    max_steps: int = -1,
+    ckpt_path: Path | None = None,
+    save_to: Path | None = None,
+) -> dict:
     """One seeded epoch at most (dropout 0); returns this rank's batches, weights, steps and resume warnings."""
     L.seed_everything(0, verbose=False)
     record = RecordSteps()
@@ -120,20 +128,32 @@ def test_two_to_one_and_one_to_two_ranks_read_each_sample_once(tmp_path):
 
     # 2 -> 1: each of the epoch's samples once, whatever the batch size or strategy.
     before = [rank["first"] for rank in two]
-    for name, steps in (("batch_8", 8), ("batch_4", STOP_AT + (SAMPLES - STOP_AT * 8) // 4), ("single_device_batch_8", 8)):
+    for name, steps in (
+        ("batch_8", 8),
+        ("batch_4", STOP_AT + (SAMPLES - STOP_AT * 8) // 4),
+        ("single_device_batch_8", 8),
+    ):
         assert read(*before, after[name]) == list(range(SAMPLES)), name
         assert after[name]["steps"] == steps, name
     # The same global batch (2 x 4 -> 1 x 8): the uninterrupted run's global batches and, but for summation order, weights.
     straight_two = global_steps([rank["straight"]["batches"] for rank in two])
-    assert global_steps([rank["first"]["batches"] for rank in two]) + global_steps([after["batch_8"]["batches"]]) == straight_two
+    assert (
+        global_steps([rank["first"]["batches"] for rank in two]) + global_steps([after["batch_8"]["batches"]])
+        == straight_two
+    )
     assert_close(after["batch_8"], two[0]["straight"])
     assert [len(after[name]["warnings"]) for name in ("batch_8", "batch_4")] == [1, 1]
-    assert "written by 2 ranks and is resumed by 1 rank: the run continues at the next sample" in after["batch_8"]["warnings"][0]
+    assert (
+        "written by 2 ranks and is resumed by 1 rank: the run continues at the next sample"
+        in after["batch_8"]["warnings"][0]
+    )
 
     # 1 -> 2: the same, the other way round.
     resumed = [rank["from_one_rank"] for rank in two]
     assert read(one["first"], *resumed) == list(range(SAMPLES))
-    assert global_steps([one["first"]["batches"]]) + global_steps([rank["batches"] for rank in resumed]) == global_steps([one["straight"]["batches"]])
+    assert global_steps([one["first"]["batches"]]) + global_steps(
+        [rank["batches"] for rank in resumed]
+    ) == global_steps([one["straight"]["batches"]])
     for rank in resumed:
         assert rank["steps"] == 8
         assert_close(rank, one["straight"])

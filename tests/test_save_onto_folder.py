@@ -56,7 +56,10 @@ def test_a_file_onto_a_users_folder_is_refused_and_the_folder_kept(tmp_path):
     folder = user_folder(tmp_path)
     with pytest.raises(IsADirectoryError) as refused:
         save_file_atomically(lambda staged: staged.write_text("checkpoint"), folder)
-    documented = ("The checkpoint path exists and is a directory: ", "not a checkpoint, and is never replaced. Save to a file inside it")
+    documented = (
+        "The checkpoint path exists and is a directory: ",
+        "not a checkpoint, and is never replaced. Save to a file inside it",
+    )
     assert all(part in str(refused.value) and part in DOCS.read_text() for part in documented)
     assert "`full-checkpoint-onto-a-folder`" in DOCS.read_text()
     assert f"{folder} is a folder holding notes.txt, not a checkpoint" in str(refused.value)
@@ -156,16 +159,19 @@ def test_a_full_checkpoint_onto_a_users_folder_raises_on_one_process(kind, tmp_p
 @pytest.mark.parametrize("kind", ["ddp", "fsdp-full"])
 def test_a_full_checkpoint_onto_a_users_folder_raises_on_every_rank(kind, tmp_path):
     folder = user_folder(tmp_path)
-    assert run_function(save_into, 2, args=(kind, str(folder), 1), init_process_group=False, timeout=120) == [
-        "IsADirectoryError"
-    ] * 2
+    assert (
+        run_function(save_into, 2, args=(kind, str(folder), 1), init_process_group=False, timeout=120)
+        == ["IsADirectoryError"] * 2
+    )
     assert os.listdir(folder) == [USER_FILE]
 
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_is_written_into_a_users_folder_and_resumes(tmp_path):
     folder = user_folder(tmp_path)
-    steps = run_function(save_into, 2, args=("fsdp-sharded", str(folder), 2, True), init_process_group=False, timeout=120)
+    steps = run_function(
+        save_into, 2, args=("fsdp-sharded", str(folder), 2, True), init_process_group=False, timeout=120
+    )
     assert steps == [2, 2]  # resumed at step 1 from the folder, trained step 2
     assert (folder / USER_FILE).read_text() == "the user's own notes"
     assert {SHARD_INDEX, LIGHTNING_METADATA, USER_FILE} <= set(os.listdir(folder))

@@ -48,7 +48,9 @@ def test_precision_maps_to_a_matmul_dtype():
 
 def test_samples_always_tokens_only_for_token_ids():
     assert default_units((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16))) == {"samples": 4, "tokens": 64}
-    assert default_units({"image": torch.zeros(32, 3, 8, 8), "label": torch.zeros(32, dtype=torch.long)}) == {"samples": 32}
+    assert default_units({"image": torch.zeros(32, 3, 8, 8), "label": torch.zeros(32, dtype=torch.long)}) == {
+        "samples": 32
+    }
     assert default_units([torch.zeros(8, 20)]) == {"samples": 8}  # tabular features are not tokens
     assert default_units(["text"]) == {}
 

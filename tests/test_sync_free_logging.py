@@ -62,7 +62,9 @@ def is_log_step(step: int) -> bool:
 
 
 def test_the_lightning_internals_we_patch_exist_in_the_installed_version():
-    assert lightning_version_is_tested(), f"Lightning {L.__version__} is outside the tested range: re-read the internals"
+    assert lightning_version_is_tested(), (
+        f"Lightning {L.__version__} is outside the tested range: re-read the internals"
+    )
     assert missing_internals(L.Trainer(logger=False)) == []
 
 
@@ -92,7 +94,9 @@ def test_single_process_syncs_only_on_log_steps_and_bar_shows_transferred_values
     with syncs:
         trainer.fit(tiny_model(), TextDataModule(batch_size=4, block_size=16))
     counts = syncs.counts_by_label()
-    assert {step: counts[step] for step in range(8)} == {s: (1 if is_log_step(s) else 0) for s in range(8)}, syncs.report()
+    assert {step: counts[step] for step in range(8)} == {s: (1 if is_log_step(s) else 0) for s in range(8)}, (
+        syncs.report()
+    )
     assert counts["epoch end"] == 1  # train_acc_epoch, in one copy
     rows = read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
     last_step = [row for row in rows if row["step"] == "7" and row["train_loss"]][0]
@@ -196,6 +200,8 @@ def test_sigterm_on_one_rank_under_lightnings_ddp_stops_every_rank_at_the_same_s
     for rank in ranks:
         assert rank["stopped_by"] == "exit 143"
         assert rank["received_sigterm"] and rank["status"] == "interrupted"
-        assert rank["steps"] == 3  # signalled after step 2; sent with the next boundary's all-reduce, read at the one after
+        assert (
+            rank["steps"] == 3
+        )  # signalled after step 2; sent with the next boundary's all-reduce, read at the one after
         assert rank["saved"] == ["hpc_ckpt_1.ckpt"]
         assert rank["handler_restored"]

@@ -74,7 +74,9 @@ def remove_metadata(path: Path) -> None:
 STEP_4 = "epoch=0-step=4.ckpt"
 
 
-def resume(trained: tuple[str, Path], damage: Callable[[Path], None], damaged: str, ckpt_path: str, workdir: Path, capsys) -> tuple[int, str]:
+def resume(
+    trained: tuple[str, Path], damage: Callable[[Path], None], damaged: str, ckpt_path: str, workdir: Path, capsys
+) -> tuple[int, str]:
     """Damage checkpoint ``damaged`` in a copy of the checkpoints, resume to step 6; return (exit status, stderr)."""
     _, folder = trained
     copy = workdir / "checkpoints"
@@ -99,7 +101,9 @@ def test_a_truncated_checkpoint_given_by_path_is_one_line(trained, in_tmp_dir, c
     status, stderr = resume(trained, truncate, STEP_4, str(in_tmp_dir / "checkpoints" / STEP_4), in_tmp_dir, capsys)
     expected = "is truncated or damaged" if trained[0] == "ddp" else "has a truncated shard __0_0.distcp"
     assert status == 1 and "Traceback" not in stderr
-    assert len(error_lines(stderr)) == 1 and f"{STEP_4}' " in error_lines(stderr)[0] and expected in stderr, stderr[-2000:]
+    assert len(error_lines(stderr)) == 1 and f"{STEP_4}' " in error_lines(stderr)[0] and expected in stderr, stderr[
+        -2000:
+    ]
 
 
 def test_a_damaged_last_checkpoint_falls_back_to_the_newest_that_loads(trained, in_tmp_dir, capsys):
@@ -127,7 +131,11 @@ def test_a_broken_sharded_folder_is_one_line_naming_what_is_missing(trained, in_
 
 def test_a_missing_file_a_folder_or_a_text_file_is_named_as_such(in_tmp_dir):
     (in_tmp_dir / "runs").mkdir()
-    assert describe_unloadable(in_tmp_dir / "nothing.ckpt", FileNotFoundError()).endswith("nothing.ckpt' does not exist.")
+    assert describe_unloadable(in_tmp_dir / "nothing.ckpt", FileNotFoundError()).endswith(
+        "nothing.ckpt' does not exist."
+    )
     assert "is a folder, not a checkpoint file" in describe_unloadable(in_tmp_dir / "runs", IsADirectoryError(), False)
     (in_tmp_dir / "notes.ckpt").write_text("trainer:\n  devices: 2\n")
-    assert "is not a torch checkpoint (it starts with 'trai'" in describe_unloadable(in_tmp_dir / "notes.ckpt", IndexError())
+    assert "is not a torch checkpoint (it starts with 'trai'" in describe_unloadable(
+        in_tmp_dir / "notes.ckpt", IndexError()
+    )

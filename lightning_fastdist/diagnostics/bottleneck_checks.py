@@ -50,9 +50,9 @@ def _row(check: str, measured: str, warn: bool, fix: str) -> CheckRow:
 def check_data_wait(fraction: float, mean_wait_s: float, suggested_workers: int) -> CheckRow:
     """Share of the loop spent waiting for batches."""
     fix = (
-        "data:\n  init_args:\n    num_workers: {w}   # or let the tuner pick and rebuild the loaders:\n"
-        "trainer:\n  callbacks:\n    - class_path: lightning_fastdist.DataLoaderTuner\n      init_args: {{mode: auto}}"
-    ).format(w=suggested_workers)
+        f"data:\n  init_args:\n    num_workers: {suggested_workers}   # or let the tuner pick and rebuild the loaders:\n"
+        "trainer:\n  callbacks:\n    - class_path: lightning_fastdist.DataLoaderTuner\n      init_args: {mode: auto}"
+    )
     return _row(
         "data wait",
         f"{fraction:.1%} of the loop ({mean_wait_s * 1e3:.1f} ms per batch)",

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -129,9 +129,9 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         log_comm_bytes: bool = True,
-        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        blocks: Union[Literal["auto"], list[str]] = "auto",
-        compile: Union[bool, dict[str, Any]] = False,
+        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
+        blocks: Literal["auto"] | list[str] = "auto",
+        compile: bool | dict[str, Any] = False,
         compile_scope: Literal["blocks", "model"] = "blocks",
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
@@ -141,7 +141,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        block_modules: Optional[Union[str, Sequence[str]]] = None,
+        block_modules: str | Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         check_ddp_kwargs(kwargs)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
@@ -109,16 +110,16 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         stage: Literal[1, 2, 3] = 2,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
-        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        blocks: Union[Literal["auto"], list[str]] = "auto",
-        allgather_bucket_size: Union[int, Literal["auto"]] = "auto",
-        reduce_bucket_size: Union[int, Literal["auto"]] = "auto",
+        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
+        blocks: Literal["auto"] | list[str] = "auto",
+        allgather_bucket_size: int | Literal["auto"] = "auto",
+        reduce_bucket_size: int | Literal["auto"] = "auto",
         load_full_weights: bool = False,
         log_comm_bytes: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[float, timedelta, None] = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = None,
         accelerator: Any = None,
-        parallel_devices: Optional[list[torch.device]] = None,
+        parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
         precision_plugin: Any = None,
     ) -> None:
@@ -153,7 +154,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         self.log_comm_bytes = log_comm_bytes
         self.checkpointed_blocks: list[torch.nn.Module] = []
         self._comm_stats = CommStats()
-        self._stop_counting: Optional[Callable[[], None]] = None
+        self._stop_counting: Callable[[], None] | None = None
         self._comm_counted = False
 
     @classmethod
@@ -242,7 +243,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         return engine, deepspeed_optimizer
 
     @property
-    def comm_stats(self) -> Optional[CommStats]:
+    def comm_stats(self) -> CommStats | None:
         """This rank's DeepSpeed collective bytes and gradient rounds (``None`` until the engine runs)."""
         return self._comm_stats if self._comm_counted else None
 
@@ -260,7 +261,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         return super(CommBytesLogging, self).optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         self.refuse_non_finite(checkpoint, filepath)
@@ -270,7 +271,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, weights_only=weights_only)
         checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.

@@ -18,7 +18,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -99,19 +99,19 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
 
     def __init__(
         self,
-        blocks: Union[Literal["auto"], list[str]] = "auto",
+        blocks: Literal["auto"] | list[str] = "auto",
         sharding: Literal["zero3", "zero2", "hsdp"] = "zero3",
-        hsdp_group_size: Optional[int] = None,
+        hsdp_group_size: int | None = None,
         cpu_offload: bool = False,
-        activation_checkpointing: Union[Literal["none", "full", "selective"], int] = "none",
-        compile: Union[bool, dict[str, Any]] = False,
+        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
+        compile: bool | dict[str, Any] = False,
         compile_scope: Literal["blocks", "model"] = "blocks",
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[float, timedelta, None] = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = None,
         log_comm_bytes: bool = True,
-        shard_modules: Optional[Union[str, list[str]]] = None,
+        shard_modules: str | list[str] | None = None,
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
         self.timeout = collective_timeout(timeout, "FastFSDPStrategy")
@@ -145,7 +145,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         self.log_comm_bytes = log_comm_bytes
         self._comm_stats = CommStats()
         self._comm_counted = False
-        self._root: Optional[RootUnit] = None
+        self._root: RootUnit | None = None
 
     @classmethod
     @override
@@ -241,7 +241,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         return root
 
     @property
-    def comm_stats(self) -> Optional[CommStats]:
+    def comm_stats(self) -> CommStats | None:
         """This rank's FSDP collective bytes and gradient rounds (``None`` when this torch cannot count them)."""
         return self._comm_stats if self._comm_counted else None
 
@@ -275,9 +275,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
                 self.model.set_reshard_after_backward(True)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         self.refuse_non_finite(checkpoint, filepath)
@@ -302,7 +300,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         super().remove_checkpoint(filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
         load = functools.partial(self._load_under_module_names, weights_only=weights_only)
@@ -310,7 +308,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         self._take_resume_state(checkpoint)
         return checkpoint
 
-    def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         with self._lightning_module_names():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
