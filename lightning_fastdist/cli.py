@@ -153,7 +153,8 @@ class _DropTip(logging.Filter):
 
 def _silence_known_noise(resuming: bool) -> None:
     """Hide output that says nothing about the user's run; with :data:`QUIET_VARIABLE` also Lightning's info lines."""
-    # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank (lightning/pytorch/utilities/_pytree.py).
+    # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank
+    # (lightning/pytorch/utilities/_pytree.py).
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )

@@ -26,7 +26,10 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def _options(argv: Sequence[str]) -> Iterator[tuple[int, str, str | None, int | None]]:
-    """``(index, flag, value, value_index)`` of every ``--flag value`` / ``--flag=value``; ``value_index`` is ``None`` when inline."""
+    """``(index, flag, value, value_index)`` of every ``--flag value`` / ``--flag=value``.
+
+    ``value_index`` is ``None`` when the value is inline (``--flag=value``).
+    """
     for i, arg in enumerate(argv):
         if not arg.startswith("-"):
             continue

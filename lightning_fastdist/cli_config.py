@@ -60,8 +60,8 @@ class OwnConfigSaver(SaveConfigCallback):
         if fs.exists(path) and not written_by_us(fs, path):
             self.not_saved_because = f"{path} exists and was not written by lightning-fastdist"
             print(
-                f"lightning-fastdist: the resolved config was not saved: {self.not_saved_because}, so it was left as it is "
-                "(a logger or --trainer.default_root_dir puts the config elsewhere).",
+                f"lightning-fastdist: the resolved config was not saved: {self.not_saved_because}, "
+                "so it was left as it is (a logger or --trainer.default_root_dir puts the config elsewhere).",
                 file=sys.stderr,
             )
             return

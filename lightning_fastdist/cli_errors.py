@@ -23,7 +23,8 @@ _NOISE = (
     re.compile(r"^Given value type: "),
     re.compile(r"^Given value: (NestedArg|Namespace)\("),
     re.compile(r"^Expected a path but .* either not accessible or invalid$"),
-    # A class-typed option (trainer.strategy, trainer.plugins) also tries its plain-string and other-base-class branches.
+    # A class-typed option (trainer.strategy, trainer.plugins) also tries its plain-string and
+    # other-base-class branches.
     re.compile(r"^Expected a <class 'str'>$"),
     re.compile(r"^Given value: [\[{]"),
     re.compile(r"^Not a valid subclass of \w+$"),

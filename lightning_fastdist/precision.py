@@ -65,7 +65,10 @@ def fuse_optimizer(optimizer: Optimizer) -> str | None:
             return "it was created with differentiable=True, which fused kernels do not support"
         for param in group["params"]:
             if param.device.type not in FUSED_DEVICE_TYPES or not torch.is_floating_point(param):
-                return f"a parameter is {param.dtype} on {param.device}; fused kernels need floating point on {FUSED_DEVICE_TYPES}"
+                return (
+                    f"a parameter is {param.dtype} on {param.device}; "
+                    f"fused kernels need floating point on {FUSED_DEVICE_TYPES}"
+                )
     _set_fused_flags(optimizer)
     optimizer.register_load_state_dict_post_hook(_set_fused_flags)  # a checkpoint's groups would reset the flags
     return None

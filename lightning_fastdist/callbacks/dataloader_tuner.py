@@ -162,7 +162,7 @@ class DataLoaderTuner(Callback):
 
 
 def rebuild_with(loader: DataLoader, settings: dict) -> DataLoader:
-    """A new loader of ``loader``'s class, from the constructor arguments Lightning recorded, with ``settings`` replaced."""
+    """A new loader of ``loader``'s class, from the constructor arguments Lightning recorded, ``settings`` replaced."""
     arguments = dict(zip(getattr(loader, SAVED_ARG_NAMES), getattr(loader, SAVED_ARGS)))
     arguments.update(getattr(loader, SAVED_KWARGS))
     arguments.update(settings)
@@ -177,7 +177,7 @@ def _defines(source: object, hook: str) -> bool:
 
 
 def _map_loaders(loaders: Any, tune: Callable[[DataLoader], DataLoader]) -> Any:
-    """Apply ``tune`` to every DataLoader in what a ``*_dataloader`` hook returned (a loader, a list or a dict of them)."""
+    """Apply ``tune`` to every DataLoader a ``*_dataloader`` hook returned (a loader, a list or a dict of them)."""
     if isinstance(loaders, DataLoader):
         return tune(loaders)
     if isinstance(loaders, Mapping):

@@ -263,7 +263,8 @@ def format_environment(env: Environment) -> str:
     infiniband = "unknown" if env.infiniband_devices is None else (", ".join(env.infiniband_devices) or "none")
     lines += [
         f"  NVLink: {nvlink}; InfiniBand: {infiniband}",
-        f"  CPU cores: {env.cpu_cores}; host memory: {_gib(env.host_memory_bytes)}; CPU bf16 autocast: {'yes' if env.cpu_bf16_autocast else 'no'}",
+        f"  CPU cores: {env.cpu_cores}; host memory: {_gib(env.host_memory_bytes)}; "
+        f"CPU bf16 autocast: {'yes' if env.cpu_bf16_autocast else 'no'}",
         f"  torch.distributed backends: {', '.join(env.backends) or 'none'}",
     ]
     return "\n".join(lines)
@@ -276,8 +277,8 @@ def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> st
         f"seq {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.world_size} ranks, {shape.precision}; "
         f"usable {usable / GiB:.2f} GiB) and bytes each device sends per optimizer step "
         f"({accumulation} micro-batch(es), ring collectives); formulas in docs/doctor.md",
-        f"  {'mode':8} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} {'total':>10}  fits"
-        f" {'sent/step':>10}",
+        f"  {'mode':8} {'checkpoint':10} {'offload':7} {'state':>10} {'gathered':>10} {'activations':>11} "
+        f"{'total':>10}  fits {'sent/step':>10}",
     ]
     for e in estimate_table(shape):
         sent = estimate_comm(shape, e.mode, accumulation).sent_per_device
@@ -310,7 +311,8 @@ def check_output_is_ours(output: Path) -> None:
 def _recipe_header(recommendation: Recommendation, target: Target, argv: list[str]) -> str:
     lines = [
         " ".join([HEADER_START, *argv]),
-        f"# For {target.nodes} node(s) x {target.devices} {target.accelerator}(s), {target.device_memory_bytes / GiB:.1f} GiB each.",
+        f"# For {target.nodes} node(s) x {target.devices} {target.accelerator}(s), "
+        f"{target.device_memory_bytes / GiB:.1f} GiB each.",
         f"# Estimated peak per device: {recommendation.estimate.total / GiB:.3f} GiB"
         f" (usable {recommendation.usable_bytes / GiB:.2f} GiB){'' if recommendation.fits else ' -- DOES NOT FIT'}.",
         *(f"#   {reason}" for reason in recommendation.reasons),

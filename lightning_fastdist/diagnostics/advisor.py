@@ -1,4 +1,4 @@
-"""Pick a strategy, checkpointing, offload, precision and batch split for a model on given devices, and write it as a recipe.
+"""Pick a strategy, checkpointing, offload, precision and batch split for a model on given devices; write the recipe.
 
 The rule: walk :data:`PREFERENCE` (fastest first) and take the first
 configuration whose estimated peak (:mod:`~lightning_fastdist.diagnostics.memory_model`)
@@ -117,7 +117,8 @@ def choose_precision(target: Target) -> str:
 
 
 def workers_per_rank(cpu_cores: int, processes_per_node: int) -> int:
-    """Data-loader workers for one rank (the rule of :func:`~lightning_fastdist.diagnostics.dataloader_audit.workers_for`)."""
+    """Data-loader workers for one rank (the rule of
+    :func:`~lightning_fastdist.diagnostics.dataloader_audit.workers_for`)."""
     return workers_for(max(1, cpu_cores // max(1, processes_per_node)))
 
 

@@ -50,7 +50,8 @@ def _row(check: str, measured: str, warn: bool, fix: str) -> CheckRow:
 def check_data_wait(fraction: float, mean_wait_s: float, suggested_workers: int) -> CheckRow:
     """Share of the loop spent waiting for batches."""
     fix = (
-        f"data:\n  init_args:\n    num_workers: {suggested_workers}   # or let the tuner pick and rebuild the loaders:\n"
+        f"data:\n  init_args:\n    num_workers: {suggested_workers}"
+        "   # or let the tuner pick and rebuild the loaders:\n"
         "trainer:\n  callbacks:\n    - class_path: lightning_fastdist.DataLoaderTuner\n      init_args: {mode: auto}"
     )
     return _row(
@@ -82,7 +83,10 @@ def check_buckets(bucket_cap_bytes: int | None, gradient_bytes: int) -> CheckRow
         "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
         "    init_args:\n      bucket_cap_mb: auto   # gradient MB / 8, clamped to [1, 100] MB"
     )
-    measured = f"{bucket_cap_bytes / 2**20:.3g} MiB cap, ~{buckets} bucket(s) for {gradient_bytes / 2**20:.3g} MiB of gradients"
+    measured = (
+        f"{bucket_cap_bytes / 2**20:.3g} MiB cap, ~{buckets} bucket(s) "
+        f"for {gradient_bytes / 2**20:.3g} MiB of gradients"
+    )
     return _row("gradient buckets", measured, tiny, fix)
 
 

@@ -93,11 +93,13 @@ def audit_dataloader(loader: DataLoader, name: str, accelerator: str, cores_per_
         ))  # fmt: skip
     if effective_workers > 0 and not loader.persistent_workers:
         findings.append(DataLoaderFinding(
-            name, "persistent_workers", False, True, "worker processes would be started again every epoch / validation run",
+            name, "persistent_workers", False, True,
+            "worker processes would be started again every epoch / validation run",
         ))  # fmt: skip
     if workers > 0 and loader.prefetch_factor is not None and loader.prefetch_factor < MIN_PREFETCH:
         findings.append(DataLoaderFinding(
-            name, "prefetch_factor", loader.prefetch_factor, MIN_PREFETCH, "one batch ready per worker: any slow batch stalls the step",
+            name, "prefetch_factor", loader.prefetch_factor, MIN_PREFETCH,
+            "one batch ready per worker: any slow batch stalls the step",
         ))  # fmt: skip
     return findings
 

@@ -106,7 +106,7 @@ def _describe_folder(path: Path) -> str:
 
 
 def check_save_target(path: Path, sharded: bool) -> None:
-    """Raise :class:`IsADirectoryError` if a single-file checkpoint would have to replace a folder that is not a checkpoint.
+    """Raise :class:`IsADirectoryError` if a single-file checkpoint would replace a folder that is not a checkpoint.
 
     Call it on every rank before saving, so that all ranks stop alike
     (Lightning's contract: a full checkpoint onto a folder is an error). A

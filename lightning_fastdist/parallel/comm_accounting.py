@@ -39,7 +39,7 @@ class Traffic:
 
 
 def metric_name(collective: str) -> str:
-    """The name a strategy logs a collective's bytes per optimizer step under, e.g. ``comm/allreduce_bytes_per_step``."""
+    """The name a collective's bytes per optimizer step are logged under, e.g. ``comm/allreduce_bytes_per_step``."""
     return f"comm/{collective}_bytes_per_step"
 
 

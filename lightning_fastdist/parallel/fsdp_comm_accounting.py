@@ -50,7 +50,7 @@ class CountingAllGather(_CountingComm):
 
 
 class CountingReduceScatter(_CountingComm):
-    """FSDP2's reduce-scatter of a unit's gradients (its ``ReduceScatter`` interface), recording the full gradient's bytes."""
+    """FSDP2's reduce-scatter of a unit's gradients (its ``ReduceScatter`` interface), counting the full gradient."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         self.stats.record(input_tensor, REDUCE_SCATTER)

@@ -155,7 +155,7 @@ class FaultTolerance:
 
 
 def is_last_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is named like the ``last`` checkpoints of ``ModelCheckpoint`` (what ``ckpt_path="last"`` finds)."""
+    """Whether ``path`` is named like ``ModelCheckpoint``'s ``last`` checkpoints (what ``ckpt_path="last"`` finds)."""
     return path.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and path.suffix == CHECKPOINT_SUFFIX
 
 
