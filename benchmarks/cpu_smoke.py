@@ -52,7 +52,8 @@ def main(extra_args: list[str]) -> None:
     print(f"recipe            : cpu_smoke ({recipe['trainer']['strategy']}, {world} processes, {steps} steps)")
     print(f"wall time         : {wall:.1f} s (process start to exit)")
     print(
-        f"train loss        : first logged {train[0][1]:.3f} (step {train[0][0]}), last {train[-1][1]:.3f} (step {train[-1][0]})"
+        f"train loss        : first logged {train[0][1]:.3f} (step {train[0][0]}), "
+        f"last {train[-1][1]:.3f} (step {train[-1][0]})"
     )
     print(f"val loss          : {' -> '.join(f'{v:.3f}' for v in val)}")
     print(

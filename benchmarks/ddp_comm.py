@@ -97,7 +97,8 @@ def benchmark(steps: int) -> None:
         return
     baseline, no_hook = results["lightning DDPStrategy"], results["fast_ddp none"]
     print(
-        f"\nTinyGPT {gradient_bytes(TinyGPT()) / 2**20:.2f} MiB of fp32 gradients, 2 CPU processes (gloo), {steps} steps"
+        f"\nTinyGPT {gradient_bytes(TinyGPT()) / 2**20:.2f} MiB of fp32 gradients, "
+        f"2 CPU processes (gloo), {steps} steps"
     )
     print(f"{'setup':34} {'bytes/step':>12} {'vs none':>8} {'step ms':>8} {'vs DDP':>7} {'loss':>7} {'d loss':>7}")
     for name, r in results.items():

@@ -129,7 +129,8 @@ def checkpointing_table() -> None:
             memory_change = held[mode] / held["none"] - 1
             time_change = min(times[mode]) / min(times["none"]) - 1
             print(
-                f"{size:8} {mode:10} {held[mode] / MiB:8.2f} {memory_change:+8.0%} {min(times[mode]):8.3f} {time_change:+8.0%}"
+                f"{size:8} {mode:10} {held[mode] / MiB:8.2f} {memory_change:+8.0%} "
+                f"{min(times[mode]):8.3f} {time_change:+8.0%}"
             )
 
 

@@ -77,7 +77,8 @@ def main() -> int:
         print("no CUDA device: nothing to check")
         return 2
     print(
-        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL {torch.cuda.nccl.version()}"
+        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"CUDA {torch.version.cuda} | NCCL {torch.cuda.nccl.version()}"
     )
     small = dict(n_layer=4, n_head=4, n_embd=256, block_size=256)
     results = []

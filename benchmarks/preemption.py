@@ -179,14 +179,16 @@ def main() -> None:
                 print(f"{target:7s} run {index}: signal after {delay:.2f} s -> exit {result['codes']} in "
                       f"{result['exit_s']:.2f} s, saved step {result['saved_step']}, resumed "
                       f"{'ok' if result['resumed_ok'] else 'FAILED'}, final state equal: {result['equal']}"
-                      + (f" (no checkpoint; logs kept in {result['kept']})" if "kept" in result else ""), flush=True)  # fmt: skip
+                      + (f" (no checkpoint; logs kept in {result['kept']})" if "kept" in result else ""),
+                      flush=True)  # fmt: skip
         print("\ntarget   runs  exit 143  hangs  median / max s to exit  resumed equal")
         for target, results in summary.items():
             times = [r["exit_s"] for r in results]
             exited = sum(r["codes"] == [143, 143] for r in results)
             hangs = sum(t == float("inf") for t in times)
             equal = sum(r["equal"] and r["resumed_ok"] for r in results)
-            print(f"{target:7s}  {len(results):4d}  {exited:8d}  {hangs:5d}  {statistics.median(times):6.2f} / {max(times):6.2f}"
+            print(f"{target:7s}  {len(results):4d}  {exited:8d}  {hangs:5d}  "
+                  f"{statistics.median(times):6.2f} / {max(times):6.2f}"
                   f"          {equal}/{len(results)}")  # fmt: skip
 
 

@@ -121,7 +121,10 @@ class DemoTransformer(ZooModule):
 
 
 class ResidualBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm and a skip connection (strided, with a 1x1 projection, when it downsamples)."""
+    """Two 3x3 convolutions with BatchNorm and a skip connection.
+
+    Strided, with a 1x1 projection, when it downsamples.
+    """
 
     def __init__(self, channels_in: int, channels_out: int, stride: int = 1) -> None:
         super().__init__()

@@ -36,8 +36,10 @@ class Stack(nn.Module):
     ("model_name", "line"),
     [
         ("gpt2", "blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)"),
-        ("bert", "blocks: BertLayer x 2 (+ root: word_embeddings, position_embeddings, token_type_embeddings, LayerNorm, "),
-        ("lightning-transformer", "blocks: TransformerEncoderLayer x 2, TransformerDecoderLayer x 2 (+ root: embedding, norm, decoder)"),
+        ("bert", "blocks: BertLayer x 2 "
+                 "(+ root: word_embeddings, position_embeddings, token_type_embeddings, LayerNorm, "),
+        ("lightning-transformer", "blocks: TransformerEncoderLayer x 2, TransformerDecoderLayer x 2 "
+                                  "(+ root: embedding, norm, decoder)"),
         ("resnet", "blocks: ResidualBlock x 4 (+ root: stem.0, stem.1, head)"),
         ("mlp", "blocks: none in MLPStack (root: net.0, net.2, net.4)"),
     ],

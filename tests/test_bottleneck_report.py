@@ -1,4 +1,7 @@
-"""BottleneckReport on 2 real gloo processes: each purpose-built bottleneck is flagged, a clean run is not, files are written."""
+"""BottleneckReport on 2 real gloo processes.
+
+Each purpose-built bottleneck is flagged, a clean run is not, files are written.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ class ReadsLossEveryStep(TinyGPT):
 
 
 class AccumulatesWithoutNoSync(TinyGPT):
-    """Manual optimization that accumulates 2 micro-batches but lets DDP (or FSDP) sync gradients after each backward."""
+    """Manual optimization that accumulates 2 micro-batches.
+
+    Yet it lets DDP (or FSDP) sync gradients after each backward.
+    """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -90,9 +96,10 @@ def run_case(name: str, root: str) -> dict:
         module, accumulate, strategy = model(AccumulatesWithoutNoSync), 1, FastFSDPStrategy()
     report = BottleneckReport(start_step=2, num_steps=6, host_sync_steps=3)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, plugins=plugins, max_steps=6, accumulate_grad_batches=accumulate,
-        callbacks=[report, SyncFreeLogging()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, default_root_dir=f"{root}/{name}",
+        accelerator="cpu", devices=2, strategy=strategy, plugins=plugins, max_steps=6,
+        accumulate_grad_batches=accumulate, callbacks=[report, SyncFreeLogging()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=f"{root}/{name}",
     )  # fmt: skip
     trainer.fit(module, data)
     return {

@@ -65,11 +65,13 @@ def test_a_strategy_in_a_trainer_pickles_while_it_watches_recompiles(strategy):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(ddp_comm_hook=print), "FastDDPStrategy: ddp_comm_hook is not taken; name the hook instead: comm_hook='fp16'"),
+        (dict(ddp_comm_hook=print),
+         "FastDDPStrategy: ddp_comm_hook is not taken; name the hook instead: comm_hook='fp16'"),
         (dict(ddp_comm_state=object()), "ddp_comm_state is not taken; use comm_hook='powersgd' with powersgd_rank"),
         (dict(ddp_comm_wrapper=print), "ddp_comm_wrapper is not taken; use comm_hook='fp16' or 'bf16' instead"),
         (dict(model_averaging_period=4), "model_averaging_period is not taken; post-local SGD is not offered"),
-        (dict(broadcast_bufers=False), "'broadcast_bufers' is an option of neither FastDDPStrategy nor DistributedDataParallel; "
+        (dict(broadcast_bufers=False),
+         "'broadcast_bufers' is an option of neither FastDDPStrategy nor DistributedDataParallel; "
          "DistributedDataParallel takes: output_device, dim, broadcast_buffers, init_sync"),
         (dict(device_ids=[0]), "'device_ids' is an option of neither"),  # the strategy sets it
     ],

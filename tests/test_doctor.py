@@ -1,4 +1,7 @@
-"""``lightning-fastdist doctor``: environment, memory table, recommendation, one-line errors, and a recipe that trains."""
+"""``lightning-fastdist doctor``.
+
+Environment, memory table, recommendation, one-line errors, and a recipe that trains.
+"""
 
 from __future__ import annotations
 
@@ -167,7 +170,8 @@ def test_gpus_without_memory_on_a_machine_without_gpus_is_refused(in_tmp_dir, ca
 @pytest.mark.slow
 def test_the_written_recipe_trains_with_lightning_fastdist_fit(tmp_path):
     doctor = run_launcher(
-        cli_command("doctor", "--params", "200K", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "3", "--output", "doctor.yaml"),
+        cli_command("doctor", "--params", "200K", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "3",
+                    "--output", "doctor.yaml"),
         cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert "Wrote doctor.yaml" in doctor.stdout

@@ -1,4 +1,6 @@
-"""FastFSDPStrategy with a LightningModule that never calls ``self(...)``: every step reaches its model as ``self.model``.
+"""FastFSDPStrategy with a LightningModule that never calls ``self(...)``.
+
+Every step reaches its model as ``self.model``.
 
 On 2 gloo processes, a HuggingFace GPT-2 wrapped the HuggingFace way trains with gradient
 accumulation (one reduce-scatter round per optimizer step), validates, tests and predicts

@@ -49,5 +49,6 @@ def test_the_surviving_rank_exits_with_a_clear_error(tmp_path, strategy_class, h
     assert survivor_message() in survivor.output, survivor.output[-3000:]
     seconds = survivor.ended_at - marker.stat().st_mtime
     print(
-        f"rank 0 exited {seconds:.1f} s after rank 1 {'hung' if hang else 'died'} (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
+        f"rank 0 exited {seconds:.1f} s after rank 1 {'hung' if hang else 'died'} "
+        f"(collective timeout {COLLECTIVE_TIMEOUT_S} s)"
     )

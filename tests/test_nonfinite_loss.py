@@ -53,7 +53,8 @@ def train_with_nan(action: str, log_dir: str, kind: str = "ddp") -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, log_every_n_steps=LOG_EVERY,
         logger=CSVLogger(log_dir, name="", version=""), enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=[LabelSteps(syncs), SyncFreeLogging(), NonFiniteLoss(action)],
+        enable_model_summary=False, limit_val_batches=0,
+        callbacks=[LabelSteps(syncs), SyncFreeLogging(), NonFiniteLoss(action)],
     )  # fmt: skip
     model = NaNLossGPT(n_layer=2, n_embd=32, n_head=2, block_size=16, warmup_steps=0)
     with syncs:

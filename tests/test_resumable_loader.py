@@ -142,7 +142,10 @@ def rank_loaders(world_size: int, batch_size: int, sampler=None) -> list[Resumab
 
 
 def train_steps(loaders: list[ResumableDataLoader], steps: int | None) -> list[list[int]]:
-    """Global batches: every rank's batch of each step, in rank order (all batches of the epoch when ``steps`` is None)."""
+    """Global batches: every rank's batch of each step, in rank order.
+
+    All batches of the epoch when ``steps`` is None.
+    """
     iterators = [iter(rank_loader) for rank_loader in loaders]
     global_batches = []
     for step_batches in zip(*iterators):

@@ -135,7 +135,8 @@ def test_two_to_one_and_one_to_two_ranks_read_each_sample_once(tmp_path):
     ):
         assert read(*before, after[name]) == list(range(SAMPLES)), name
         assert after[name]["steps"] == steps, name
-    # The same global batch (2 x 4 -> 1 x 8): the uninterrupted run's global batches and, but for summation order, weights.
+    # The same global batch (2 x 4 -> 1 x 8): the uninterrupted run's global batches and,
+    # but for summation order, weights.
     straight_two = global_steps([rank["straight"]["batches"] for rank in two])
     assert (
         global_steps([rank["first"]["batches"] for rank in two]) + global_steps([after["batch_8"]["batches"]])

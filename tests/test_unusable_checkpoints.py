@@ -34,12 +34,14 @@ def write_one_process_recipe(folder: Path, kind: str) -> Path:
             "enable_model_summary": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
             "strategy": {"class_path": STRATEGIES[kind], "init_args": {"timeout": 60}},
             "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
-                "dirpath": str(folder / "checkpoints"), "every_n_train_steps": 2, "save_top_k": -1, "save_last": True}}],
+                "dirpath": str(folder / "checkpoints"), "every_n_train_steps": 2, "save_top_k": -1,
+                "save_last": True}}],
         },
         "model": {"class_path": "lightning_fastdist.demo.TinyGPT",
                   "init_args": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": BLOCK, "warmup_steps": 0}},
         "data": {"class_path": "lightning_fastdist.demo.TextDataModule",
-                 "init_args": {"batch_size": BATCH, "block_size": BLOCK, "corpus_path": str(write_corpus(folder / "corpus.bin", world_size=1))}},
+                 "init_args": {"batch_size": BATCH, "block_size": BLOCK,
+                               "corpus_path": str(write_corpus(folder / "corpus.bin", world_size=1))}},
     }  # fmt: skip
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -48,7 +50,10 @@ def write_one_process_recipe(folder: Path, kind: str) -> Path:
 
 @pytest.fixture(scope="module", params=sorted(STRATEGIES))
 def trained(request, tmp_path_factory) -> tuple[str, Path]:
-    """A recipe and the checkpoints of its first 4 steps (``epoch=0-step=2.ckpt``, ``...step=4.ckpt``, ``last.ckpt``)."""
+    """A recipe and the checkpoints of its first 4 steps.
+
+    The checkpoints are ``epoch=0-step=2.ckpt``, ``...step=4.ckpt`` and ``last.ckpt``.
+    """
     folder = tmp_path_factory.mktemp(request.param)
     recipe = write_one_process_recipe(folder, request.param)
     with pytest.MonkeyPatch.context() as patch:
