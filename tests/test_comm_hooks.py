@@ -11,8 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb, gradient_bytes
-from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
-from lightning_fastdist.parallel.powersgd import PowerSGDState, _is_compressible
+from lightning_fastdist.parallel.comm_hook_spec import CommHookSpec
+from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, _is_compressible
 from tests.harness import run_function
 
 # Relative error of one averaged gradient, by hook: fp16 keeps 11 significant
@@ -52,7 +52,7 @@ def check_precision_hook(name: str) -> dict:
     model = tiny_model()
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)  # several buckets
-    state = register_comm_hook(ddp, name)
+    state = CommHookSpec(name).register(ddp)
     worst = 0.0
     for step in range(3):
         tokens = local_batch(step)
@@ -80,9 +80,8 @@ def check_powersgd(start_iter: int, steps: int, factor_dtype: str = "fp32") -> d
     model = tiny_model()
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
-    state = register_comm_hook(
-        ddp, "powersgd", powersgd_rank=2, powersgd_start_iter=start_iter, powersgd_factor_dtype=factor_dtype
-    )
+    settings = PowerSGDSettings(rank=2, start_iter=start_iter, factor_dtype=factor_dtype)
+    state = CommHookSpec("powersgd", settings).register(ddp)
     assert isinstance(state, PowerSGDState)
     parameters = list(model.parameters())
     applied_sum = [torch.zeros_like(p) for p in parameters]
@@ -150,4 +149,4 @@ def test_unknown_hook_name_lists_the_accepted_ones():
     with pytest.raises(
         ValueError, match="comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'"
     ):
-        register_comm_hook(None, "fp8")
+        CommHookSpec("fp8")

@@ -1,6 +1,9 @@
-"""Register a communication hook on a DDP module by name."""
+"""DDP's gradient communication hook, in one place: its names, PowerSGD's settings, which choices
+send bfloat16 and the backends that can reduce it, the checks, and the registration on a DDP module."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -12,55 +15,67 @@ from lightning_fastdist.parallel.comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
-from lightning_fastdist.parallel.powersgd import PowerSGDState, powersgd_hook
+from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, powersgd_hook
 
 COMM_HOOK_NAMES = ("none", "fp16", "bf16", "powersgd")
-# What PowerSGD's P and Q factors may travel in.
-POWERSGD_FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Backends known to all-reduce bfloat16 tensors.
 BF16_BACKENDS = ("gloo", "nccl")
+_AVERAGING_HOOKS = {"none": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
 
 
-def register_comm_hook(
-    ddp_module: DistributedDataParallel,
-    name: str,
-    process_group: dist.ProcessGroup | None = None,
-    powersgd_rank: int = 2,
-    powersgd_start_iter: int = 1000,
-    powersgd_error_feedback: bool = True,
-    powersgd_warm_start: bool = True,
-    powersgd_factor_dtype: str = "fp32",
-) -> HookState:
-    """Register the hook called ``name`` on ``ddp_module`` and return its state (with byte counters).
+@dataclass(frozen=True)
+class CommHookSpec:
+    """How DDP averages gradients; checked when built, so a bad choice fails before any process starts.
 
-    Args:
-        ddp_module: the wrapped model.
-        name: one of :data:`COMM_HOOK_NAMES`. ``"none"`` still registers a
-            full-precision averaging hook, so bytes are counted the same way for every choice.
-        process_group: group to reduce over (``None``: the default group).
-        powersgd_rank: PowerSGD factor rank (>= 1).
-        powersgd_start_iter: exact synchronisations before PowerSGD compresses (>= 2).
-        powersgd_error_feedback: PowerSGD error feedback on/off.
-        powersgd_warm_start: PowerSGD warm start on/off.
-        powersgd_factor_dtype: a key of :data:`POWERSGD_FACTOR_DTYPES`: what P and Q are all-reduced in.
+    Attributes:
+        name: ``"none"`` (full precision), ``"fp16"`` or ``"bf16"`` (sent in half precision: half
+            the bytes), ``"powersgd"`` (low-rank compression, see :class:`PowerSGDSettings`).
+            ``"none"`` still registers a full-precision averaging hook, so bytes are counted the
+            same way for every choice.
+        powersgd: PowerSGD's settings (checked whatever the name, so a typo never waits for a switch).
     """
-    if name not in COMM_HOOK_NAMES:
-        raise ValueError(
-            f"comm_hook={name!r} is not supported; accepted values: {', '.join(map(repr, COMM_HOOK_NAMES))}."
-        )
-    if name == "powersgd":
-        state = PowerSGDState(
-            process_group=process_group,
-            rank=powersgd_rank,
-            start_iter=powersgd_start_iter,
-            error_feedback=powersgd_error_feedback,
-            warm_start=powersgd_warm_start,
-            factor_dtype=POWERSGD_FACTOR_DTYPES[powersgd_factor_dtype],
-        )
-        state.index_parameters(ddp_module.module)
-        ddp_module.register_comm_hook(state, powersgd_hook)
+
+    name: str = "none"
+    powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
+
+    def __post_init__(self) -> None:
+        if self.name not in COMM_HOOK_NAMES:
+            raise ValueError(
+                f"comm_hook={self.name!r} is not supported; accepted values: {', '.join(map(repr, COMM_HOOK_NAMES))}."
+            )
+
+    @property
+    def bf16_option(self) -> str | None:
+        """The option that makes DDP all-reduce bfloat16 (``"comm_hook='bf16'"`` ...), or ``None``."""
+        if self.name == "bf16":
+            return "comm_hook='bf16'"
+        if self.name == "powersgd" and self.powersgd.factor_dtype == "bf16":
+            return "powersgd_factor_dtype='bf16'"
+        return None
+
+    def check_backend(self, backend: str, device: torch.device | None = None) -> None:
+        """Refuse a choice that sends bfloat16 where ``backend`` (or the GPU ``device``) cannot reduce it."""
+        option = self.bf16_option
+        if option is None:
+            return
+        if backend not in BF16_BACKENDS:
+            raise ValueError(
+                f"{option} needs process_group_backend in {', '.join(map(repr, BF16_BACKENDS))} "
+                f"(they reduce bfloat16), got {backend!r}."
+            )
+        if device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"{option} needs a GPU with bfloat16 support ({torch.cuda.get_device_name(device)} has none); "
+                "use fp16 instead."
+            )
+
+    def register(self, ddp_module: DistributedDataParallel, group: dist.ProcessGroup | None = None) -> HookState:
+        """Register the hook on ``ddp_module``, reducing over ``group`` (default: the world); return its state."""
+        if self.name == "powersgd":
+            state = PowerSGDState(process_group=group, settings=self.powersgd)
+            state.index_parameters(ddp_module.module)
+            ddp_module.register_comm_hook(state, powersgd_hook)
+            return state
+        state = HookState(process_group=group)
+        ddp_module.register_comm_hook(state, _AVERAGING_HOOKS[self.name])
         return state
-    hooks = {"none": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
-    state = HookState(process_group=process_group)
-    ddp_module.register_comm_hook(state, hooks[name])
-    return state

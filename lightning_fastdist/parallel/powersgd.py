@@ -29,29 +29,62 @@ from lightning_fastdist.parallel.comm_hooks import HookState, launch_mean_all_re
 
 # A matrix is compressed only if its factors are this many times smaller than it.
 MIN_COMPRESSION_RATE = 2.0
+# What the P and Q factors may travel in.
+POWERSGD_FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PowerSGDSettings:
+    """PowerSGD's options and their one set of defaults (FastDDPStrategy's ``powersgd_*`` options).
+
+    Attributes:
+        rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more.
+        start_iter: optimizer steps averaged exactly before compression starts (>= 2): the first
+            synchronisations are exact while DDP settles its buckets, and early training is
+            sensitive to compression, so start after the learning-rate warm-up.
+        error_feedback: carry each rank's compression error into its next gradient.
+        warm_start: reuse last step's ``Q`` factors (a better approximation for free).
+        factor_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: what ``P`` and ``Q`` are all-reduced
+            in; half precision halves their bytes (bf16 cannot overflow, fp16 keeps more
+            mantissa). The products, orthonormalisation and error feedback stay in the gradients' dtype.
+        seed: seed of the random initial ``Q`` (identical on every rank).
+    """
+
+    rank: int = 2
+    start_iter: int = 1000
+    error_feedback: bool = True
+    warm_start: bool = True
+    factor_dtype: str = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"powersgd_rank must be an integer >= 1, got {self.rank!r}.")
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 2:
+            raise ValueError(
+                f"powersgd_start_iter must be an integer >= 2, got {self.start_iter!r} "
+                "(the first synchronisations are exact while DDP settles its buckets)."
+            )
+        if self.factor_dtype not in POWERSGD_FACTOR_DTYPES:
+            raise ValueError(
+                f"powersgd_factor_dtype={self.factor_dtype!r} is not supported; accepted values: "
+                f"{', '.join(map(repr, POWERSGD_FACTOR_DTYPES))}."
+            )
 
 
 @dataclass
 class PowerSGDState(HookState):
-    """Options and memories of the PowerSGD hook on one rank.
+    """The PowerSGD hook's settings and memories on one rank.
 
     Args:
-        rank: number of columns ``r`` of the factors; higher is more accurate and sends more.
-        start_iter: gradient synchronisations averaged exactly before compression starts.
-        error_feedback: add each rank's compression error to its next gradient.
-        warm_start: reuse the previous step's ``Q`` instead of a fresh random one.
-        seed: seed of the random initial ``Q`` (identical on every rank).
-        factor_dtype: dtype ``P`` and ``Q`` are all-reduced in; float16/bfloat16 halve
-            the bytes, while the products, orthonormalisation and error feedback stay in
-            the gradients' dtype.
+        settings: the options (:class:`PowerSGDSettings`).
+        iteration: gradient synchronisations so far.
+        errors: per parameter, what compression dropped last step (error feedback).
+        q_memory: per parameter, the last ``Q`` factor (warm start).
+        parameter_index: a parameter's position in the model, by ``id``: the memories' key.
     """
 
-    rank: int = 2
-    start_iter: int = 10
-    error_feedback: bool = True
-    warm_start: bool = True
-    seed: int = 0
-    factor_dtype: torch.dtype = torch.float32
+    settings: PowerSGDSettings = field(default_factory=PowerSGDSettings)
     iteration: int = 0
     errors: dict[int, Tensor] = field(default_factory=dict)
     q_memory: dict[int, Tensor] = field(default_factory=dict)
@@ -77,9 +110,9 @@ class PowerSGDState(HookState):
 
     def q_factor(self, key: int, matrix: Tensor) -> Tensor:
         """The ``Q`` to multiply ``matrix`` with: the remembered one, or a seeded random one."""
-        if key not in self.q_memory or not self.warm_start:
-            generator = torch.Generator().manual_seed(hash((self.seed, key, self.iteration)) % 2**63)
-            shape = (matrix.shape[1], min(self.rank, *matrix.shape))
+        if key not in self.q_memory or not self.settings.warm_start:
+            generator = torch.Generator().manual_seed(hash((self.settings.seed, key, self.iteration)) % 2**63)
+            shape = (matrix.shape[1], min(self.settings.rank, *matrix.shape))
             self.q_memory[key] = torch.randn(shape, generator=generator).to(matrix.device, matrix.dtype)
         return self.q_memory[key]
 
@@ -117,8 +150,8 @@ def _unflatten_into(flat: Tensor, targets: list[Tensor]) -> None:
 
 
 def _average_factors(state: PowerSGDState, factors: list[Tensor]) -> None:
-    """Average ``factors`` over ranks in place, sending them in ``state.factor_dtype``; waits for the result."""
-    sent = _flatten(factors).to(state.factor_dtype)
+    """Average ``factors`` over ranks in place, sent in the settings' ``factor_dtype``; waits for the result."""
+    sent = _flatten(factors).to(POWERSGD_FACTOR_DTYPES[state.settings.factor_dtype])
     _unflatten_into(launch_mean_all_reduce(state, sent).wait(), factors)
 
 
@@ -128,8 +161,8 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tenso
     if is_last:
         state.stats.finish_round()
     views = _bucket_views(bucket)
-    compress = [_is_compressible(view, state.rank) for view in views]
-    if state.iteration < state.start_iter or not any(compress):
+    compress = [_is_compressible(view, state.settings.rank) for view in views]
+    if state.iteration < state.settings.start_iter or not any(compress):
         if is_last:
             state.iteration += 1
         return launch_mean_all_reduce(state, bucket.buffer())
@@ -139,7 +172,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tenso
     exact = [view for view, wanted in zip(views, compress) if not wanted]
     exact_average = launch_mean_all_reduce(state, _flatten(exact)) if exact else None
 
-    if state.error_feedback:
+    if state.settings.error_feedback:
         for key, matrix in zip(keys, matrices):
             if key in state.errors:
                 matrix.add_(state.errors[key])
@@ -156,7 +189,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tenso
     _average_factors(state, qs)
     for matrix, q, p in zip(matrices, qs, ps):
         torch.matmul(p, q.t(), out=matrix)
-    if state.error_feedback:
+    if state.settings.error_feedback:
         for key, before, after in zip(keys, compensated, matrices):
             state.errors[key] = before.sub_(after)
     if is_last:

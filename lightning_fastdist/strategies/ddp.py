@@ -24,62 +24,52 @@ comm-hook arguments are refused with the option to use instead
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, is_local_path, save_file_atomically
+from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
-from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
-from lightning_fastdist.parallel.comm_hook_registry import register_comm_hook
+from lightning_fastdist.parallel.comm_hook_spec import CommHookSpec
 from lightning_fastdist.parallel.comm_hooks import HookState
-from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
-from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.parallel.compile import apply_compile
+from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
-from lightning_fastdist.strategies.ddp_options import (
-    check_bf16_backend,
-    check_ddp_kwargs,
-    check_ddp_options,
-    sends_bf16,
-)
+from lightning_fastdist.strategies.ddp_options import check_bucket_cap_mb, check_ddp_kwargs
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
+from lightning_fastdist.strategies.shared_setup import SharedSetup
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
 CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
-class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
+class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
-        comm_hook: how gradients are averaged: ``"none"`` (full precision),
-            ``"fp16"`` or ``"bf16"`` (sent in half precision: half the bytes),
-            ``"powersgd"`` (low-rank compression, see ``powersgd_*``).
-        powersgd_rank: rank of PowerSGD's factors (>= 1); higher is closer to exact and sends more.
-        powersgd_start_iter: optimizer steps averaged exactly before PowerSGD starts (>= 2);
-            early training is sensitive to compression, so start after the learning-rate warm-up.
-        powersgd_error_feedback: carry each rank's compression error into its next gradient.
-        powersgd_warm_start: reuse last step's ``Q`` factors (better approximation for free).
-        powersgd_factor_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: what PowerSGD's factors are
-            all-reduced in; half precision halves their bytes (bf16 cannot overflow, fp16 keeps
-            more mantissa). The arithmetic stays in the gradients' dtype.
+        comm_hook: how gradients are averaged: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``
+            (:class:`~lightning_fastdist.parallel.comm_hook_spec.CommHookSpec`'s ``name``).
+        powersgd_rank: PowerSGD's ``rank``; PowerSGD's settings are described (and defaulted) once, in
+            :class:`~lightning_fastdist.parallel.powersgd.PowerSGDSettings`.
+        powersgd_start_iter: PowerSGD's ``start_iter``.
+        powersgd_error_feedback: PowerSGD's ``error_feedback``.
+        powersgd_warm_start: PowerSGD's ``warm_start``.
+        powersgd_factor_dtype: PowerSGD's ``factor_dtype``.
         bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to
             [1, 100] MB, so communication overlaps the backward in several buckets without
             paying per-message latency on tiny ones (see ``parallel/buckets.py``).
@@ -115,15 +105,16 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
     """
 
     strategy_name = "fast_ddp"
+    strategy_description = "DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend"
 
     def __init__(
         self,
         comm_hook: CommHookName = "none",
-        powersgd_rank: int = 2,
-        powersgd_start_iter: int = 1000,
-        powersgd_error_feedback: bool = True,
-        powersgd_warm_start: bool = True,
-        powersgd_factor_dtype: Literal["fp32", "fp16", "bf16"] = "fp32",
+        powersgd_rank: int = PowerSGDSettings.rank,
+        powersgd_start_iter: int = PowerSGDSettings.start_iter,
+        powersgd_error_feedback: bool = PowerSGDSettings.error_feedback,
+        powersgd_warm_start: bool = PowerSGDSettings.warm_start,
+        powersgd_factor_dtype: Literal["fp32", "fp16", "bf16"] = PowerSGDSettings.factor_dtype,
         bucket_cap_mb: float | Literal["auto"] = "auto",
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
@@ -145,14 +136,17 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         **kwargs: Any,
     ) -> None:
         check_ddp_kwargs(kwargs)
-        check_ddp_options(
-            comm_hook, powersgd_rank, powersgd_start_iter, bucket_cap_mb, process_group_backend, powersgd_factor_dtype
-        )
+        with _named_errors():
+            powersgd = PowerSGDSettings(
+                powersgd_rank, powersgd_start_iter, powersgd_error_feedback, powersgd_warm_start, powersgd_factor_dtype
+            )
+            self.comm = CommHookSpec(comm_hook, powersgd)
+            if process_group_backend is not None:
+                self.comm.check_backend(process_group_backend)
+        check_bucket_cap_mb(bucket_cap_mb)
         validate_activation_checkpointing(activation_checkpointing)
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
-        self.compile_config = normalize_compile_config(compile)
-        self.compile_scope = validate_compile_scope(compile_scope)
-        self.timeout = collective_timeout(timeout, "FastDDPStrategy")
+        timeout = self.take_shared_options(timeout, compile, compile_scope)
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -167,17 +161,11 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=self.timeout,
+            timeout=timeout,
             start_method=start_method,
             **ddp_kwargs,
             **kwargs,  # to DistributedDataParallel, as in Lightning (and LightningCLI sees them through this call)
         )
-        self.comm_hook = comm_hook
-        self.powersgd_rank = powersgd_rank
-        self.powersgd_start_iter = powersgd_start_iter
-        self.powersgd_error_feedback = powersgd_error_feedback
-        self.powersgd_warm_start = powersgd_warm_start
-        self.powersgd_factor_dtype = powersgd_factor_dtype
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
         self.activation_checkpointing = activation_checkpointing
@@ -185,24 +173,13 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         self.hook_state: HookState | None = None
         self.checkpointed_blocks: list[torch.nn.Module] = []
         self.compiled_regions: list[torch.nn.Module] = []
-        self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self._pending_hook_checkpoint: dict | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend",
-        )
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        option = sends_bf16(self.comm_hook, self.powersgd_factor_dtype)
-        if option is not None:
-            check_bf16_backend(self._get_process_group_backend(), self.root_device, option=option)
+        with _named_errors():
+            self.comm.check_backend(self._get_process_group_backend(), self.root_device)
 
     @override
     def configure_ddp(self) -> None:
@@ -214,15 +191,7 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(self.model)
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
-        self.hook_state = register_comm_hook(
-            self.model,
-            self.comm_hook,
-            powersgd_rank=self.powersgd_rank,
-            powersgd_start_iter=self.powersgd_start_iter,
-            powersgd_error_feedback=self.powersgd_error_feedback,
-            powersgd_warm_start=self.powersgd_warm_start,
-            powersgd_factor_dtype=self.powersgd_factor_dtype,
-        )
+        self.hook_state = self.comm.register(self.model)
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)
             self._pending_hook_checkpoint = None
@@ -230,27 +199,24 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
             self.compiled_regions = apply_compile(self.lightning_module, self.compile_config, "model", [])
 
     def _prepare_blocks(self) -> None:
-        compiles_blocks = self.compile_config is not None and self.compile_scope == "blocks"
-        if self.activation_checkpointing == "none" and not compiles_blocks:
+        if self.activation_checkpointing == "none" and not self.compiles_blocks:
             return
         block_classes = resolve_and_log_blocks(self.model, self.blocks)
-        without_kv_cache(self.model, self.activation_checkpointing, compiles_blocks)
+        without_kv_cache(self.model, self.activation_checkpointing, self.compiles_blocks)
         self.checkpointed_blocks = apply_activation_checkpointing(
             self.model, self.activation_checkpointing, block_classes
         )
-        if compiles_blocks:
+        if self.compiles_blocks:
             self.compiled_regions = apply_compile(self.model, self.compile_config, "blocks", block_classes)
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.start_fault_handling(trainer)
-        if self.compile_config is not None:
-            self.recompiles.start()
+        self.start_shared(trainer)
         super().setup(trainer)
 
     @override
     def teardown(self) -> None:
-        self.recompiles.stop()
+        self.stop_shared()
         super().teardown()
 
     @override
@@ -259,18 +225,13 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
         self._add_resume_state(checkpoint)
         if isinstance(self.hook_state, PowerSGDState):
             checkpoint[CHECKPOINT_KEY] = {
-                "comm_hook": self.comm_hook,
+                "comm_hook": self.comm.name,
                 "per_rank": gather_to_rank_zero(self.hook_state.state_dict(), self.world_size, self.global_rank),
             }
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
             return
-        check_save_target(Path(filepath), sharded=False)  # every rank refuses a user's folder alike
-        if self.is_global_zero:
-            # Written under <name>.partial and renamed onto <name> once complete (last.ckpt included).
-            save_file_atomically(
-                lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options), Path(filepath)
-            )
+        self.save_one_file(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -293,7 +254,16 @@ class FastDDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy
     comm_collectives = (ALL_REDUCE,)
 
     def _restore_hook_state(self, saved: dict) -> None:
-        restore_hook_state(self.hook_state, self.comm_hook, saved, self.world_size, self.global_rank, self.root_device)
+        restore_hook_state(self.hook_state, self.comm.name, saved, self.world_size, self.global_rank, self.root_device)
 
 
-FastDDPStrategy.register_strategies(StrategyRegistry)
+@contextmanager
+def _named_errors() -> Generator[None, None, None]:
+    """Prefix the option checks' errors with the class a user named in their recipe."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"FastDDPStrategy: {error}") from None
+
+
+FastDDPStrategy.register_once()

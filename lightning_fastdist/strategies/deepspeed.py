@@ -26,7 +26,7 @@ import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
-from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override
 
 from lightning_fastdist.parallel.activation_checkpointing import (
@@ -35,7 +35,6 @@ from lightning_fastdist.parallel.activation_checkpointing import (
 )
 from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
 from lightning_fastdist.parallel.blocks import check_blocks_value
-from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed_runtime import (
@@ -50,6 +49,7 @@ from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks, 
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
+from lightning_fastdist.strategies.shared_setup import SharedSetup
 
 STAGES = (1, 2, 3)
 DEVICE_TYPES = ("cpu", "cuda")
@@ -69,7 +69,9 @@ def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[
             raise ValueError(f"{option}: got {value!r}; use 'auto' or a number of elements >= 1.")
 
 
-class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, DeepSpeedStrategy):
+class FastDeepSpeedStrategy(
+    SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, DeepSpeedStrategy
+):
     """DeepSpeed ZeRO stage 1, 2 or 3 on GPUs or CPU processes, with our activation checkpointing and accounting.
 
     Args:
@@ -104,6 +106,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
     """
 
     strategy_name = "fast_deepspeed"
+    strategy_description = "DeepSpeed ZeRO 1-3 on GPUs and CPUs by lightning_fastdist"
 
     def __init__(
         self,
@@ -128,7 +131,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         check_deepspeed_options(stage, offload_parameters, buckets)
         check_blocks_value(blocks)
         validate_activation_checkpointing(activation_checkpointing)
-        self.timeout = collective_timeout(timeout, type(self).__name__)
+        timeout = self.take_shared_options(timeout)  # no compile option: DeepSpeed's engine wraps the module
         super().__init__(
             accelerator=accelerator,
             stage=stage,
@@ -140,7 +143,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=self.timeout,
+            timeout=timeout,
         )
         # Offload with the module's own torch optimizer: DeepSpeed would otherwise insist on
         # DeepSpeedCPUAdam, a C++ op compiled at run time.
@@ -156,13 +159,6 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         self._comm_stats = CommStats()
         self._stop_counting: Callable[[], None] | None = None
         self._comm_counted = False
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DeepSpeed ZeRO 1-3 on GPUs and CPUs by lightning_fastdist"
-        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -204,7 +200,7 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.start_fault_handling(trainer)
+        self.start_shared(trainer)
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
             self._stop_counting = count_deepspeed_communication(self._comm_stats)
@@ -284,8 +280,8 @@ class FastDeepSpeedStrategy(FaultTolerance, ExactResume, CommBytesLogging, Gradi
         if self._stop_counting is not None:
             self._stop_counting()
             self._stop_counting = None
+        self.stop_shared()
         super().teardown()
 
 
-if FastDeepSpeedStrategy.strategy_name not in StrategyRegistry:
-    FastDeepSpeedStrategy.register_strategies(StrategyRegistry)
+FastDeepSpeedStrategy.register_once()

@@ -23,40 +23,34 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.activation_checkpointing import validate_activation_checkpointing
-from lightning_fastdist.parallel.atomic_checkpoint import (
-    ShardedCheckpointWriter,
-    check_save_target,
-    save_file_atomically,
-)
-from lightning_fastdist.parallel.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
-from lightning_fastdist.parallel.compile import normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.fsdp import RootUnit, build_fsdp_mesh, shard_model, validate_sharding
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
+from lightning_fastdist.strategies.shared_setup import SharedSetup
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
-class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, ModelParallelStrategy):
+class FastFSDPStrategy(
+    SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, ModelParallelStrategy
+):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -96,6 +90,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
     """
 
     strategy_name = "fast_fsdp"
+    strategy_description = "FSDP2 applied per block by lightning_fastdist"
 
     def __init__(
         self,
@@ -114,10 +109,8 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         shard_modules: str | list[str] | None = None,
     ) -> None:
         validate_sharding(sharding, hsdp_group_size)
-        self.timeout = collective_timeout(timeout, "FastFSDPStrategy")
+        timeout = self.take_shared_options(timeout, compile, compile_scope)
         validate_activation_checkpointing(activation_checkpointing)
-        self.compile_config = normalize_compile_config(compile)
-        self.compile_scope = validate_compile_scope(compile_scope)
         blocks = blocks_option("FastFSDPStrategy", blocks, "shard_modules", shard_modules)
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
@@ -130,7 +123,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
-            timeout=self.timeout,
+            timeout=timeout,
         )
         self.blocks = blocks
         self.sharding = sharding
@@ -141,16 +134,10 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         self.async_checkpointing = async_checkpointing
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.compiled_regions: list[nn.Module] = []
-        self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self.log_comm_bytes = log_comm_bytes
         self._comm_stats = CommStats()
         self._comm_counted = False
         self._root: RootUnit | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 applied per block by lightning_fastdist")
 
     @property
     def _shard_group_size(self) -> int:
@@ -186,9 +173,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
-        self.start_fault_handling(trainer)
-        if self.compile_config is not None:
-            self.recompiles.start()
+        self.start_shared(trainer)
         self.accelerator.setup(trainer)
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
@@ -224,8 +209,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         """
         one_unit = "; FSDP shards the whole model as one unit (name its blocks for one unit each)"
         block_classes = resolve_and_log_blocks(model, self.blocks, without_blocks=one_unit)
-        compiles_blocks = self.compile_config is not None and self.compile_scope == "blocks"
-        without_kv_cache(model, self.activation_checkpointing, compiles_blocks)
+        without_kv_cache(model, self.activation_checkpointing, self.compiles_blocks)
         root, units, self.compiled_regions = shard_model(
             model,
             self.device_mesh,
@@ -282,9 +266,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
         self._add_resume_state(checkpoint)
         path = Path(self.broadcast(filepath))
         if self.checkpoint_format == "full":
-            check_save_target(path, sharded=False)  # every rank refuses a user's folder alike
-            if self.is_global_zero:
-                save_file_atomically(lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged), path)
+            self.save_one_file(checkpoint, path)
             self.barrier()
             return
         tensors = {"state_dict": checkpoint.pop("state_dict")}
@@ -338,7 +320,7 @@ class FastFSDPStrategy(FaultTolerance, ExactResume, CommBytesLogging, GradientRo
 
     @override
     def teardown(self) -> None:
-        self.recompiles.stop()
+        self.stop_shared()
         self._checkpoint_writer.wait()
         super().teardown()
 
@@ -354,5 +336,4 @@ def _move_all_but_parameters(module: nn.Module, device: torch.device) -> None:
         _move_all_but_parameters(child, device)
 
 
-if FastFSDPStrategy.strategy_name not in StrategyRegistry:
-    FastFSDPStrategy.register_strategies(StrategyRegistry)
+FastFSDPStrategy.register_once()

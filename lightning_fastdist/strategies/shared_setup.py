@@ -1,0 +1,81 @@
+"""What every strategy of this package sets up alike, written once: the collective ``timeout``,
+the ``compile`` options and their recompile watcher, a one-file checkpoint published atomically,
+and registration under ``strategy_name``.
+
+A strategy lists :class:`SharedSetup` among its mixins (before Lightning's class), calls
+:meth:`~SharedSetup.take_shared_options` in ``__init__`` before Lightning's ``__init__`` (which
+takes the returned timeout), :meth:`~SharedSetup.start_shared` first in ``setup`` and
+:meth:`~SharedSetup.stop_shared` in ``teardown``, and sets ``strategy_name`` and
+``strategy_description``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
+from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, save_file_atomically
+from lightning_fastdist.parallel.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.compile import normalize_compile_config, validate_compile_scope
+
+
+class SharedSetup:
+    """Mixin for the options and the lifecycle that every strategy of this package shares.
+
+    The strategy provides ``start_fault_handling`` (:class:`~lightning_fastdist.strategies.fault_tolerance.
+    FaultTolerance`), ``checkpoint_io`` and ``is_global_zero`` (Lightning).
+    """
+
+    strategy_name: str
+    strategy_description: str
+
+    def take_shared_options(
+        self, timeout: float | timedelta | None, compile: bool | dict[str, Any] = False, compile_scope: str = "blocks"
+    ) -> timedelta:
+        """Check and keep ``timeout``, ``compile`` and ``compile_scope``; return the timeout for Lightning."""
+        self.timeout = collective_timeout(timeout, type(self).__name__)
+        self.compile_config = normalize_compile_config(compile)
+        self.compile_scope = validate_compile_scope(compile_scope)
+        self.recompiles = RecompileWatcher(report=rank_zero_warn)
+        return self.timeout
+
+    @property
+    def compiles_blocks(self) -> bool:
+        """Each block's forward is compiled (``compile`` on, ``compile_scope="blocks"``)."""
+        return self.compile_config is not None and self.compile_scope == "blocks"
+
+    def start_shared(self, trainer: Any) -> None:
+        """Job identity and preemption handling, and the recompile watcher when compiling."""
+        self.start_fault_handling(trainer)  # type: ignore[attr-defined]
+        if self.compile_config is not None:
+            self.recompiles.start()
+
+    def stop_shared(self) -> None:
+        self.recompiles.stop()
+
+    def save_one_file(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Rank 0 writes ``checkpoint`` as one file under ``<name>.partial``, renamed onto ``<name>`` once complete.
+
+        Every rank first refuses a folder at ``filepath`` that is not a checkpoint, so all ranks stop alike.
+        """
+        check_save_target(Path(filepath), sharded=False)
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            save_file_atomically(
+                lambda staged: self.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options),  # type: ignore[attr-defined]
+                Path(filepath),
+            )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
+
+    @classmethod
+    def register_once(cls) -> None:
+        """Register in Lightning's registry unless a first import already did."""
+        if cls.strategy_name not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
