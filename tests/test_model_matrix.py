@@ -74,7 +74,7 @@ def _fit(model_name: str, strategy) -> dict:
     run = {"losses": losses.losses, "units": sum(isinstance(m, FSDPModule) for m in trainer.strategy.model.modules())}
     if hasattr(strategy, "recompiles"):
         run["recompiles"] = strategy.recompiles.count
-    if getattr(strategy, "comm_hook", None) == "powersgd":
+    if getattr(strategy, "comm", None) is not None and strategy.comm.name == "powersgd":
         stats = strategy.hook_state.stats
         run["compressed"] = stats.last_step_bytes < sum(p.numel() * 4 for p in model.parameters())
     if model_name == "gpt2":
