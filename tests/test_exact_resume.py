@@ -82,27 +82,14 @@ def train(kind: str, corpus: str, folder: str, max_steps: int, resume: bool) -> 
 
 def run(kind: str, tmp_path: Path) -> tuple[list[dict], list[dict], list[dict]]:
     corpus = str(write_corpus(tmp_path / "corpus.bin", BATCHES_PER_EPOCH, WORLD))
-    straight = run_function(
-        train,
-        WORLD,
-        args=(kind, corpus, str(tmp_path / "straight"), TOTAL_STEPS, False),
-        init_process_group=False,
-        timeout=240,
-    )
-    first = run_function(
-        train,
-        WORLD,
-        args=(kind, corpus, str(tmp_path / "split"), RESUME_AT, False),
-        init_process_group=False,
-        timeout=240,
-    )
-    second = run_function(
-        train,
-        WORLD,
-        args=(kind, corpus, str(tmp_path / "split"), TOTAL_STEPS, True),
-        init_process_group=False,
-        timeout=240,
-    )
+
+    def train_to(folder: str, max_steps: int, resume: bool) -> list[dict]:
+        args = (kind, corpus, str(tmp_path / folder), max_steps, resume)
+        return run_function(train, WORLD, args=args, init_process_group=False, timeout=240)
+
+    straight = train_to("straight", TOTAL_STEPS, resume=False)
+    first = train_to("split", RESUME_AT, resume=False)
+    second = train_to("split", TOTAL_STEPS, resume=True)
     return straight, first, second
 
 
