@@ -138,7 +138,11 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         check_ddp_kwargs(kwargs)
         with _named_errors():
             powersgd = PowerSGDSettings(
-                powersgd_rank, powersgd_start_iter, powersgd_error_feedback, powersgd_warm_start, powersgd_factor_dtype
+                rank=powersgd_rank,
+                start_iter=powersgd_start_iter,
+                error_feedback=powersgd_error_feedback,
+                warm_start=powersgd_warm_start,
+                factor_dtype=powersgd_factor_dtype,
             )
             self.comm = CommHookSpec(comm_hook, powersgd)
             if process_group_backend is not None:
