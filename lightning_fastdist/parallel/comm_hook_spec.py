@@ -4,6 +4,7 @@ send bfloat16 and the backends that can reduce it, the checks, and the registrat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,9 @@ from lightning_fastdist.parallel.comm_hooks import (
 )
 from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, powersgd_hook
 
-COMM_HOOK_NAMES = ("none", "fp16", "bf16", "powersgd")
+# The type a strategy's signature uses (LightningCLI offers exactly these), and the names it allows.
+CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
+COMM_HOOK_NAMES = get_args(CommHookName)
 # Backends known to all-reduce bfloat16 tensors.
 BF16_BACKENDS = ("gloo", "nccl")
 _AVERAGING_HOOKS = {"none": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}

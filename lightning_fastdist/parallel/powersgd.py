@@ -19,6 +19,7 @@ resume, while parameter positions are.
 # with dist.GradBucket and Future[Tensor] at registration, so they must be real objects.
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,9 @@ from lightning_fastdist.parallel.comm_hooks import HookState, launch_mean_all_re
 
 # A matrix is compressed only if its factors are this many times smaller than it.
 MIN_COMPRESSION_RATE = 2.0
-# What the P and Q factors may travel in.
-POWERSGD_FACTOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# What the P and Q factors may travel in: the names a strategy's signature offers, and their dtypes.
+FactorDtypeName = Literal["fp32", "fp16", "bf16"]
+POWERSGD_FACTOR_DTYPES = dict(zip(get_args(FactorDtypeName), (torch.float32, torch.float16, torch.bfloat16)))
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class PowerSGDSettings:
     start_iter: int = 1000
     error_feedback: bool = True
     warm_start: bool = True
-    factor_dtype: str = "fp32"
+    factor_dtype: FactorDtypeName = "fp32"
     seed: int = 0
 
     def __post_init__(self) -> None:

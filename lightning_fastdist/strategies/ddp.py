@@ -42,10 +42,10 @@ from lightning_fastdist.parallel.activation_checkpointing import (
 from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
-from lightning_fastdist.parallel.comm_hook_spec import CommHookSpec
+from lightning_fastdist.parallel.comm_hook_spec import CommHookName, CommHookSpec
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.compile import apply_compile
-from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState
+from lightning_fastdist.parallel.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
@@ -55,7 +55,6 @@ from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 from lightning_fastdist.strategies.shared_setup import SharedSetup
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
-CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
 
 
 class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
@@ -114,7 +113,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         powersgd_start_iter: int = PowerSGDSettings.start_iter,
         powersgd_error_feedback: bool = PowerSGDSettings.error_feedback,
         powersgd_warm_start: bool = PowerSGDSettings.warm_start,
-        powersgd_factor_dtype: Literal["fp32", "fp16", "bf16"] = PowerSGDSettings.factor_dtype,
+        powersgd_factor_dtype: FactorDtypeName = PowerSGDSettings.factor_dtype,
         bucket_cap_mb: float | Literal["auto"] = "auto",
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
