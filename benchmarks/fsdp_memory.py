@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastdist.demo import Block, TinyGPT
 from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.activation_memory import ActivationMemory
-from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh
+from lightning_fastdist.parallel.fsdp import FSDPSharding
 
 SIZES = {  # name: TinyGPT options
     "small": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),
@@ -62,7 +62,8 @@ def _one_rank(rank: int, port: int, results: dict) -> None:
             if mode == "ddp":
                 wrapped = DistributedDataParallel(model)
             else:
-                apply_fsdp(model, build_fsdp_mesh("cpu", 2, mode, 2), [Block], sharding=mode)
+                sharding = FSDPSharding(mode)
+                sharding.shard(model, sharding.mesh("cpu", 2), [Block])
                 wrapped = model
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             wrapped(inputs).logsumexp(-1).mean().backward()

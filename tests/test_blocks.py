@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from torch import nn
 
 from lightning_fastdist.parallel.blocks import describe_blocks, find_blocks
-from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks
+from lightning_fastdist.parallel.plan import ParallelPlan
 from tests.model_zoo import MODELS, ResidualBlock
 
 
@@ -58,11 +56,12 @@ def test_a_block_class_holding_another_repeated_class_is_the_outer_one():
     assert find_blocks(outer) == [ResidualBlock]  # the stages are containers, never blocks themselves
 
 
-def test_the_chosen_blocks_are_logged_in_one_line_and_a_model_without_blocks_says_what_happens(caplog):
-    with caplog.at_level(logging.INFO):
-        resolve_and_log_blocks(Stack(), "auto")
-        resolve_and_log_blocks(MODELS["mlp"](), "auto", without_blocks="; one unit")
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("blocks:")]
+def test_the_chosen_blocks_are_logged_in_one_line_and_a_model_without_blocks_says_what_happens():
+    lines: list[str] = []
+    plan = ParallelPlan()
+    plan.apply(Stack(), wrapper_uses_blocks=True, log=lines.append)
+    plan.apply(MODELS["mlp"](), wrapper_uses_blocks=True, without_blocks="; one unit", log=lines.append)
+    plan.apply(Stack(), log=lines.append)  # nothing needs the blocks: nothing resolved, nothing said
     assert lines == [
         "blocks: MLPBlock x 4 (+ root: embedding, head.0, head.1)",
         "blocks: none in MLPStack (root: net.0, net.2, net.4); one unit",

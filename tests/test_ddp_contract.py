@@ -58,7 +58,7 @@ def test_a_strategy_in_a_trainer_pickles_while_it_watches_recompiles(strategy):
         copy = pickle.loads(pickle.dumps(strategy))
     finally:
         strategy.recompiles.stop()
-    assert type(copy) is type(strategy) and copy.compile_config == {"backend": "eager"}
+    assert type(copy) is type(strategy) and copy.plan.compile_config == {"backend": "eager"}
     assert copy.recompiles.count == 0
 
 
@@ -84,7 +84,7 @@ def test_arguments_distributed_data_parallel_would_refuse_are_refused_at_constru
 def test_the_old_name_block_modules_still_works_with_one_deprecation_line():
     with pytest.deprecated_call(match=r"FastDDPStrategy: block_modules is renamed blocks; write blocks=\['Block'\]"):
         strategy = FastDDPStrategy(block_modules="Block")
-    assert strategy.blocks == ["Block"]
+    assert strategy.plan.blocks == ("Block",)
 
 
 def test_a_recipe_passes_distributed_data_parallel_arguments_as_with_lightnings_ddp(in_tmp_dir, capsys):

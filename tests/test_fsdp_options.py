@@ -49,7 +49,7 @@ def test_a_name_that_matches_nothing_lists_the_classes_found():
 def test_the_old_name_shard_modules_still_works_with_one_deprecation_line():
     with pytest.deprecated_call(match=r"FastFSDPStrategy: shard_modules is renamed blocks; write blocks=\['Block'\]"):
         strategy = FastFSDPStrategy(shard_modules=["Block"])
-    assert strategy.blocks == ["Block"]
+    assert strategy.plan.blocks == ("Block",)
     with pytest.raises(ValueError, match="shard_modules is the old name of blocks; give blocks only"):
         FastFSDPStrategy(blocks=["Block"], shard_modules=["Block"])
 

@@ -13,7 +13,7 @@ from lightning_fastdist.demo import Block, TinyGPT
 from lightning_fastdist.diagnostics.memory_model import TrainingShape, activation_bytes, estimate_memory, estimate_table
 from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.activation_memory import ActivationMemory
-from lightning_fastdist.parallel.fsdp import apply_fsdp, build_fsdp_mesh
+from lightning_fastdist.parallel.fsdp import FSDPSharding
 from tests.harness import run_function
 
 TINY = dict(n_layer=4, n_embd=128, n_head=4, block_size=128)
@@ -126,7 +126,8 @@ def measured_per_rank_bytes() -> dict:
         if mode == "ddp":
             wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
         else:
-            apply_fsdp(model, build_fsdp_mesh("cpu", 2, mode, 2), [Block], sharding=mode)
+            sharding = FSDPSharding(mode)
+            sharding.shard(model, sharding.mesh("cpu", 2), [Block])
             wrapped = model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):  # DDP rebuilds its buckets on the second iteration; measure after that

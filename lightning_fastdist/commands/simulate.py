@@ -2,11 +2,10 @@
 
 For each setup (``ddp``, FSDP2's ``zero2``/``zero3``, ``hsdp`` when the world spans
 nodes, DeepSpeed's stages) and each activation checkpointing mode, the recipe's
-model is built on the meta device, changed by the functions the strategies run
-(:func:`~lightning_fastdist.parallel.blocks.resolve_blocks`, the KV-cache switch,
-:func:`~lightning_fastdist.parallel.fsdp.shard_model` or
-:func:`~lightning_fastdist.parallel.activation_checkpointing.apply_activation_checkpointing`),
-materialised as fake tensors (shapes, no memory) and trained for two steps on one
+model is built on the meta device, changed as the strategies change it (the
+:class:`~lightning_fastdist.parallel.plan.ParallelPlan`, with FSDP as its wrapper through
+:func:`~lightning_fastdist.parallel.fsdp.shard_model`), materialised as fake tensors (shapes,
+no memory) and trained for two steps on one
 batch of the recipe's data with its own ``training_step`` and ``configure_optimizers``;
 the second step is measured (:func:`~lightning_fastdist.diagnostics.step_memory.measure_step`).
 
@@ -61,11 +60,10 @@ from lightning_fastdist.diagnostics.step_memory import (
     to_empty_keeping_ties,
     tracing_unavailable,
 )
-from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
-from lightning_fastdist.parallel.fsdp import build_fsdp_mesh, shard_model
-from lightning_fastdist.parallel.kv_cache import turn_off_kv_cache
+from lightning_fastdist.parallel.fsdp import FSDPSharding, shard_model
+from lightning_fastdist.parallel.plan import ParallelPlan
 
 CHECKPOINTING = ("none", "full", "selective")
 PARALLEL_FROM_PARAMETERS = 10**9
@@ -255,17 +253,14 @@ def measure_setup(
     block_classes = resolve_blocks(module, run.blocks)
     in_blocks = {id(p) for block in block_modules(module, block_classes) for p in block.parameters()}
     root_parameters = sum(p.numel() for p in module.parameters() if p.requires_grad and id(p) not in in_blocks)
-    if checkpointing != "none":
-        turn_off_kv_cache(module)
     if precision in _TRUE_DTYPES:
         module = module.to(_TRUE_DTYPES[precision])
+    plan = ParallelPlan(run.blocks, checkpointing)
     if setup in FSDP_SETUPS:
-        group = gpus_per_node if setup == "hsdp" else world_size
-        mesh = build_fsdp_mesh("cpu", world_size, setup, group)
-        trained, _, _ = shard_model(module, mesh, block_classes, setup, checkpointing, precision)
+        sharding = FSDPSharding(setup).for_world(world_size, devices_per_node=gpus_per_node)
+        trained = shard_model(module, sharding.mesh("cpu", world_size), plan, sharding, precision).root
     else:
-        apply_activation_checkpointing(module, checkpointing, block_classes)
-        trained = module
+        trained, _ = plan.apply(module)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext() as fake_mode:
         if not fake:
             if setup == "ddp":  # as FastDDPStrategy wraps it

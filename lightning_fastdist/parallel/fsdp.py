@@ -7,9 +7,10 @@ Sharding modes:
   (gathered again for backward). Least memory.
 - ``"zero2"``: as ``zero3``, but a block's gathered parameters stay between its
   forward and its backward: one all-gather per block per step instead of two,
-  at the price of holding the full parameters during the step.
+  at the price of holding the full parameters during the step; they also stay
+  across accumulation micro-batches (:meth:`FSDPSharding.accumulating`).
 - ``"hsdp"``: hybrid sharding on a 2-D mesh ``(replicate, shard)``: shard
-  within groups of ``group_size`` ranks (ZeRO-3 style), replicate across groups.
+  within groups of ``hsdp_group_size`` ranks (ZeRO-3 style), replicate across groups.
 
 FSDP2 gathers a unit's parameters in a forward pre-hook, which runs only when
 that module itself is called. A LightningModule as the root unit would have its
@@ -21,9 +22,12 @@ root around the model instead: Lightning runs each step through its forward
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -31,11 +35,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
-from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_fastdist.parallel.blocks import block_modules
-from lightning_fastdist.parallel.compile import apply_compile
+from lightning_fastdist.parallel.plan import ParallelPlan, PreparedBlocks
 
-SHARDING_MODES = ("zero3", "zero2", "hsdp")
+ShardingMode = Literal["zero3", "zero2", "hsdp"]
+SHARDING_MODES: tuple[str, ...] = get_args(ShardingMode)
+# Appended to the blocks line for a model without blocks.
+ONE_UNIT = "; FSDP shards the whole model as one unit (name its blocks for one unit each)"
 
 # Lightning precision name -> (dtype FSDP computes in, dtype it reduces gradients in).
 # "-true" precisions convert the module itself, so FSDP keeps the parameters' dtype.
@@ -50,167 +56,177 @@ def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]
     return _MIXED_PRECISION_DTYPES.get(precision, (None, None))
 
 
-def validate_sharding(sharding: str, hsdp_group_size: int | None, world_size: int | None = None) -> None:
-    """Raise one clear ``ValueError`` for an unknown mode or an HSDP group size that cannot split ``world_size``.
+@dataclass(frozen=True)
+class FSDPSharding:
+    """How FSDP shards a model (the module docstring describes the modes); it checks itself once, when built.
 
     Args:
-        sharding: one of :data:`SHARDING_MODES`.
-        hsdp_group_size: ranks per shard group under ``"hsdp"``; ``None`` leaves it to the caller's default.
-        world_size: total ranks, when known; ``None`` checks only what does not depend on it.
+        mode: one of :data:`SHARDING_MODES`.
+        hsdp_group_size: ranks per shard group under ``"hsdp"``; ``None`` until :meth:`for_world` fixes it.
+        cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU and copy each
+            unit to the device for its compute (on a CPU mesh nothing moves, which lets a GPU recipe
+            run unchanged on CPU).
     """
-    if sharding not in SHARDING_MODES:
-        raise ValueError(f"sharding: got {sharding!r}; use one of {', '.join(map(repr, SHARDING_MODES))}.")
-    if hsdp_group_size is None:
-        return
-    if sharding != "hsdp":
-        raise ValueError(
-            f"hsdp_group_size: only used with sharding='hsdp', got sharding={sharding!r}; remove it or use 'hsdp'."
+
+    mode: ShardingMode = "zero3"
+    hsdp_group_size: int | None = None
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in SHARDING_MODES:
+            raise ValueError(f"sharding: got {self.mode!r}; use one of {', '.join(map(repr, SHARDING_MODES))}.")
+        group = self.hsdp_group_size
+        if group is None:
+            return
+        if self.mode != "hsdp":
+            raise ValueError(
+                f"hsdp_group_size: only used with sharding='hsdp', got sharding={self.mode!r}; remove it or use 'hsdp'."
+            )
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"hsdp_group_size: got {group!r}; use a positive integer that divides the world size.")
+
+    def for_world(self, world_size: int, devices_per_node: int) -> FSDPSharding:
+        """This sharding with HSDP's group size fixed for ``world_size`` ranks (default: one node's devices).
+
+        Raises:
+            ValueError: the group size does not divide ``world_size`` (the message lists the sizes that do).
+        """
+        if self.mode != "hsdp":
+            return self
+        group = self.hsdp_group_size or devices_per_node
+        if world_size % group != 0:
+            divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ValueError(
+                f"hsdp_group_size: {group} does not divide the world size {world_size}; use one of {divisors}."
+            )
+        return dataclasses.replace(self, hsdp_group_size=group)
+
+    def mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """The device mesh to shard over: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for ``"hsdp"``.
+
+        Under ``"hsdp"``, call it on the result of :meth:`for_world`.
+        """
+        if self.mode != "hsdp":
+            return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        assert self.hsdp_group_size is not None, "FSDPSharding.mesh: fix the HSDP group with for_world() first"
+        shape = (world_size // self.hsdp_group_size, self.hsdp_group_size)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+    def shard(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        block_classes: Sequence[type[nn.Module]],
+        precision: str = "32-true",
+        selectively_checkpointed: Sequence[nn.Module] = (),
+    ) -> list[nn.Module]:
+        """Shard ``model`` in place: each block becomes an FSDP unit (inner blocks first), the root last.
+
+        Args:
+            model: the model; its parameters may live on the meta device (materialise them afterwards).
+            mesh: from :meth:`mesh`.
+            block_classes: module classes whose instances become FSDP units; the
+                parameters outside every block (embeddings, head) belong to the root unit.
+            precision: a Lightning precision name; ``"bf16-mixed"``/``"16-mixed"`` set the mixed-precision policy.
+            selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs to
+                the compute dtype in a pre-forward hook that runs before checkpointing's in the forward but
+                inside the recomputation in the backward, where selective checkpointing meets ops the
+                forward never ran and fails. These blocks cast their inputs in a hook of their own, inside
+                the checkpointed region both times.
+
+        Returns:
+            The modules that were sharded, the root last.
+        """
+        param_dtype, reduce_dtype = fsdp_dtypes(precision)
+        mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # The root's inputs are whatever reaches it (a whole batch, targets included, when a step runs
+        # through it): it leaves them as they are, and each block casts its own inputs.
+        root_mixed_precision = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
-    if isinstance(hsdp_group_size, bool) or not isinstance(hsdp_group_size, int) or hsdp_group_size < 1:
-        raise ValueError(
-            f"hsdp_group_size: got {hsdp_group_size!r}; use a positive integer that divides the world size."
-        )
-    if world_size is not None and world_size % hsdp_group_size != 0:
-        raise ValueError(
-            f"hsdp_group_size: {hsdp_group_size} does not divide the world size {world_size}; "
-            f"use one of {', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}."
-        )
+        # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
+        # torch cannot pin, and the "offloaded" state is where it already was.
+        offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if self.cpu_offload else OffloadPolicy()
+        # Children before parents: fully_shard must see a block's own parameters
+        # before an enclosing unit claims them.
+        units = [*reversed(block_modules(model, block_classes)), model]
+        cast_inside = {id(block) for block in selectively_checkpointed} if param_dtype is not None else set()
+        for unit in units:
+            policy = root_mixed_precision if unit is model else mixed_precision
+            if id(unit) in cast_inside:
+                policy = root_mixed_precision  # no cast in FSDP's hook: the block's own hook casts
+                unit.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
+            # The root (embeddings, final norm, head) ends the forward and starts the backward:
+            # resharding it in between would only gather the same weights again at once, so it
+            # stays gathered, as FSDP2 does for a root by default.
+            reshard_after_forward = self.mode != "zero2" and unit is not model
+            fully_shard(
+                unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload
+            )
+        return units
+
+    @contextmanager
+    def accumulating(self, root: FSDPModule) -> Generator[None, None, None]:
+        """A non-final accumulation micro-batch of ``root``: no gradient reduce-scatter (nor HSDP all-reduce).
+
+        Under ``zero2`` the gathered weights also stay gathered after such a micro-batch's
+        backward: the next forward needs them unchanged (no optimizer step in between), so one
+        all-gather per optimizer step replaces one per micro-batch. Memory does not grow: ZeRO-2
+        holds every gathered weight at the end of each forward anyway.
+        """
+        keep_gathered = self.mode == "zero2"
+        root.set_requires_gradient_sync(False)
+        if keep_gathered:
+            root.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            if keep_gathered:
+                root.set_reshard_after_backward(True)
 
 
-def build_fsdp_mesh(device_type: str, world_size: int, sharding: str, hsdp_group_size: int) -> DeviceMesh:
-    """The device mesh FSDP shards over: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for ``"hsdp"``.
+class ShardedModel(NamedTuple):
+    """What :func:`shard_model` built: the root unit, every FSDP unit (the root last) and the plan's blocks."""
 
-    Args:
-        device_type: ``"cpu"``, ``"cuda"``, ...
-        world_size: total number of ranks.
-        sharding: one of :data:`SHARDING_MODES`.
-        hsdp_group_size: ranks per shard group (used by ``"hsdp"`` only).
-    """
-    validate_sharding(sharding, hsdp_group_size if sharding == "hsdp" else None, world_size)
-    if sharding == "hsdp":
-        return init_device_mesh(
-            device_type, (world_size // hsdp_group_size, hsdp_group_size), mesh_dim_names=("replicate", "shard")
-        )
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-
-
-def apply_fsdp(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    block_classes: Sequence[type[nn.Module]],
-    sharding: str = "zero3",
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    cpu_offload: bool = False,
-    selectively_checkpointed: Sequence[nn.Module] = (),
-) -> list[nn.Module]:
-    """Shard ``model`` in place: each block becomes an FSDP unit (inner blocks first), the root last.
-
-    Args:
-        model: the model; its parameters may live on the meta device (materialise them afterwards).
-        mesh: from :func:`build_fsdp_mesh`.
-        block_classes: module classes whose instances become FSDP units; the
-            parameters outside every block (embeddings, head) belong to the root unit.
-        sharding: one of :data:`SHARDING_MODES`.
-        param_dtype: dtype that forward and backward compute in (``None``: the parameters' own dtype).
-        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
-        cpu_offload: keep the sharded parameters, gradients and optimizer step on
-            the CPU and copy each unit to the device for its compute (on a CPU mesh
-            nothing moves, which lets a GPU recipe run unchanged on CPU).
-        selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs to
-            ``param_dtype`` in a pre-forward hook that runs before checkpointing's in the forward but
-            inside the recomputation in the backward, where selective checkpointing meets ops the
-            forward never ran and fails. These blocks cast their inputs in a hook of their own, inside
-            the checkpointed region both times.
-
-    Returns:
-        The modules that were sharded, the root last.
-    """
-    validate_sharding(sharding, None)
-    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # The root's inputs are whatever reaches it (a whole batch, targets included, when a step runs
-    # through it): it leaves them as they are, and each block casts its own inputs.
-    root_mixed_precision = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
-    )
-    # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
-    # torch cannot pin, and the "offloaded" state is where it already was.
-    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
-    # Children before parents: fully_shard must see a block's own parameters
-    # before an enclosing unit claims them.
-    units = [*reversed(block_modules(model, block_classes)), model]
-    cast_inside = {id(block) for block in selectively_checkpointed} if param_dtype is not None else set()
-    for unit in units:
-        policy = root_mixed_precision if unit is model else mixed_precision
-        if id(unit) in cast_inside:
-            policy = root_mixed_precision  # no cast in FSDP's hook: the block's own hook casts
-            unit.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
-        # The root (embeddings, final norm, head) ends the forward and starts the backward:
-        # resharding it in between would only gather the same weights again at once, so it
-        # stays gathered, as FSDP2 does for a root by default.
-        reshard_after_forward = sharding != "zero2" and unit is not model
-        fully_shard(
-            unit,
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=policy,
-            offload_policy=offload,
-        )
-    return units
+    root: RootUnit
+    units: list[nn.Module]
+    prepared: PreparedBlocks
 
 
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
-    block_classes: Sequence[type[nn.Module]],
-    sharding: str = "zero3",
-    activation_checkpointing: str | int = "none",
+    plan: ParallelPlan,
+    sharding: FSDPSharding,
     precision: str = "32-true",
-    cpu_offload: bool = False,
-    compile_config: Mapping[str, Any] | None = None,
-    compile_scope: str = "blocks",
-) -> tuple[RootUnit, list[nn.Module], list[nn.Module]]:
-    """Checkpoint, compile and shard ``model`` in place, in this fixed order; return the root, units, compiled regions.
+    log: Callable[[str], object] = lambda line: None,
+) -> ShardedModel:
+    """Apply ``plan`` to ``model`` in place with FSDP as its wrapper; return the root, the units and the blocks.
 
-    1. Activation checkpointing, per block: its hooks must sit inside the FSDP
-       unit so that a recomputed block finds its parameters gathered.
-    2. ``torch.compile`` of each block's (or the model's) ``forward``: after
-       checkpointing, whose hooks then run around the compiled forward, and
-       before FSDP, whose all-gather hooks stay outside the compiled graph.
-    3. FSDP: every block first, the root last: a :class:`RootUnit` around
-       ``model`` that takes what is left (embeddings, final norm, head).
-       Parameters on the meta device stay there; materialise each rank's shard afterwards.
+    The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
 
-    ``FastFSDPStrategy`` and ``doctor --simulate`` both run this function, so what is
-    simulated is what trains.
+    The wrapper shards every block first and the root last: a :class:`RootUnit` around ``model``
+    that takes what is left (embeddings, final norm, head). Parameters on the meta device stay
+    there; materialise each rank's shard afterwards. ``FastFSDPStrategy`` and ``doctor --simulate``
+    both run this function, so what is simulated is what trains.
 
     Args:
         model: the model (a LightningModule or any ``nn.Module``).
-        mesh: from :func:`build_fsdp_mesh`.
-        block_classes: the resolved blocks (:func:`~lightning_fastdist.parallel.blocks.resolve_blocks`).
-        sharding: one of :data:`SHARDING_MODES`.
-        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or ``n`` (see
-            :func:`~lightning_fastdist.parallel.activation_checkpointing.apply_activation_checkpointing`).
-        precision: a Lightning precision name; ``"bf16-mixed"``/``"16-mixed"`` set FSDP's mixed-precision policy.
-        cpu_offload: see :func:`apply_fsdp`.
-        compile_config: ``torch.compile`` arguments, or ``None`` for no compile.
-        compile_scope: ``"blocks"`` or ``"model"``.
+        mesh: from :meth:`FSDPSharding.mesh`.
+        plan: blocks, activation checkpointing and compile.
+        sharding: the FSDP mode, HSDP group and offload.
+        precision: a Lightning precision name (see :meth:`FSDPSharding.shard`).
+        log: where the plan's lines go.
     """
-    checkpointed = apply_activation_checkpointing(model, activation_checkpointing, block_classes)
-    compiled = apply_compile(model, compile_config, compile_scope, block_classes) if compile_config is not None else []
-    param_dtype, reduce_dtype = fsdp_dtypes(precision)
-    root = RootUnit(model)
-    units = apply_fsdp(
-        root,
-        mesh,
-        block_classes,
-        sharding=sharding,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        cpu_offload=cpu_offload,
-        selectively_checkpointed=checkpointed if activation_checkpointing == "selective" else (),
-    )
-    return root, units, compiled
+
+    def wrap(model: nn.Module, prepared: PreparedBlocks) -> tuple[RootUnit, list[nn.Module]]:
+        root = RootUnit(model)
+        selective = prepared.checkpointed if prepared.selective else ()
+        return root, sharding.shard(root, mesh, prepared.block_classes, precision, selective)
+
+    (root, units), prepared = plan.apply(model, wrap, wrapper_uses_blocks=True, without_blocks=ONE_UNIT, log=log)
+    return ShardedModel(root, units, prepared)
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

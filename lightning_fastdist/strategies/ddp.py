@@ -32,21 +32,24 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastdist.parallel.activation_checkpointing import (
-    apply_activation_checkpointing,
-    validate_activation_checkpointing,
-)
 from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
 from lightning_fastdist.parallel.comm_hook_spec import CommHookName, CommHookSpec
 from lightning_fastdist.parallel.comm_hooks import HookState
-from lightning_fastdist.parallel.compile import apply_compile
+from lightning_fastdist.parallel.plan import (
+    BlocksOption,
+    CheckpointingOption,
+    CompileOption,
+    CompileScope,
+    ParallelPlan,
+)
 from lightning_fastdist.parallel.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
-from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
+from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.ddp_options import check_bucket_cap_mb, check_ddp_kwargs
@@ -77,21 +80,14 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         find_unused_parameters: search for parameters without gradients every step; costs a
             traversal of the graph, so only enable it for models that need it.
         log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync).
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
-            ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
-            ``n`` (every n-th block); the same implementation FastFSDPStrategy uses.
-        blocks: the blocks that activation checkpointing and per-block compile act on:
-            ``"auto"`` (the outermost repeated modules that hold layers, e.g. TinyGPT's ``Block``,
-            see :func:`~lightning_fastdist.parallel.blocks.find_blocks`) or a list of class names.
-        compile: ``false``, ``true`` (inductor) or a mapping of ``torch.compile`` arguments
-            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
-        compile_scope: ``"blocks"``: compile each block's forward before DDP wraps the model
-            (one graph reused by every identical block); ``"model"``: compile the module's
-            forward after wrapping, where dynamo splits the graph at DDP's bucket boundaries.
+        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`),
+            applied before DDP wraps the model.
+        blocks: the plan's: the blocks that activation checkpointing and per-block compile act on.
+        compile: the plan's.
+        compile_scope: the plan's.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
-            process fails with an error instead of hanging (a rank that died or is stuck); ``None``
-            keeps torch's 30 minutes. Jobs that restart themselves want a few minutes.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
+            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
         start_method: how Lightning starts the other processes.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -119,10 +115,10 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         log_comm_bytes: bool = True,
-        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
-        blocks: Literal["auto"] | list[str] = "auto",
-        compile: bool | dict[str, Any] = False,
-        compile_scope: Literal["blocks", "model"] = "blocks",
+        activation_checkpointing: CheckpointingOption = "none",
+        blocks: BlocksOption = "auto",
+        compile: CompileOption = False,
+        compile_scope: CompileScope = "blocks",
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -147,9 +143,10 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
         check_bucket_cap_mb(bucket_cap_mb)
-        validate_activation_checkpointing(activation_checkpointing)
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
-        timeout = self.take_shared_options(timeout, compile, compile_scope)
+        timeout = self.take_shared_options(
+            timeout, ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
+        )
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -171,11 +168,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         )
         self.bucket_cap_mb = bucket_cap_mb
         self.log_comm_bytes = log_comm_bytes
-        self.activation_checkpointing = activation_checkpointing
-        self.blocks = blocks
         self.hook_state: HookState | None = None
-        self.checkpointed_blocks: list[torch.nn.Module] = []
-        self.compiled_regions: list[torch.nn.Module] = []
         self._pending_hook_checkpoint: dict | None = None
 
     @override
@@ -186,31 +179,23 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
 
     @override
     def configure_ddp(self) -> None:
-        # Fixed order: activation checkpointing and per-block compile on the bare blocks,
-        # then size buckets, wrap in DDP and register the hook; whole-model compile last,
-        # inside DDP, so that dynamo splits the graph at bucket boundaries.
-        self._prepare_blocks()
+        """Apply the plan to the model in place with DDP as its wrapper.
+
+        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
+        """
+        _, self.prepared = self.plan.apply(self.model, self._wrap_in_ddp, log=rank_zero_info)
+
+    def _wrap_in_ddp(self, model: torch.nn.Module, prepared: Any) -> DistributedDataParallel:
+        """Size the buckets, wrap ``model`` (``self.model``) in DDP as Lightning does, register the comm hook."""
         if self.bucket_cap_mb == "auto":
-            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(self.model)
+            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model)
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state = self.comm.register(self.model)
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)
             self._pending_hook_checkpoint = None
-        if self.compile_config is not None and self.compile_scope == "model":
-            self.compiled_regions = apply_compile(self.lightning_module, self.compile_config, "model", [])
-
-    def _prepare_blocks(self) -> None:
-        if self.activation_checkpointing == "none" and not self.compiles_blocks:
-            return
-        block_classes = resolve_and_log_blocks(self.model, self.blocks)
-        without_kv_cache(self.model, self.activation_checkpointing, self.compiles_blocks)
-        self.checkpointed_blocks = apply_activation_checkpointing(
-            self.model, self.activation_checkpointing, block_classes
-        )
-        if self.compiles_blocks:
-            self.compiled_regions = apply_compile(self.model, self.compile_config, "blocks", block_classes)
+        return self.model
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -27,14 +27,10 @@ from lightning.fabric.strategies.deepspeed import _validate_device_index_selecti
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_fastdist.parallel.activation_checkpointing import (
-    apply_activation_checkpointing,
-    validate_activation_checkpointing,
-)
 from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
-from lightning_fastdist.parallel.blocks import check_blocks_value
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed_runtime import (
@@ -45,7 +41,7 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
     skip_jit_built_comm_ops,
 )
 from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
-from lightning_fastdist.strategies.blocks_option import resolve_and_log_blocks, without_kv_cache
+from lightning_fastdist.parallel.plan import BlocksOption, CheckpointingOption, ParallelPlan
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
@@ -80,13 +76,9 @@ class FastDeepSpeedStrategy(
         offload_optimizer: keep the optimizer state and run its step in host memory
             (ZeRO-Offload); every stage.
         offload_parameters: keep the partitioned parameters in host memory (ZeRO-Infinity); stage 3 only.
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in backward),
-            ``"selective"`` (keep matmul/attention outputs, recompute the cheap ops) or an integer
-            ``n`` (every n-th block); the same implementation the other strategies use, applied
-            before ``deepspeed.initialize``.
-        blocks: the blocks activation checkpointing acts on: ``"auto"`` (the outermost repeated modules
-            that hold layers, e.g. TinyGPT's ``Block``, see :func:`~lightning_fastdist.parallel.blocks.find_blocks`)
-            or a list of class names.
+        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`),
+            applied before ``deepspeed.initialize``.
+        blocks: the plan's: the blocks activation checkpointing acts on.
         allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
             ``"auto"``: the trainable parameters, at most 2e8
             (:func:`~lightning_fastdist.parallel.deepspeed_runtime.auto_bucket_size`).
@@ -97,8 +89,8 @@ class FastDeepSpeedStrategy(
         log_comm_bytes: log the bytes of the last optimizer step's collectives as
             ``comm/<collective>_bytes_per_step`` (host-side counts, no device sync).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
-            process fails with an error instead of hanging; ``None`` keeps torch's 30 minutes.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
+            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -113,8 +105,8 @@ class FastDeepSpeedStrategy(
         stage: Literal[1, 2, 3] = 2,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
-        blocks: Literal["auto"] | list[str] = "auto",
+        activation_checkpointing: CheckpointingOption = "none",
+        blocks: BlocksOption = "auto",
         allgather_bucket_size: int | Literal["auto"] = "auto",
         reduce_bucket_size: int | Literal["auto"] = "auto",
         load_full_weights: bool = False,
@@ -129,9 +121,8 @@ class FastDeepSpeedStrategy(
         import_deepspeed(type(self).__name__)
         buckets = {"allgather_bucket_size": allgather_bucket_size, "reduce_bucket_size": reduce_bucket_size}
         check_deepspeed_options(stage, offload_parameters, buckets)
-        check_blocks_value(blocks)
-        validate_activation_checkpointing(activation_checkpointing)
-        timeout = self.take_shared_options(timeout)  # no compile option: DeepSpeed's engine wraps the module
+        # No compile option: DeepSpeed's engine wraps the module and runs its forward.
+        timeout = self.take_shared_options(timeout, ParallelPlan(blocks, activation_checkpointing))
         super().__init__(
             accelerator=accelerator,
             stage=stage,
@@ -151,11 +142,8 @@ class FastDeepSpeedStrategy(
         self.stage = stage
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
-        self.activation_checkpointing = activation_checkpointing
-        self.blocks = blocks
         self.buckets = buckets
         self.log_comm_bytes = log_comm_bytes
-        self.checkpointed_blocks: list[torch.nn.Module] = []
         self._comm_stats = CommStats()
         self._stop_counting: Callable[[], None] | None = None
         self._comm_counted = False
@@ -208,16 +196,13 @@ class FastDeepSpeedStrategy(
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model,
-        # checkpointing hooks on the bare blocks.
+        # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model, and the plan
+        # applied (the order: parallel/plan.py) with no wrapper of ours, deepspeed.initialize being the wrapper.
         for option, value in self.buckets.items():
             if value == "auto":
                 self.config["zero_optimization"][option] = auto_bucket_size(model)
-        if self.activation_checkpointing != "none" and not self.checkpointed_blocks:
-            block_classes = resolve_and_log_blocks(model, self.blocks)
-            without_kv_cache(model, self.activation_checkpointing, compiles_blocks=False)
-            mode = self.activation_checkpointing
-            self.checkpointed_blocks = apply_activation_checkpointing(model, mode, block_classes)
+        if self.prepared is None:  # a second fit meets the blocks already checkpointed
+            _, self.prepared = self.plan.apply(model, log=rank_zero_info)
         return model
 
     @override

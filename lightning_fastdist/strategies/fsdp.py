@@ -30,16 +30,23 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_fastdist.parallel.activation_checkpointing import validate_activation_checkpointing
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
-from lightning_fastdist.parallel.fsdp import RootUnit, build_fsdp_mesh, shard_model, validate_sharding
+from lightning_fastdist.parallel.fsdp import FSDPSharding, RootUnit, ShardingMode, shard_model
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
-from lightning_fastdist.strategies.blocks_option import blocks_option, resolve_and_log_blocks, without_kv_cache
+from lightning_fastdist.parallel.plan import (
+    BlocksOption,
+    CheckpointingOption,
+    CompileOption,
+    CompileScope,
+    ParallelPlan,
+)
+from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
@@ -54,34 +61,24 @@ class FastFSDPStrategy(
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
-        blocks: ``"auto"`` (the outermost repeated modules that hold layers, e.g.
-            the transformer layers; see :func:`~lightning_fastdist.parallel.blocks.find_blocks`),
-            or a list of class names (``"Block"`` or ``"my_pkg.model.Block"``) whose
-            instances become FSDP units. Parameters outside every unit belong to the
-            root (the LightningModule), sharded last; a model without blocks is one unit.
-        sharding: ``"zero3"`` (free gathered parameters after each block's
-            forward), ``"zero2"`` (keep them until its backward: less
-            communication, more memory) or ``"hsdp"`` (shard within groups of
-            ``hsdp_group_size`` ranks, replicate across groups).
+        blocks: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`): each block is an
+            FSDP unit; parameters outside every block belong to the root, sharded last; a model
+            without blocks is one unit.
+        sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``
+            (:class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``mode``).
         hsdp_group_size: ranks per shard group under ``"hsdp"``; must divide the
             world size. ``None`` means the devices of one node.
-        cpu_offload: keep sharded parameters, gradients and the optimizer step on
-            the CPU; each block is copied to the device for its compute.
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute each block in
-            backward), ``"selective"`` (keep matmul/attention outputs, recompute
-            the rest) or an integer ``n`` (full checkpointing of every n-th block).
-        compile: ``false``, ``true`` (inductor) or a mapping of ``torch.compile`` arguments
-            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
-        compile_scope: ``"blocks"`` (compile each block's forward between checkpointing and
-            sharding; FSDP's hooks stay outside the graphs) or ``"model"`` (the module's forward).
+        cpu_offload: :class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``cpu_offload``.
+        activation_checkpointing: the plan's.
+        compile: the plan's.
+        compile_scope: the plan's.
         checkpoint_format: ``"sharded"`` (a folder of per-rank shards, loadable at
             any world size) or ``"full"`` (one file gathered on rank 0).
         async_checkpointing: write sharded checkpoints in a background thread
             (training continues once the state is copied to host memory).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks before this
-            process fails with an error instead of hanging (a rank that died or is stuck); ``None``
-            keeps torch's 30 minutes. Jobs that restart themselves want a few minutes.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
+            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
         log_comm_bytes: log the bytes of the last optimizer step's parameter all-gathers and
             gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
             ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
@@ -94,13 +91,13 @@ class FastFSDPStrategy(
 
     def __init__(
         self,
-        blocks: Literal["auto"] | list[str] = "auto",
-        sharding: Literal["zero3", "zero2", "hsdp"] = "zero3",
+        blocks: BlocksOption = "auto",
+        sharding: ShardingMode = "zero3",
         hsdp_group_size: int | None = None,
         cpu_offload: bool = False,
-        activation_checkpointing: Literal["none", "full", "selective"] | int = "none",
-        compile: bool | dict[str, Any] = False,
-        compile_scope: Literal["blocks", "model"] = "blocks",
+        activation_checkpointing: CheckpointingOption = "none",
+        compile: CompileOption = False,
+        compile_scope: CompileScope = "blocks",
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
         process_group_backend: str | None = None,
@@ -108,10 +105,11 @@ class FastFSDPStrategy(
         log_comm_bytes: bool = True,
         shard_modules: str | list[str] | None = None,
     ) -> None:
-        validate_sharding(sharding, hsdp_group_size)
-        timeout = self.take_shared_options(timeout, compile, compile_scope)
-        validate_activation_checkpointing(activation_checkpointing)
+        self.fsdp = FSDPSharding(sharding, hsdp_group_size, cpu_offload)
         blocks = blocks_option("FastFSDPStrategy", blocks, "shard_modules", shard_modules)
+        timeout = self.take_shared_options(
+            timeout, ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
+        )
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
                 f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
@@ -125,37 +123,24 @@ class FastFSDPStrategy(
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.blocks = blocks
-        self.sharding = sharding
-        self.hsdp_group_size = hsdp_group_size
-        self.cpu_offload = cpu_offload
-        self.activation_checkpointing = activation_checkpointing
         self.checkpoint_format = checkpoint_format
         self.async_checkpointing = async_checkpointing
         self._checkpoint_writer = ShardedCheckpointWriter()
-        self.compiled_regions: list[nn.Module] = []
         self.log_comm_bytes = log_comm_bytes
         self._comm_stats = CommStats()
         self._comm_counted = False
         self._root: RootUnit | None = None
 
-    @property
-    def _shard_group_size(self) -> int:
-        return self.hsdp_group_size or self.num_processes
-
     @override
     def _configure_launcher(self) -> None:
-        # The world size is known here, before any process starts: refuse a bad HSDP split now.
-        if self.sharding == "hsdp":
-            validate_sharding(self.sharding, self._shard_group_size, self.num_nodes * self.num_processes)
+        # The world size is known here, before any process starts: fix and check HSDP's split now.
+        self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._device_mesh = build_fsdp_mesh(
-            self.root_device.type, self.world_size, self.sharding, self._shard_group_size
-        )
+        self._device_mesh = self.fsdp.mesh(self.root_device.type, self.world_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.async_checkpointing:
@@ -197,31 +182,21 @@ class FastFSDPStrategy(
         the rest, as in Lightning. Under ``cpu_offload`` the parameter shards stay on the CPU.
         """
         assert self.model is not None
-        if self.cpu_offload:
+        if self.fsdp.cpu_offload:
             _move_all_but_parameters(self.model, self.root_device)
         else:
             self.model.to(self.root_device)
 
     def parallelize(self, model: nn.Module) -> RootUnit:
-        """Resolve the blocks, then checkpoint, compile and shard ``model`` in place; return the root.
+        """Apply the plan to ``model`` in place with FSDP as its wrapper; return the root unit.
 
-        The order and its reasons: :func:`~lightning_fastdist.parallel.fsdp.shard_model`.
+        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
         """
-        one_unit = "; FSDP shards the whole model as one unit (name its blocks for one unit each)"
-        block_classes = resolve_and_log_blocks(model, self.blocks, without_blocks=one_unit)
-        without_kv_cache(model, self.activation_checkpointing, self.compiles_blocks)
-        root, units, self.compiled_regions = shard_model(
-            model,
-            self.device_mesh,
-            block_classes,
-            sharding=self.sharding,
-            activation_checkpointing=self.activation_checkpointing,
-            precision=self.precision_plugin.precision,
-            cpu_offload=self.cpu_offload,
-            compile_config=self.compile_config,
-            compile_scope=self.compile_scope,
+        precision = self.precision_plugin.precision
+        root, units, self.prepared = shard_model(
+            model, self.device_mesh, self.plan, self.fsdp, precision, rank_zero_info
         )
-        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.sharding == "hsdp")
+        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.fsdp.mode == "hsdp")
         return root
 
     @property
@@ -232,31 +207,17 @@ class FastFSDPStrategy(
     @property
     def comm_collectives(self) -> tuple[str, ...]:
         """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce."""
-        return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.sharding == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
+        return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.fsdp.mode == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduce-scatter (and HSDP all-reduce) on a non-final accumulation micro-batch.
-
-        Under ``zero2`` the gathered weights also stay gathered after such a micro-batch's
-        backward: the next forward needs them unchanged (no optimizer step in between), so one
-        all-gather per optimizer step replaces one per micro-batch. Memory does not grow: ZeRO-2
-        holds every gathered weight at the end of each forward anyway.
-        """
+        """A non-final accumulation micro-batch: :meth:`~lightning_fastdist.parallel.fsdp.FSDPSharding.accumulating`."""
         if not isinstance(self.model, FSDPModule):
             yield
             return
-        keep_gathered = self.sharding == "zero2"
-        self.model.set_requires_gradient_sync(False)
-        if keep_gathered:
-            self.model.set_reshard_after_backward(False)
-        try:
+        with self.fsdp.accumulating(self.model):
             yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-            if keep_gathered:
-                self.model.set_reshard_after_backward(True)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -1,11 +1,13 @@
 """What every strategy of this package sets up alike, written once: the collective ``timeout``,
-the ``compile`` options and their recompile watcher, a one-file checkpoint published atomically,
-and registration under ``strategy_name``.
+the :class:`~lightning_fastdist.parallel.plan.ParallelPlan` (blocks, activation checkpointing,
+compile) and its recompile watcher, a one-file checkpoint published atomically, and registration
+under ``strategy_name``.
 
 A strategy lists :class:`SharedSetup` among its mixins (before Lightning's class), calls
 :meth:`~SharedSetup.take_shared_options` in ``__init__`` before Lightning's ``__init__`` (which
-takes the returned timeout), :meth:`~SharedSetup.start_shared` first in ``setup`` and
-:meth:`~SharedSetup.stop_shared` in ``teardown``, and sets ``strategy_name`` and
+takes the returned timeout), applies ``self.plan`` where Lightning hands it the model (keeping
+what it returns in ``self.prepared``), calls :meth:`~SharedSetup.start_shared` first in ``setup``
+and :meth:`~SharedSetup.stop_shared` in ``teardown``, and sets ``strategy_name`` and
 ``strategy_description``.
 """
 
@@ -21,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, save_file_atomically
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.compile import normalize_compile_config, validate_compile_scope
+from lightning_fastdist.parallel.plan import ParallelPlan, PreparedBlocks
 
 
 class SharedSetup:
@@ -34,25 +36,28 @@ class SharedSetup:
     strategy_name: str
     strategy_description: str
 
-    def take_shared_options(
-        self, timeout: float | timedelta | None, compile: bool | dict[str, Any] = False, compile_scope: str = "blocks"
-    ) -> timedelta:
-        """Check and keep ``timeout``, ``compile`` and ``compile_scope``; return the timeout for Lightning."""
+    def take_shared_options(self, timeout: float | timedelta | None, plan: ParallelPlan) -> timedelta:
+        """Check and keep ``timeout``, keep ``plan`` (checked when built); return the timeout for Lightning."""
         self.timeout = collective_timeout(timeout, type(self).__name__)
-        self.compile_config = normalize_compile_config(compile)
-        self.compile_scope = validate_compile_scope(compile_scope)
+        self.plan = plan
+        self.prepared: PreparedBlocks | None = None
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
         return self.timeout
 
     @property
-    def compiles_blocks(self) -> bool:
-        """Each block's forward is compiled (``compile`` on, ``compile_scope="blocks"``)."""
-        return self.compile_config is not None and self.compile_scope == "blocks"
+    def checkpointed_blocks(self) -> tuple[Any, ...]:
+        """The blocks under activation checkpointing (empty until the plan is applied)."""
+        return self.prepared.checkpointed if self.prepared is not None else ()
+
+    @property
+    def compiled_regions(self) -> tuple[Any, ...]:
+        """The modules whose ``forward`` is compiled (empty until the plan is applied)."""
+        return self.prepared.compiled if self.prepared is not None else ()
 
     def start_shared(self, trainer: Any) -> None:
         """Job identity and preemption handling, and the recompile watcher when compiling."""
         self.start_fault_handling(trainer)  # type: ignore[attr-defined]
-        if self.compile_config is not None:
+        if self.plan.compile_config is not None:
             self.recompiles.start()
 
     def stop_shared(self) -> None:
