@@ -155,7 +155,7 @@ def test_each_bottleneck_is_flagged_and_a_clean_run_is_not(tmp_path):
         assert {r["check"]: r["status"] for r in written["rows"]} == rank0[name]["statuses"]
         assert len(written["details"]["ranks"]) == 2
         assert "| check | status | measured |" in markdown_path.read_text()
-    assert "```yaml\ntrainer:\n  plugins:" in (tmp_path / "fp32" / "bottleneck_report.md").read_text()
+    assert "```yaml\ntrainer:\n  precision: null" in (tmp_path / "fp32" / "bottleneck_report.md").read_text()
 
 
 def test_checks_turn_measurements_into_rows():

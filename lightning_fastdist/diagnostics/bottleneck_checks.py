@@ -172,7 +172,8 @@ def check_precision(precision: str, bf16_available: bool, device_type: str) -> C
     """fp32 training where the device computes in bf16."""
     fp32 = precision in ("32-true", "32", "64-true", "64")
     fix = (
-        "trainer:\n  plugins:\n    - class_path: lightning_fastdist.FastMixedPrecision\n"
+        "trainer:\n  precision: null   # the plugin sets it (Lightning refuses both)\n"
+        "  plugins:\n    - class_path: lightning_fastdist.FastMixedPrecision\n"
         f"      init_args: {{precision: bf16-mixed, device: {'cuda' if device_type == 'cuda' else 'cpu'}}}"
     )
     available = "bf16 available" if bf16_available else "no bf16 on this device"
