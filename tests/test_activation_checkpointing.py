@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_fastdist.demo import Block, TinyGPT
+from lightning_fastdist.diagnostics.activation_memory import ActivationMemory
 from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_fastdist.parallel.activation_memory import ActivationMemory
 
 
 @pytest.fixture(scope="module")

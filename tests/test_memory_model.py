@@ -10,9 +10,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.demo import Block, TinyGPT
+from lightning_fastdist.diagnostics.activation_memory import ActivationMemory
 from lightning_fastdist.diagnostics.memory_model import TrainingShape, activation_bytes, estimate_memory, estimate_table
 from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_fastdist.parallel.activation_memory import ActivationMemory
 from lightning_fastdist.parallel.fsdp import FSDPSharding
 from tests.harness import run_function
 

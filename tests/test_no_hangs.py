@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_fastdist.strategies.lost_peer import lost_peer_message
+from lightning_fastdist.parallel.collective_timeout import lost_peer_message
 from tests.fault_runs import run_ranks, write_recipe
 
 DEADLINE_S = 150  # the test's bound; a hang would run into it

@@ -7,7 +7,7 @@
 - **Preemption.** SIGTERM / SIGUSR1 on any subset of ranks stop every rank at the
   same optimizer step, with that step saved and exit status ``128 + signal``
   (:class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler`).
-- **A lost peer** is named in one line (:mod:`.lost_peer`).
+- **A lost peer** is named in one line (:func:`~lightning_fastdist.parallel.collective_timeout.explain_lost_peer`).
 - **No non-finite checkpoint.** A save whose weights or optimizer state hold NaN
   or inf (on any rank) is refused before anything is written, so the previous
   checkpoints stay as they were and a restart never resumes garbage.
@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fastdist.callbacks.preemption import PreemptionHandler
 from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
+from lightning_fastdist.parallel.collective_timeout import explain_lost_peer
 from lightning_fastdist.parallel.finite_state import non_finite_entry
 from lightning_fastdist.parallel.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
-from lightning_fastdist.strategies.lost_peer import explain_lost_peer
 
 CHECKPOINT_SUFFIX = ModelCheckpoint.FILE_EXTENSION
 TRAINING_STATE_KEYS = ("state_dict", "optimizer_states")  # the checkpoint entries that must be finite
