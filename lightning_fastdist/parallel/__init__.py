@@ -1,4 +1,5 @@
 """Torch-only building blocks that change a model in place (no Lightning import here).
 
-Strategies in :mod:`lightning_fastdist.strategies` compose these in a fixed order.
+Strategies in :mod:`lightning_fastdist.strategies` apply them through one
+:class:`~lightning_fastdist.parallel.plan.ParallelPlan`, in the order written in :mod:`~lightning_fastdist.parallel.plan`.
 """
