@@ -125,9 +125,9 @@ class ParallelPlan:
             without_blocks: appended to the blocks line when ``model`` has none (what the wrapper does instead).
             log: where the plan's lines go (a strategy passes rank 0's logger).
         """
-        needs_blocks = wrapper_uses_blocks or self.activation_checkpointing != "none" or self.compiles_blocks
-        block_classes = resolve_blocks(model, self.blocks) if needs_blocks else []
-        if needs_blocks:
+        block_classes: list[type[nn.Module]] = []
+        if wrapper_uses_blocks or self.activation_checkpointing != "none" or self.compiles_blocks:
+            block_classes = resolve_blocks(model, self.blocks)
             line = describe_blocks(model, block_classes)
             log(line if block_classes else line + without_blocks)
         self._without_kv_cache(model, log)

@@ -47,6 +47,7 @@ from lightning_fastdist.parallel.plan import (
     CompileOption,
     CompileScope,
     ParallelPlan,
+    PreparedBlocks,
 )
 from lightning_fastdist.parallel.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option
@@ -185,7 +186,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         """
         _, self.prepared = self.plan.apply(self.model, self._wrap_in_ddp, log=rank_zero_info)
 
-    def _wrap_in_ddp(self, model: torch.nn.Module, prepared: Any) -> DistributedDataParallel:
+    def _wrap_in_ddp(self, model: torch.nn.Module, prepared: PreparedBlocks) -> DistributedDataParallel:
         """Size the buckets, wrap ``model`` (``self.model``) in DDP as Lightning does, register the comm hook."""
         if self.bucket_cap_mb == "auto":
             self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model)
