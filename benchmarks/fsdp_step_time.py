@@ -46,18 +46,21 @@ WARMUP_STEPS = 5
 
 
 class StepClock(L.Callback):
-    """Wall and process CPU time of every training step; CPU-only, so reading the clocks costs no device sync."""
+    """Wall and process CPU time from one training step's start to the next one's: everything the loop does per
+    step (fetching the batch, Lightning's per-batch SIGTERM broadcast or our stop agreement, logging) counts.
+    CPU-only, so reading the clocks costs no device sync."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self._last: tuple[float, float] | None = None
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self._start = (time.perf_counter(), time.process_time())
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.wall.append(time.perf_counter() - self._start[0])
-        self.cpu.append(time.process_time() - self._start[1])
+        now = (time.perf_counter(), time.process_time())
+        if self._last is not None:
+            self.wall.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
+        self._last = now
 
 
 def median_step_times(setup: str, steps: int) -> tuple[float, float]:

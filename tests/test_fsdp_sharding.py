@@ -87,6 +87,20 @@ def doctor_estimate(parameter_bytes: int, mode: str, accumulation: int) -> dict[
     return estimate_comm(shape, mode, accumulation).by_collective()
 
 
+def count_comm_logs(model: L.LightningModule) -> list[str]:
+    """The names of the ``comm/`` metrics ``model.log`` is called with, in order (each call still logs)."""
+    names: list[str] = []
+    log = model.log
+
+    def counting_log(name: str, value, **options):
+        if name.startswith("comm/"):
+            names.append(name)
+        return log(name, value, **options)
+
+    model.log = counting_log
+    return names
+
+
 def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | None, world_size: int = 2) -> dict:
     from lightning_fastdist import FastFSDPStrategy
 
@@ -96,6 +110,7 @@ def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | Non
         strategy, world_size, max_steps=2, accumulate_grad_batches=accumulate, callbacks=[shards, collectives, losses]
     )
     model = tiny_gpt()
+    comm_logs = count_comm_logs(model)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
     trainer.fit(model, repeated_batches())
@@ -109,6 +124,7 @@ def train_and_measure(sharding: str, accumulate: int, hsdp_group_size: int | Non
         "root_parameter_bytes": parameter_bytes - block_bytes,
         "counted_last_step": counted,
         "logged": logged,
+        "comm_log_calls": len(comm_logs),
         "rounds": strategy.comm_stats.rounds,
     }
 
@@ -139,6 +155,8 @@ def test_zero3_shards_everything_and_reduce_scatters_only_on_the_last_micro_batc
             "comm/allgather_bytes_per_step": 4 * (2 * size - root),
             "comm/reduce_scatter_bytes_per_step": size,
         }
+        # Logged when the counts change (the first micro-batch, the first after step 1), not on all 8.
+        assert rank["comm_log_calls"] == 2 * 2
         assert rank["rounds"] == 2  # one gradient synchronisation per optimizer step
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"])
 

@@ -4,10 +4,11 @@ Lightning has no public hook for "hand the loggers their values" or "check for
 SIGTERM before a batch", so :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
 :class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler` replace a few
 private methods *on one trainer's instances* (never on the classes) for the duration
-of a fit. Each is listed here with the versions it was verified on;
-:func:`require_internals` fails loudly, naming the missing piece, if an upgrade
-moved one, and ``tests/test_sync_free_logging.py`` fails on the same check when
-the installed Lightning changes.
+of a fit; the strategies' ``comm/`` metrics read whether a batch is a logging step
+(:class:`~lightning_fastdist.strategies.comm_metrics.CommBytesLogging`). Each is listed
+here with the versions it was verified on; :func:`require_internals` fails loudly,
+naming the missing piece, if an upgrade moved one, and ``tests/test_sync_free_logging.py``
+fails on the same check when the installed Lightning changes.
 """
 
 from __future__ import annotations
