@@ -7,10 +7,12 @@ TinyGPT. The model and batch are the cpu_smoke recipe's (4 layers, width 128, 16
 in fp32 on 2 CPU processes over gloo.
 
 On this machine a setup's speed depends on when it runs (what ran just before it, the machine's load),
-so both setups train in the same two processes, in alternating order, for ``--rounds`` rounds; each
-round gives the ratio of their median step times, and the result is the geometric mean of those
-ratios (below 1: ours is faster). The same is printed for the CPU time rank 0's process spends per
-step (its threads' work, without the time it waits to be scheduled); here it moves with the wall time.
+so both setups train in the same two processes, each pinned to a core of its own, in alternating
+order, for ``--rounds`` rounds. A step is timed from its start to the next step's start, so the
+loop's per-batch work counts too. Each round gives the ratio of the two median step times, and
+the result is the geometric mean of those ratios (below 1: ours is faster). The same is printed
+for the CPU time rank 0's process spends per step (its threads' work, without the time it waits
+to be scheduled).
 
     python benchmarks/fsdp_step_time.py [--rounds 4] [--steps 40]
 
@@ -108,6 +110,8 @@ def main() -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__]
         sys.exit(subprocess.call([*command, "--rounds", str(args.rounds), "--steps", str(args.steps)]))
     torch.set_num_threads(1)
+    # Each rank (and its gloo threads) on a core of its own: the two ranks do not trade cores mid-step.
+    os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
     benchmark(args.rounds, args.steps)
 
 
