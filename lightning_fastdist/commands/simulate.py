@@ -62,7 +62,7 @@ from lightning_fastdist.diagnostics.step_memory import (
 )
 from lightning_fastdist.parallel.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
-from lightning_fastdist.parallel.fsdp import FSDPSharding, shard_model
+from lightning_fastdist.parallel.fsdp import FSDPSharding, fsdp_dtypes, shard_model
 from lightning_fastdist.parallel.plan import ParallelPlan
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -70,7 +70,6 @@ PARALLEL_FROM_PARAMETERS = 10**9
 FSDP_SETUPS = ("zero2", "zero3", "hsdp")
 DEEPSPEED_SETUPS = ("ds-zero1", "ds-zero2", "ds-zero3")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
@@ -294,7 +293,7 @@ def _to_dtype(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _autocast(precision: str) -> Callable[[], AbstractContextManager]:
-    dtype = _AUTOCAST_DTYPES.get(precision)
+    dtype, _ = fsdp_dtypes(precision)  # what a mixed precision computes in (None: no autocast)
     if dtype is None:
         return nullcontext
     return lambda: torch.autocast("cpu", dtype=dtype, cache_enabled=False)
