@@ -16,10 +16,9 @@ class CommBytesLogging:
     training step it logs each collective's bytes of the last optimizer step as
     ``comm/<collective>_bytes_per_step`` (0 before the first step), on the steps whose metrics the
     loggers write (``log_every_n_steps``) and whenever the counts changed since it last logged them.
-    Between those the logged values are still current, and ``self.log`` is not free: Lightning's
-    bookkeeping takes about 0.3 ms of host time per call (measured on this project's 2-core CPU
-    machine), every step, which a fast accelerator step feels.
-    The strategy provides:
+    Between those the values logged last are still current, and each ``self.log`` call costs
+    Lightning's bookkeeping about 0.3 ms of host time (measured on 2 CPU cores), which a fast
+    accelerator step would feel on every step. The strategy provides:
 
     - ``comm_stats``: its counters, or ``None`` while nothing is counted;
     - ``comm_collectives``: the names of the collectives it runs;
