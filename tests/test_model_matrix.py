@@ -74,6 +74,16 @@ def _fit(model_name: str, strategy) -> dict:
     run = {"losses": losses.losses, "units": sum(isinstance(m, FSDPModule) for m in trainer.strategy.model.modules())}
     if hasattr(strategy, "recompiles"):
         run["recompiles"] = strategy.recompiles.count
+    if getattr(strategy, "comm_stats", None) is not None:
+        from lightning_fastdist.parallel.comm_accounting import Traffic, metric_name
+
+        metrics = trainer.callback_metrics
+        run["comm_logged"] = {name: float(value) for name, value in metrics.items() if name.startswith("comm/")}
+        last_step = strategy.comm_stats.last_step
+        run["comm_counted"] = {
+            metric_name(collective): float(last_step.get(collective, Traffic()).bytes)
+            for collective in strategy.comm_collectives
+        }
     if getattr(strategy, "comm", None) is not None and strategy.comm.name == "powersgd":
         stats = strategy.hook_state.stats
         run["compressed"] = stats.last_step_bytes < sum(p.numel() * 4 for p in model.parameters())
@@ -131,6 +141,11 @@ def test_every_model_trains_under_every_setup_with_the_losses_of_lightning_ddp()
         assert runs[(model_name, "fast_fsdp zero3")]["units"] == units, model_name
     assert runs[("mlp", "fast_fsdp zero3 + AC full")]["units"] == 4  # blocks: [Linear], 3 of them, and the root
     assert all(runs[(name, "fast_ddp powersgd")]["compressed"] for name in MODELS)
+    # The comm/ metrics are logged only when due, yet what a callback reads is the last step's count
+    # (every step sends the same bytes by the end of these runs, PowerSGD's compressed steps included).
+    for (model_name, setup_name), run in runs.items():
+        if setup_name != "ddp":
+            assert run["comm_logged"] == run["comm_counted"] != {}, (model_name, setup_name)
     # HuggingFace's KV cache was turned off for per-block work: GPT-2's two layers share one graph.
     compiled = runs[("gpt2", "fast_fsdp zero3 + AC full + compile")]
     assert compiled["use_cache"] is False and compiled["recompiles"] == 0
