@@ -1,10 +1,18 @@
 """A process's random states (torch CPU and CUDA, Python ``random``, NumPy) as checkpoint values.
 
-Lightning's ``_collect_rng_states``/``_set_rng_states`` read and write them; this
-module only makes them loadable with ``torch.load(weights_only=True)`` (torch's
-default since 2.6), which refuses NumPy arrays: NumPy's key array travels as a
-tensor. The global torch generator also decides DataLoader worker seeds: every
-DataLoader iterator draws its workers' base seed from it when it is created.
+Lightning's ``_collect_rng_states``/``_set_rng_states`` read and write the CPU, Python and NumPy
+states; this module makes them loadable with ``torch.load(weights_only=True)`` (torch's default
+since 2.6), which refuses NumPy arrays: NumPy's key array travels as a tensor. The global torch
+generator also decides DataLoader worker seeds: every DataLoader iterator draws its workers' base
+seed from it when it is created.
+
+CUDA: a rank draws (dropout, ...) from the generator of the one GPU it computes on. Lightning
+saves every visible GPU's generator as a list and restores it by device index, which gives a rank
+the wrong state when the resumed job maps GPUs to ranks differently (each rank sees all eight GPUs
+and uses ``cuda:<local rank>`` in one run, sees only its own as ``cuda:0`` in the next, as under
+``srun --gpus-per-task=1``). Here a rank saves the state of its own device's generator alone, under
+:data:`OWN_CUDA_KEY`, and the checkpoint keeps it by rank (:mod:`.exact_resume`); on resume it goes
+to the generator of whatever device that rank now computes on.
 """
 
 from __future__ import annotations
@@ -14,27 +22,48 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
+OWN_CUDA_KEY = "torch.cuda.own_device"  # the state of the generator of the GPU this rank computes on
+LEGACY_CUDA_KEY = "torch.cuda"  # Lightning's list, one state per visible GPU (checkpoints written before)
+
 
 def collect_rng_states() -> dict[str, Any]:
     """This process's random states, in types a weights-only ``torch.load`` reads."""
-    states = _collect_rng_states(include_cuda=True)
+    states = _collect_rng_states(include_cuda=False)
     if "numpy" in states:
         name, keys, position, has_gauss, cached_gaussian = states["numpy"]
         states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), position, has_gauss, cached_gaussian)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states[OWN_CUDA_KEY] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return states
+
+
+def cuda_state_to_restore(states: dict[str, Any], device_index: int) -> torch.Tensor | None:
+    """The CUDA generator state for the device this rank computes on now (``device_index``), or ``None``.
+
+    A checkpoint of this package holds the rank's own device's state, whatever its index was then.
+    One written before (Lightning's list by device index) can only be read by index: the same index
+    if the list has it.
+    """
+    if OWN_CUDA_KEY in states:
+        return states[OWN_CUDA_KEY]
+    legacy = states.get(LEGACY_CUDA_KEY) or []
+    return legacy[device_index] if device_index < len(legacy) else None
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Make ``states`` (from :func:`collect_rng_states`) this process's random states.
 
-    CUDA states are set for the devices present; on a machine without CUDA they are ignored.
+    The CUDA state goes to the generator of the current device (the one Lightning set for this rank);
+    in a process that has not started CUDA (a CPU run) it is ignored.
     """
     states = dict(states)
     if "numpy" in states:
         name, keys, position, has_gauss, cached_gaussian = states["numpy"]
         states["numpy"] = (name, keys.numpy().astype("uint32"), position, has_gauss, cached_gaussian)
-    cuda_states = states.pop("torch.cuda", [])
+    cuda_states = {key: states.pop(key) for key in (OWN_CUDA_KEY, LEGACY_CUDA_KEY) if key in states}
     _set_rng_states(states)
-    if torch.cuda.is_available():
-        for device, state in enumerate(cuda_states[: torch.cuda.device_count()]):
+    if cuda_states and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        state = cuda_state_to_restore(cuda_states, device)
+        if state is not None:
             torch.cuda.set_rng_state(state, device)
