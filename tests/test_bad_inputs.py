@@ -97,8 +97,13 @@ ROWS = [
         strategy("FastDDPStrategy", compile={"backend": "tensorrtx"})),
     Row("unknown-compile-mode",
         ("compile.mode: 'fastest' is not a torch.compile mode; "
-         "accepted: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs."),
+         "accepted: default, max-autotune-no-cudagraphs."),
         strategy("FastFSDPStrategy", compile={"mode": "fastest"})),
+    Row("cuda-graph-compile-mode",
+        ("compile: mode='reduce-overhead' records CUDA graphs, which per-block compile, activation checkpointing "
+         "and FSDP's re-allocated weights break on replay; use mode='max-autotune-no-cudagraphs' (or the default "
+         "mode)."),
+        strategy("FastDDPStrategy", compile={"mode": "reduce-overhead"})),
     Row("unknown-compile-option",
         "compile: unknown option(s) opt_level; accepted: backend, mode, fullgraph, dynamic, options.",
         strategy("FastDDPStrategy", compile={"opt_level": 3})),

@@ -40,13 +40,17 @@ def test_compile_option_values(value, expected):
         ({"backend": "turbo"}, "compile.backend: 'turbo' is not a torch.compile backend; accepted: .*inductor"),
         (
             {"mode": "fastest"},
-            "compile.mode: 'fastest' is not a torch.compile mode; accepted: default, reduce-overhead",
+            "compile.mode: 'fastest' is not a torch.compile mode; accepted: default, max-autotune-no-cudagraphs.",
         ),
         (
             {"fulgraph": True},
             "compile: unknown option.s. fulgraph; accepted: backend, mode, fullgraph, dynamic, options",
         ),
-        ({"mode": "max-autotune", "options": {"a": 1}}, "set either mode or options"),
+        ({"mode": "max-autotune-no-cudagraphs", "options": {"a": 1}}, "set either mode or options"),
+        ({"mode": "reduce-overhead"}, "compile: mode='reduce-overhead' records CUDA graphs, .* use mode='max-auto"),
+        ({"mode": "max-autotune"}, "compile: mode='max-autotune' records CUDA graphs"),
+        ({"backend": "cudagraphs"}, "compile: backend='cudagraphs' records CUDA graphs"),
+        ({"options": {"triton.cudagraphs": True}}, "compile: options=.'triton.cudagraphs': True. records CUDA graphs"),
         ({"dynamic": "yes"}, "compile.dynamic: expected true, false or null"),
         ("inductor", "compile: expected true, false or a mapping"),
     ],
@@ -57,6 +61,15 @@ def test_bad_compile_options_are_refused_before_training(value, message):
     for strategy_class in (FastDDPStrategy, FastFSDPStrategy):
         with pytest.raises(ValueError, match=message):
             strategy_class(compile=value)
+
+
+def test_the_bad_backend_message_lists_what_a_user_would_pick_and_accepts_torchs_debugging_backends():
+    with pytest.raises(ValueError) as error:
+        normalize_compile_config({"backend": "turbo"})
+    accepted = str(error.value).split("accepted: ")[1].rstrip(".").split(", ")
+    assert {"inductor", "eager", "aot_eager"} <= set(accepted)
+    assert not [name for name in accepted if "TESTING" in name or "minifier" in name or name == "cudagraphs"]
+    assert normalize_compile_config({"backend": "aot_eager_decomp_partition"}) is not None  # still accepted
 
 
 def test_bad_scope_is_refused():

@@ -9,6 +9,15 @@ each compiled ``forward``. Only ``forward`` is compiled (not the module's
 
 Order (the strategies follow it): activation checkpointing, then compile, then
 FSDP ``fully_shard`` / DDP wrapping.
+
+CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``, ``backend="cudagraphs"``,
+``options={"triton.cudagraphs": True}``) are refused when the strategy is built: a replayed graph
+reads and writes fixed addresses, and here those addresses move between replays. Each block's
+graph is shared by every block (each with its own parameters), activation checkpointing runs a
+block's forward again inside backward (a second replay that overwrites outputs the first one still
+needs), and FSDP frees and re-allocates each block's gathered weights every step. What to use
+instead: ``mode="max-autotune-no-cudagraphs"`` (inductor's autotuned kernels without graphs) or
+the default mode.
 """
 
 from __future__ import annotations
@@ -23,14 +32,39 @@ from lightning_fastdist.parallel.blocks import outermost_block_modules
 
 COMPILE_SCOPES = ("blocks", "model")
 COMPILE_OPTIONS = ("backend", "mode", "fullgraph", "dynamic", "options")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
+CUDA_GRAPH_BACKEND = "cudagraphs"
+# torch's debugging backends a user does pick (to tell a compiler problem from a graph-capture one).
+DEBUG_BACKENDS_OFFERED = ("eager", "aot_eager")
 
 
 def compile_backends() -> list[str]:
-    """Names ``torch.compile`` accepts as ``backend`` in this installation."""
+    """Names ``torch.compile`` accepts as ``backend`` in this installation (its test-only ones too)."""
     import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling
 
     return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
+
+
+def offered_backends() -> list[str]:
+    """The backends named in an error: torch's user-facing ones and ``eager``/``aot_eager``, without test-only
+    backends (``non_leaf_compile_error_TESTING_ONLY``, ``dynamo_minifier_backend``, ...) or CUDA graphs."""
+    import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling
+
+    offered = set(torch._dynamo.list_backends()) | {"inductor"} | set(DEBUG_BACKENDS_OFFERED)
+    return sorted((offered & set(compile_backends())) - {CUDA_GRAPH_BACKEND})
+
+
+def cuda_graph_setting(config: Mapping[str, Any]) -> str | None:
+    """The ``compile`` setting that would record CUDA graphs (``"mode='reduce-overhead'"``, ...), or ``None``."""
+    if config.get("mode") in CUDA_GRAPH_MODES:
+        return f"mode={config['mode']!r}"
+    if config.get("backend") == CUDA_GRAPH_BACKEND:
+        return f"backend={CUDA_GRAPH_BACKEND!r}"
+    options = config.get("options")
+    if isinstance(options, Mapping) and options.get("triton.cudagraphs"):
+        return "options={'triton.cudagraphs': True}"
+    return None
 
 
 def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -41,7 +75,8 @@ def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[s
             mapping with any of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
 
     Raises:
-        ValueError: an unknown key, backend or mode, or ``mode`` together with ``options``.
+        ValueError: an unknown key, backend or mode, ``mode`` together with ``options``, or a setting that
+            records CUDA graphs (module docstring).
     """
     if compile is None or compile is False:
         return None
@@ -55,10 +90,16 @@ def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[s
     unknown = sorted(set(config) - set(COMPILE_OPTIONS))
     if unknown:
         raise ValueError(f"compile: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(COMPILE_OPTIONS)}.")
+    cuda_graphs = cuda_graph_setting(config)
+    if cuda_graphs is not None:
+        raise ValueError(
+            f"compile: {cuda_graphs} records CUDA graphs, which per-block compile, activation checkpointing and "
+            "FSDP's re-allocated weights break on replay; use mode='max-autotune-no-cudagraphs' (or the default mode)."
+        )
     backend = config.get("backend")
     if isinstance(backend, str) and backend not in compile_backends():
         raise ValueError(
-            f"compile.backend: {backend!r} is not a torch.compile backend; accepted: {', '.join(compile_backends())}."
+            f"compile.backend: {backend!r} is not a torch.compile backend; accepted: {', '.join(offered_backends())}."
         )
     mode = config.get("mode")
     if mode is not None and mode not in COMPILE_MODES:
