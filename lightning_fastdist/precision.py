@@ -40,6 +40,19 @@ PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true")
 DEVICES = ("cuda", "cpu")
 
 
+def compute_device_type(model: Module) -> str | None:
+    """The device type ``model`` computes on (``None`` without parameters): where autocast must act.
+
+    A sharded (DTensor) parameter computes on its mesh's device, wherever its shard lives: FSDP2's
+    ``cpu_offload`` keeps each shard in host memory and gathers it onto the GPU for every forward,
+    so the shard's own ``device`` says ``cpu`` on a CUDA run.
+    """
+    for parameter in model.parameters():
+        mesh = getattr(parameter, "device_mesh", None)
+        return mesh.device_type if mesh is not None else parameter.device.type
+    return None
+
+
 class FastMixedPrecision(Precision):
     """Mixed or bf16 precision for Lightning with no host sync per step.
 
@@ -123,8 +136,8 @@ class FastMixedPrecision(Precision):
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
-        device_type = next(model.parameters()).device.type
-        if self.precision != "bf16-true" and device_type != self.device:
+        device_type = compute_device_type(model)
+        if self.precision != "bf16-true" and device_type is not None and device_type != self.device:
             raise ValueError(
                 f"FastMixedPrecision: device is {self.device!r} but the model is on {device_type!r}; "
                 f"pass device={device_type!r}."

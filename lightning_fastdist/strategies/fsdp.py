@@ -163,7 +163,7 @@ class FastFSDPStrategy(
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
             self._root = self.parallelize(module)  # where ModelParallelStrategy expects configure_model to have sharded
-            _materialize_distributed_module(self._root, self.root_device)
+            _materialize(self._root, self.root_device, self.fsdp.cpu_offload)
         # Lightning runs each step through ``self.model`` (its forward redirection), so the root's hooks run around it.
         self.model = self._root
         self.model_to_device()  # as in Lightning: move all that is left (parameterless modules, .device)
@@ -286,13 +286,26 @@ class FastFSDPStrategy(
         super().teardown()
 
 
+def _materialize(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Lightning's meta-device materialisation; under ``cpu_offload`` the parameter shards are made on the CPU.
+
+    FSDP2 keeps offloaded shards in host memory and refuses, at the first forward, one found on the GPU
+    (torch's ``FSDPParamGroup._validate_cpu_offload_params``); the buffers go to ``device`` afterwards
+    (:meth:`FastFSDPStrategy.model_to_device`), where ``fully_shard`` puts those of a model built on a device.
+    """
+    _materialize_distributed_module(module, torch.device("cpu") if cpu_offload else device)
+
+
 def _move_all_but_parameters(module: nn.Module, device: torch.device) -> None:
-    """``module.to(device)`` for every part of ``module`` that holds no parameter; device attributes updated."""
+    """``module.to(device)`` for every part of ``module`` that holds no parameter, the buffers of the others too;
+    device attributes updated."""
     if next(module.parameters(), None) is None:
         module.to(device)
         return
     if isinstance(module, _DeviceDtypeModuleMixin):
         module._device = device  # what LightningModule.device reports
+    for name, buffer in module.named_buffers(recurse=False):
+        module._buffers[name] = buffer.to(device)  # as Module.to does for each buffer
     for child in module.children():
         _move_all_but_parameters(child, device)
 
