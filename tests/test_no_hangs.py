@@ -3,8 +3,9 @@
 Real ranks of ``lightning-fastdist fit`` over gloo; rank 1 is SIGKILLed (or
 stops answering) after step 3. gloo fails the survivor's next collective at
 once for a dead peer, and after the strategy's ``timeout`` for a silent one;
-either way the survivor must exit non-zero with the lost-peer message well
-before the test's own deadline.
+either way the survivor must exit non-zero with the lost-peer message that
+names what happened (a crash, or a timeout with its seconds) well before the
+test's own deadline.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ COLLECTIVE_TIMEOUT_S = 8  # long enough for start-up (both ranks start together)
 FAULT_STEP = 3
 
 
-def survivor_message() -> str:
-    return lost_peer_message(timedelta(seconds=COLLECTIVE_TIMEOUT_S), 0)
+def survivor_message(hang: bool) -> str:
+    """A crashed peer is named as a crash, never with the timeout; a silent one with the timeout it ran past."""
+    return lost_peer_message(timedelta(seconds=COLLECTIVE_TIMEOUT_S), 0, "timed out" if hang else "crashed")
 
 
 @pytest.mark.slow
@@ -46,7 +48,8 @@ def test_the_surviving_rank_exits_with_a_clear_error(tmp_path, strategy_class, h
     assert faulty.returncode == -9 and (faulty.killed_by_test == hang)  # hung ranks are killed by the test at the end
     assert not survivor.killed_by_test, "rank 0 hung after its peer " + ("hung" if hang else "died")
     assert survivor.returncode != 0
-    assert survivor_message() in survivor.output, survivor.output[-3000:]
+    assert survivor_message(hang) in survivor.output, survivor.output[-3000:]
+    assert (f"({COLLECTIVE_TIMEOUT_S} s)" in survivor.output) == hang  # the timeout is quoted for a hang only
     seconds = survivor.ended_at - marker.stat().st_mtime
     print(
         f"rank 0 exited {seconds:.1f} s after rank 1 {'hung' if hang else 'died'} "

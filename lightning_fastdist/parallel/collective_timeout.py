@@ -7,22 +7,33 @@ alive but stuck (or a network that drops packets silently) is only noticed when
 the process group's timeout expires. Lightning's default is 30 minutes; a job that
 restarts itself (``torchrun --max-restarts``) wants a few minutes at most.
 
-When a rank is killed, gloo fails the survivors' next collective at once
-("Connection closed by peer"); when a rank is alive but stuck, the survivors'
-collective fails once the process group's ``timeout`` expires ("Timed out
-waiting ... for recv"). NCCL reports the same situations as a watchdog timeout or
-an aborted communicator. Either way the survivor gets a ``RuntimeError`` from deep
-inside torch; this module recognises those and puts one line in front of it that
-names the cause and the way out, then the error propagates and the process exits
-non-zero (under ``torchrun --max-restarts`` the job then restarts from its last
-checkpoint).
+What the survivors see, and the line this module puts in front of the error:
+
+- **gloo, a peer crashed or was killed**: the next collective fails at once ("Connection closed by
+  peer", "Connection reset by peer"). The line says a rank crashed; it never quotes the timeout.
+- **gloo, a peer is alive but stuck**: the collective fails once the process group's ``timeout``
+  expires ("Timed out waiting ... for recv"). The line quotes the timeout.
+- **NCCL**: a collective runs on the GPU and Python does not wait for it, so torch's watchdog
+  thread does: it reports a collective that failed (NCCL noticed the crash: "remote process exited
+  or there was a network error") or ran past the timeout ("Watchdog caught collective operation
+  timeout"), and then acts as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says (:func:`nccl_error_handling`).
+  With torch's default, 3, it ends the process at once (SIGABRT, no Python traceback, so no line
+  of ours: the watchdog's own line is the last one in the log); with 2 it only aborts the
+  communicator, and the next collective raises in Python ("NCCL communicator was aborted"), which
+  gets the line below with the setting in effect. ``NCCL_ASYNC_ERROR_HANDLING`` is the deprecated
+  spelling of the same variable.
+
+Either way the error then propagates and the process exits non-zero (under ``torchrun
+--max-restarts`` the job then restarts from its last checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+from collections.abc import Mapping
 from datetime import timedelta
 
 from torch.distributed.constants import default_pg_timeout  # what torch and Lightning use when nothing is set
@@ -57,45 +68,107 @@ def _message(owner: str, timeout: object) -> str:
     return f"{owner}: timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}."
 
 
-# Messages torch's backends give when a peer is gone (gloo, NCCL) or silent past the timeout.
-_LOST_PEER = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|Application timeout|"
-    r"Watchdog caught collective operation timeout|NCCL communicator was aborted|"
-    r"failed to recv, got 0 bytes|Socket Timeout|DistNetworkError",
+# What torch's backends say when a peer crashed (gloo's closed socket, NCCL's remote error) ...
+_CRASHED = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|failed to recv, got 0 bytes|"
+    r"remote process exited|ncclRemoteError",
     re.IGNORECASE,
 )
+# ... or stayed silent past the collective timeout ...
+_TIMED_OUT = re.compile(r"Timed out waiting|Application timeout|Watchdog caught collective operation timeout|"
+                        r"Socket Timeout", re.IGNORECASE)  # fmt: skip
+# ... or NCCL's watchdog aborted the communicator (after one of the two: its own log line says which) ...
+_ABORTED = re.compile(r"NCCL communicator was aborted", re.IGNORECASE)
+# ... or the connection to the other ranks broke in a way that names neither.
+_LOST = re.compile(r"DistNetworkError", re.IGNORECASE)
+CAUSES = (("crashed", _CRASHED), ("timed out", _TIMED_OUT), ("aborted", _ABORTED), ("lost", _LOST))
+
+NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new, deprecated
+NCCL_DEFAULT_ERROR_HANDLING = 3  # torch's ProcessGroupNCCL default (SkipCleanUp)
+NCCL_ERROR_HANDLING = {
+    0: "no handling: a failed collective is not acted on, and a lost peer can hang the job",
+    1: "abort the communicator, then end the process",
+    2: "abort the communicator; the next collective raises in Python",
+    3: "end the process at once (SIGABRT, no Python traceback: the watchdog's line is the last word)",
+}
+
+
+def lost_peer_cause(exception: BaseException) -> str | None:
+    """``"crashed"``, ``"timed out"``, ``"aborted"`` or ``"lost"`` if ``exception`` (or one it was raised from) is a
+    collective that lost a peer, else ``None``."""
+    seen: BaseException | None = exception
+    while seen is not None:
+        text = f"{type(seen).__name__}: {seen}"
+        for cause, pattern in CAUSES:
+            if pattern.search(text):
+                return cause
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def is_lost_peer(exception: BaseException) -> bool:
     """Whether ``exception`` (or one it was raised from) is a collective that lost or timed out on a peer."""
-    seen: BaseException | None = exception
-    while seen is not None:
-        if _LOST_PEER.search(f"{type(seen).__name__}: {seen}"):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return lost_peer_cause(exception) is not None
 
 
-def lost_peer_message(timeout: timedelta, rank: int) -> str:
-    """The line printed in front of a lost-peer error on ``rank``."""
+def nccl_error_handling(environ: Mapping[str, str] = os.environ) -> str:
+    """What torch's NCCL watchdog does on a failed or timed-out collective, as ``"NAME=value (meaning)"``.
+
+    Read as torch reads it: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else the deprecated
+    ``NCCL_ASYNC_ERROR_HANDLING``, else torch's default, 3.
+    """
+    for name in NCCL_ERROR_HANDLING_VARIABLES:
+        if name in environ:
+            value = environ[name].strip()
+            meaning = NCCL_ERROR_HANDLING.get(int(value)) if value.lstrip("-").isdigit() else None
+            return f"{name}={value} ({meaning or 'a value torch does not document'})"
     return (
-        f"[rank {rank}] training stopped: a collective failed because another rank died or did not answer "
-        f"within the collective timeout ({timeout.total_seconds():g} s). Look at the other ranks' logs for the "
-        "cause; resume with --ckpt_path last (torchrun --max-restarts does this by itself)."
+        f"{NCCL_ERROR_HANDLING_VARIABLES[0]} unset: torch's default {NCCL_DEFAULT_ERROR_HANDLING} "
+        f"({NCCL_ERROR_HANDLING[NCCL_DEFAULT_ERROR_HANDLING]})"
     )
 
 
-def explain_lost_peer(exception: BaseException, timeout: timedelta, rank: int) -> None:
+_RESUME = "resume with --ckpt_path last (torchrun --max-restarts does this by itself)."
+
+
+def lost_peer_message(timeout: timedelta, rank: int, cause: str = "timed out", backend: str | None = None) -> str:
+    """The line printed in front of a lost-peer error on ``rank``.
+
+    Args:
+        timeout: the collective timeout; quoted only when a peer timed out (or may have).
+        rank: this process's global rank.
+        cause: what :func:`lost_peer_cause` found.
+        backend: the process group's backend; under ``"nccl"`` the watchdog's setting is named too.
+    """
+    seconds = f"{timeout.total_seconds():g} s"
+    what = {
+        "crashed": "another rank crashed or was killed (its connection closed; no collective timed out)",
+        "timed out": f"another rank did not answer within the collective timeout ({seconds}): it is stuck, or "
+        "slower than the timeout allows",
+        "aborted": "NCCL's watchdog aborted the communicator after a collective failed (a crashed peer) or ran "
+        f"past the collective timeout ({seconds}); its own line above says which",
+        "lost": "the connection to another rank broke (it crashed, or the network failed)",
+    }[cause]
+    watchdog = f" NCCL's watchdog: {nccl_error_handling()}." if backend == "nccl" else ""
+    return (
+        f"[rank {rank}] training stopped: a collective failed because {what}.{watchdog} Look at the other ranks' "
+        f"logs for the cause; {_RESUME}"
+    )
+
+
+def explain_lost_peer(exception: BaseException, timeout: timedelta, rank: int, backend: str | None = None) -> None:
     """If ``exception`` is a lost peer, log :func:`lost_peer_message` and attach it to the exception as a note.
 
     Args:
         exception: what interrupted training (from a strategy's ``on_exception``).
-        timeout: the process group's collective timeout, quoted in the message.
+        timeout: the process group's collective timeout, quoted when a peer timed out.
         rank: this process's global rank.
+        backend: the process group's backend (``"nccl"`` adds the watchdog's setting).
     """
-    if not is_lost_peer(exception):
+    cause = lost_peer_cause(exception)
+    if cause is None:
         return
-    message = lost_peer_message(timeout, rank)
+    message = lost_peer_message(timeout, rank, cause, backend)
     log.error(message)
     if hasattr(exception, "add_note"):  # Python >= 3.11 prints it under the traceback
         exception.add_note(message)

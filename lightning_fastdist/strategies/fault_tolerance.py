@@ -108,7 +108,8 @@ class FaultTolerance:
         super().teardown()  # type: ignore[misc]
 
     def on_exception(self, exception: BaseException) -> None:
-        explain_lost_peer(exception, self.timeout, self.global_rank)  # type: ignore[attr-defined]
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+        explain_lost_peer(exception, self.timeout, self.global_rank, backend)  # type: ignore[attr-defined]
         super().on_exception(exception)  # type: ignore[misc]
 
     def refuse_non_finite(self, checkpoint: dict[str, Any], filepath: Any) -> None:
