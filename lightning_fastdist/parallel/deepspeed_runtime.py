@@ -12,18 +12,30 @@
   (CUDA when a GPU is visible); a Trainer on another device would have DeepSpeed
   put tensors where the model is not.
 
+- :func:`choose_offload_optimizer`: ZeRO-Offload runs the optimizer step on the CPU.
+  DeepSpeed's ``DeepSpeedCPUAdam`` (vectorised C++; DeepSpeed measures it 5-7x faster than
+  torch's Adam there, and its engine warns that a client optimizer "will yield poor
+  performance") is compiled just in time. On a CUDA run with a C++ compiler and ninja it replaces
+  torch's Adam or AdamW, keeping its parameter groups (the LR scheduler still steers them); where
+  it cannot (a CPU run, another optimizer, no compiler, a failed build) torch's keeps stepping,
+  and one line says which runs and why.
+
 Ops that would still be compiled just in time: optimizers named in a DeepSpeed
-``optimizer`` config section (``FusedAdam``, ``DeepSpeedCPUAdam``), NVMe offload
-(``async_io``) and DeepSpeed's own kernels (inference, sparse attention). The
-strategy uses the LightningModule's torch optimizer and none of these.
+``optimizer`` config section (``FusedAdam``), NVMe offload (``async_io``) and
+DeepSpeed's own kernels (inference, sparse attention). The strategy uses the
+LightningModule's torch optimizer and none of these.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+from torch.optim import Optimizer
 
 INSTALL_HINT = "pip install lightning-fastdist[deepspeed]"
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -76,3 +88,84 @@ def check_deepspeed_device(device: torch.device, owner: str) -> None:
             f"{owner}: the Trainer runs on {device.type} but DeepSpeed chose its {chosen} accelerator; "
             f"set the environment variable DS_ACCELERATOR={device.type} before starting the run."
         )
+
+
+# torch optimizers DeepSpeedCPUAdam computes the same step as, and their options it has no counterpart for.
+CPU_ADAM_REPLACES = (torch.optim.Adam, torch.optim.AdamW)
+_NO_CPU_ADAM_OPTION = ("amsgrad", "maximize", "differentiable")
+
+
+def cpu_adam_obstacle(optimizer: Optimizer, device_type: str) -> str | None:
+    """Why DeepSpeed's CPU Adam cannot take over ``optimizer``'s offloaded step, or ``None`` (it may still not build).
+
+    Args:
+        optimizer: the LightningModule's optimizer.
+        device_type: the Trainer's device type; only CUDA runs compile anything.
+    """
+    if device_type != "cuda":
+        return f"a {device_type} run compiles nothing"
+    if type(optimizer) not in CPU_ADAM_REPLACES:
+        return f"DeepSpeed's CPU Adam replaces torch's Adam and AdamW only, not {type(optimizer).__name__}"
+    for option in _NO_CPU_ADAM_OPTION:
+        if any(group.get(option) for group in optimizer.param_groups):
+            return f"{option}=True has no counterpart in DeepSpeed's CPU Adam"
+    if any(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+        return "a tensor learning rate has no counterpart in DeepSpeed's CPU Adam"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler to build it ({compiler!r} not found; set CXX)"
+    from torch.utils.cpp_extension import is_ninja_available  # noqa: PLC0415 - only on this path
+
+    if not is_ninja_available():
+        return "ninja, which builds it, is not installed"
+    return None
+
+
+def cpu_adam_arguments(optimizer: Optimizer) -> dict:
+    """``DeepSpeedCPUAdam``'s keyword arguments for the step ``optimizer`` (torch's Adam or AdamW) takes.
+
+    The per-group values (``lr``, ``betas``, ``eps``, ``weight_decay``) are read from each group at every
+    step; ``adamw_mode`` (decoupled weight decay, as AdamW) holds for the whole optimizer.
+    """
+    first = optimizer.param_groups[0]
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
+    return dict(
+        lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"], adamw_mode=decoupled
+    )
+
+
+def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
+    """A ``DeepSpeedCPUAdam`` over ``optimizer``'s own parameter groups (builds the op: a minute the first time).
+
+    The groups are the same dictionaries, so an LR scheduler bound to ``optimizer`` keeps steering the step.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - optional
+
+    return DeepSpeedCPUAdam(optimizer.param_groups, **cpu_adam_arguments(optimizer))
+
+
+def choose_offload_optimizer(
+    optimizer: Optimizer, device_type: str, build: Callable[[Optimizer], Optimizer] = to_deepspeed_cpu_adam
+) -> tuple[Optimizer, str]:
+    """The optimizer ZeRO-Offload steps on the CPU, and one line saying which and why.
+
+    Args:
+        optimizer: the LightningModule's optimizer.
+        device_type: the Trainer's device type.
+        build: makes the replacement (:func:`to_deepspeed_cpu_adam`); a failure keeps ``optimizer``.
+    """
+    obstacle = cpu_adam_obstacle(optimizer, device_type)
+    if obstacle is None:
+        try:
+            return build(optimizer), (
+                f"ZeRO-Offload: the CPU step runs DeepSpeed's CPU Adam in place of torch's {type(optimizer).__name__} "
+                "(vectorised C++, several times faster on the CPU)."
+            )
+        except Exception as error:  # a compiler or header problem: the run goes on with torch's
+            reasons = [_first_line(seen) for seen in (error, error.__cause__) if seen is not None]
+            obstacle = f"DeepSpeed's CPU Adam did not build ({': '.join(reasons)})"
+    return optimizer, f"ZeRO-Offload: the CPU step runs torch's {type(optimizer).__name__}: {obstacle}."
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -5,7 +5,8 @@ DeepSpeed trains ZeRO stage 1, 2 and 3 on CPU processes over gloo. This
 subclass makes three changes for a CPU device (accept the accelerator, skip the
 CUDA device-index check, give DeepSpeed the local rank where Lightning passes
 the device index, which a CPU device does not have), keeps DeepSpeed from
-compiling anything (see :mod:`lightning_fastdist.parallel.deepspeed_runtime`),
+compiling anything on CPU (see :mod:`lightning_fastdist.parallel.deepspeed_runtime`;
+on a CUDA run, ZeRO-Offload's step uses DeepSpeed's compiled CPU Adam where it builds),
 and adds what the other strategies of this package do: activation checkpointing
 of the blocks, the collective ``timeout``, job identity and preemption, bytes
 per collective without a device sync, checkpoints published atomically, and
@@ -37,10 +38,12 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
     MAX_AUTO_BUCKET,
     auto_bucket_size,
     check_deepspeed_device,
+    choose_offload_optimizer,
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
 from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
+from lightning_fastdist.parallel.exposed_comm import ExposedCommClock
 from lightning_fastdist.parallel.plan import BlocksOption, CheckpointingOption, ParallelPlan
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
@@ -87,7 +90,8 @@ class FastDeepSpeedStrategy(
             :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
             instead of a DeepSpeed checkpoint folder; optimizer state is then not restored.
         log_comm_bytes: log the bytes of the last optimizer step's collectives as
-            ``comm/<collective>_bytes_per_step`` (host-side counts, no device sync).
+            ``comm/<collective>_bytes_per_step`` (host-side counts, no device sync), and the time it
+            waited for them as ``comm/exposed_s``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
             (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
@@ -136,8 +140,8 @@ class FastDeepSpeedStrategy(
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        # Offload with the module's own torch optimizer: DeepSpeed would otherwise insist on
-        # DeepSpeedCPUAdam, a C++ op compiled at run time.
+        # Offload may keep the module's own torch optimizer (where DeepSpeedCPUAdam, a C++ op compiled at run
+        # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
         self.stage = stage
         self.offload_optimizer = offload_optimizer
@@ -191,7 +195,8 @@ class FastDeepSpeedStrategy(
         self.start_shared(trainer)
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
-            self._stop_counting = count_deepspeed_communication(self._comm_stats)
+            self.exposed_comm = ExposedCommClock(self.root_device)
+            self._stop_counting = count_deepspeed_communication(self._comm_stats, self.exposed_comm)
             self._comm_counted = True
 
     @override
@@ -211,6 +216,8 @@ class FastDeepSpeedStrategy(
 
         # Lightning passes device_rank=root_device.index, which a CPU device does not have.
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        if self.offload_optimizer and optimizer is not None:
+            optimizer = self._offloaded_optimizer(optimizer)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank),
             config=self.config,
@@ -222,6 +229,17 @@ class FastDeepSpeedStrategy(
         )
         start_zero3_steps_at_the_outer_forward(engine)  # a LightningModule calls itself inside its forward
         return engine, deepspeed_optimizer
+
+    def _offloaded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """DeepSpeed's CPU Adam for the offloaded step where every rank can build it, else ``optimizer`` (one line)."""
+        chosen, line = choose_offload_optimizer(optimizer, self.root_device.type)
+        everywhere = self.reduce_boolean_decision(chosen is not optimizer, all=True)  # one optimizer for all ranks
+        if chosen is not optimizer and not everywhere:
+            name = type(optimizer).__name__
+            chosen = optimizer
+            line = f"ZeRO-Offload: the CPU step runs torch's {name}: DeepSpeed's CPU Adam did not build on every rank."
+        rank_zero_info(line)
+        return chosen
 
     @property
     def comm_stats(self) -> CommStats | None:
