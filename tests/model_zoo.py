@@ -4,6 +4,10 @@ Each LightningModule reaches its model another way, as real code does:
 
 - :class:`HFCausalLM` / :class:`HFMaskedLM`: HuggingFace ``GPT2LMHeadModel`` / ``BertForMaskedLM``,
   wrapped the HuggingFace way (``self.model(input_ids=..., labels=...)`` in ``training_step``);
+- :class:`HFSeq2Seq` / :class:`HFSwitch`: HuggingFace ``T5ForConditionalGeneration`` (encoder and decoder
+  stacks of ``T5Block``, embeddings tied into both stacks) and ``SwitchTransformersForConditionalGeneration``
+  (the same, with mixture-of-experts layers whose idle experts get no gradient), called
+  ``self.model(**batch)`` with a dict batch of ``input_ids``, ``attention_mask`` and ``labels``;
 - :class:`DemoTransformer`: Lightning's own ``lightning.pytorch.demos.Transformer`` (encoder and
   decoder layers: two block classes), called as ``self(...)``;
 - :class:`ResidualCNN`: a residual CNN in plain torch with BatchNorm, whose ``training_step`` calls
@@ -99,6 +103,64 @@ class HFMaskedLM(ZooModule):
         )
 
 
+def _seq2seq_batches(batch_size: int) -> DataLoader:
+    """Dicts of ``input_ids`` and ``attention_mask`` (16 source tokens) and ``labels`` (8 target tokens)."""
+    source, target = _tokens(), _tokens(seed=1)[:, : SEQUENCE // 2]
+    samples = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        for ids, labels in zip(source, target)
+    ]
+    return DataLoader(samples, batch_size=batch_size)
+
+
+class HFSeq2Seq(ZooModule):
+    """T5 from a tiny random config (2 encoder and 2 decoder layers, width 32), trained ``self.model(**batch)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration  # noqa: PLC0415 - the test extra
+
+        config = T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        self.model = T5ForConditionalGeneration(config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._logged(self.model(**batch).loss)
+
+    def batches(self, batch_size: int = 4) -> DataLoader:
+        return _seq2seq_batches(batch_size)
+
+
+class HFSwitch(ZooModule):
+    """SwitchTransformers from a tiny random config: 2 + 2 layers, every second one a mixture of 16 experts
+    (one module per expert, top-1 routing: an expert that no token of a rank's batch reaches has no gradient
+    there, and which experts those are differs between ranks). No router noise: every run draws the same.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import (  # noqa: PLC0415 - the test extra
+            SwitchTransformersConfig,
+            SwitchTransformersForConditionalGeneration,
+        )
+
+        config = SwitchTransformersConfig(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, expert_capacity=64, num_layers=2, num_decoder_layers=2,
+            num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=4, num_experts=16, dropout_rate=0.0,
+            router_jitter_noise=0.0,
+            decoder_start_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        self.model = SwitchTransformersForConditionalGeneration(config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._logged(self.model(**batch).loss)
+
+    def batches(self, batch_size: int = 4) -> DataLoader:
+        return _seq2seq_batches(batch_size)
+
+
 class DemoTransformer(ZooModule):
     """Lightning's demo ``Transformer`` (nn.Transformer: 2 encoder and 2 decoder layers, width 16)."""
 
@@ -188,6 +250,8 @@ class MLPStack(ZooModule):
 MODELS: dict[str, type[ZooModule]] = {
     "gpt2": HFCausalLM,
     "bert": HFMaskedLM,
+    "t5": HFSeq2Seq,
+    "switch": HFSwitch,
     "lightning-transformer": DemoTransformer,
     "resnet": ResidualCNN,
     "mlp": MLPStack,

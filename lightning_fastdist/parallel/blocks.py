@@ -47,6 +47,14 @@ def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
     layer's attention, say) is left to the outer one. Several classes can
     result (encoder and decoder layers). A model without such modules gives
     ``[]``: it is one unit.
+
+    One exception to "outermost": a *stack*, a repeated module that holds the
+    model's layers in a list (T5's encoder and decoder are two ``T5Stack``
+    instances, each with a ``ModuleList`` of ``T5Block``), is looked into, and
+    the layers of its list are the blocks. The layer lists that count are the
+    outermost ``ModuleList``/``Sequential`` whose children are all instances of
+    one candidate class; a list inside another list's layer (a block's own list
+    of attention heads) does not make that block a stack.
     """
     instances: dict[type[nn.Module], list[nn.Module]] = {}
     only_class_of_a_list: set[type[nn.Module]] = set()
@@ -63,12 +71,29 @@ def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
         if (len(found) >= 2 or cls in only_class_of_a_list) and all(_holds_layers(m) for m in found)
     }
     ancestors = _strict_ancestors(model)
+    candidates -= _stacks(model, candidates, ancestors)
 
     def nested_in_another(cls: type[nn.Module]) -> bool:
         enclosing = {type(outer) for m in instances[cls] for outer in ancestors[id(m)]}
         return bool(enclosing & (candidates - {cls}))
 
     return [cls for cls in instances if cls in candidates and not nested_in_another(cls)]
+
+
+def _stacks(
+    model: nn.Module, candidates: set[type[nn.Module]], ancestors: dict[int, list[nn.Module]]
+) -> set[type[nn.Module]]:
+    """The candidate classes that enclose one of the model's outermost layer lists (see :func:`find_blocks`)."""
+
+    def is_layer_list(module: nn.Module) -> bool:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            return False
+        classes = {type(child) for child in module.children()}
+        return len(classes) == 1 and classes <= candidates
+
+    layer_lists = [module for module in model.modules() if module is not model and is_layer_list(module)]
+    outermost = [layers for layers in layer_lists if not any(is_layer_list(outer) for outer in ancestors[id(layers)])]
+    return {type(outer) for layers in outermost for outer in ancestors[id(layers)]} & candidates
 
 
 def qualified_name(cls: type) -> str:

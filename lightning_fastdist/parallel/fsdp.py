@@ -35,8 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils._pytree import tree_map_only
 
-from lightning_fastdist.parallel.blocks import block_modules
+from lightning_fastdist.parallel.blocks import block_modules, resolve_blocks
+from lightning_fastdist.parallel.fp32_modules import OWN_DTYPE_POLICY, refuse_dtype_changes
+from lightning_fastdist.parallel.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan import ParallelPlan, PreparedBlocks
+from lightning_fastdist.parallel.shared_parameters import blocks_sharing_parameters
 
 ShardingMode = Literal["zero3", "zero2", "hsdp"]
 SHARDING_MODES: tuple[str, ...] = get_args(ShardingMode)
@@ -66,13 +69,20 @@ class FSDPSharding:
         cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU and copy each
             unit to the device for its compute (on a CPU mesh nothing moves, which lets a GPU recipe
             run unchanged on CPU).
+        keep_fp32: class names of modules that keep their parameters in their own dtype under mixed
+            precision (a router that casts itself to float32): each instance is a unit of its own,
+            gathered and reduced in that dtype (:mod:`~lightning_fastdist.parallel.fp32_modules`).
     """
 
     mode: ShardingMode = "zero3"
     hsdp_group_size: int | None = None
     cpu_offload: bool = False
+    keep_fp32: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.keep_fp32, (list, tuple)) or not all(isinstance(n, str) for n in self.keep_fp32):
+            raise ValueError(f"keep_fp32: got {self.keep_fp32!r}; use a list of module class names, e.g. ['Router'].")
+        object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
         if self.mode not in SHARDING_MODES:
             raise ValueError(f"sharding: got {self.mode!r}; use one of {', '.join(map(repr, SHARDING_MODES))}.")
         group = self.hsdp_group_size
@@ -126,7 +136,9 @@ class FSDPSharding:
             model: the model; its parameters may live on the meta device (materialise them afterwards).
             mesh: from :meth:`mesh`.
             block_classes: module classes whose instances become FSDP units; the
-                parameters outside every block (embeddings, head) belong to the root unit.
+                parameters outside every block (embeddings, head) belong to the root unit, and so
+                do those of a block that shares a parameter outside it (it stays in its enclosing
+                unit: :mod:`~lightning_fastdist.parallel.shared_parameters`).
             precision: a Lightning precision name; ``"bf16-mixed"``/``"16-mixed"`` set the mixed-precision policy.
             selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs to
                 the compute dtype in a pre-forward hook that runs before checkpointing's in the forward but
@@ -149,10 +161,15 @@ class FSDPSharding:
         offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if self.cpu_offload else OffloadPolicy()
         # Children before parents: fully_shard must see a block's own parameters
         # before an enclosing unit claims them.
-        units = [*reversed(block_modules(model, block_classes)), model]
+        units = self.units(model, block_classes)
+        own_dtype = {id(module) for module in self._fp32_modules(model)}
         cast_inside = {id(block) for block in selectively_checkpointed} if param_dtype is not None else set()
         for unit in units:
             policy = root_mixed_precision if unit is model else mixed_precision
+            if id(unit) in own_dtype:
+                policy = OWN_DTYPE_POLICY
+            elif param_dtype is not None:
+                refuse_dtype_changes(unit, units, param_dtype)
             if id(unit) in cast_inside:
                 policy = root_mixed_precision  # no cast in FSDP's hook: the block's own hook casts
                 unit.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
@@ -164,6 +181,19 @@ class FSDPSharding:
                 unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload
             )
         return units
+
+    def units(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> list[nn.Module]:
+        """The modules :meth:`shard` makes FSDP units, in the order it shards them (children before parents):
+        the ``keep_fp32`` modules, each block that shares no parameter outside itself, then ``model``."""
+        own_dtype = self._fp32_modules(model)
+        blocks = [block for block in block_modules(model, block_classes) if block not in own_dtype]
+        kept = {id(entry.block) for entry in blocks_sharing_parameters(model, blocks)}
+        return [*reversed(own_dtype), *reversed([block for block in blocks if id(block) not in kept]), model]
+
+    def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
+        if not self.keep_fp32:
+            return []
+        return block_modules(model, resolve_blocks(model, list(self.keep_fp32), option="keep_fp32"))
 
     @contextmanager
     def accumulating(self, root: FSDPModule) -> Generator[None, None, None]:
@@ -187,11 +217,13 @@ class FSDPSharding:
 
 
 class ShardedModel(NamedTuple):
-    """What :func:`shard_model` built: the root unit, every FSDP unit (the root last) and the plan's blocks."""
+    """What :func:`shard_model` built: the root unit, every FSDP unit (the root last), the plan's blocks and the
+    experts that may sit idle (:class:`~lightning_fastdist.parallel.idle_experts.IdleExperts`)."""
 
     root: RootUnit
     units: list[nn.Module]
     prepared: PreparedBlocks
+    idle_experts: IdleExperts
 
 
 def shard_model(
@@ -220,13 +252,15 @@ def shard_model(
         log: where the plan's lines go.
     """
 
-    def wrap(model: nn.Module, prepared: PreparedBlocks) -> tuple[RootUnit, list[nn.Module]]:
+    def wrap(model: nn.Module, prepared: PreparedBlocks) -> tuple[RootUnit, list[nn.Module], IdleExperts]:
         root = RootUnit(model)
+        # Hooked before fully_shard: see IdleExperts.
+        idle_experts = IdleExperts(root, sharding.units(root, prepared.block_classes))
         selective = prepared.checkpointed if prepared.selective else ()
-        return root, sharding.shard(root, mesh, prepared.block_classes, precision, selective)
+        return root, sharding.shard(root, mesh, prepared.block_classes, precision, selective), idle_experts
 
-    (root, units), prepared = plan.apply(model, wrap, wrapper_uses_blocks=True, without_blocks=ONE_UNIT, log=log)
-    return ShardedModel(root, units, prepared)
+    (root, units, idle), prepared = plan.apply(model, wrap, wrapper_uses_blocks=True, without_blocks=ONE_UNIT, log=log)
+    return ShardedModel(root, units, prepared, idle)
 
 
 def _cast_floating_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

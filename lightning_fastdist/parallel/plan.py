@@ -9,7 +9,9 @@ wraps the model after Lightning's ``_setup_model``).
 The order, the same for every wrapper, and why:
 
 1. Resolve the blocks (:func:`~lightning_fastdist.parallel.blocks.resolve_blocks`), only if a step
-   below or the wrapper uses them; one line says which were found.
+   below or the wrapper uses them; one line says which were found (and, for a wrapper that makes
+   each block a unit, which blocks stay in their enclosing unit because they share a parameter
+   outside them: :mod:`~lightning_fastdist.parallel.shared_parameters`).
 2. Turn off a HuggingFace model's KV cache when its blocks are checkpointed or compiled one by
    one (:mod:`~lightning_fastdist.parallel.kv_cache` says why).
 3. Activation checkpointing of each block: its hooks must sit inside the wrapper's units, so
@@ -37,9 +39,10 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.blocks import check_blocks_value, describe_blocks, resolve_blocks
+from lightning_fastdist.parallel.blocks import block_modules, check_blocks_value, describe_blocks, resolve_blocks
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.kv_cache import turn_off_kv_cache
+from lightning_fastdist.parallel.shared_parameters import blocks_sharing_parameters, describe_kept_blocks
 
 # The types of the shared options, as strategy signatures (and so LightningCLI) take them.
 BlocksOption = Literal["auto"] | list[str]
@@ -121,7 +124,8 @@ class ParallelPlan:
         Args:
             model: the model (a LightningModule or any ``nn.Module``).
             wrap: the wrapper, called last with the model and what the plan did to its blocks.
-            wrapper_uses_blocks: resolve the blocks even when neither checkpointing nor compile needs them.
+            wrapper_uses_blocks: the wrapper makes each block a unit of its own (FSDP): resolve the blocks even
+                when neither checkpointing nor compile needs them, and say which share a parameter outside them.
             without_blocks: appended to the blocks line when ``model`` has none (what the wrapper does instead).
             log: where the plan's lines go (a strategy passes rank 0's logger).
         """
@@ -129,6 +133,8 @@ class ParallelPlan:
         if wrapper_uses_blocks or self.activation_checkpointing != "none" or self.compiles_blocks:
             block_classes = resolve_blocks(model, self.blocks)
             line = describe_blocks(model, block_classes)
+            if wrapper_uses_blocks:
+                line += describe_kept_blocks(blocks_sharing_parameters(model, block_modules(model, block_classes)))
             log(line if block_classes else line + without_blocks)
         self._without_kv_cache(model, log)
         checkpointed = apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)

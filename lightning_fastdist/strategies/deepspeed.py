@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
+from lightning_fastdist.parallel.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed_runtime import (
@@ -44,6 +45,7 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
 )
 from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.exposed_comm import ExposedCommClock
+from lightning_fastdist.parallel.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan import BlocksOption, CheckpointingOption, ParallelPlan
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
@@ -207,8 +209,21 @@ class FastDeepSpeedStrategy(
             if value == "auto":
                 self.config["zero_optimization"][option] = auto_bucket_size(model)
         if self.prepared is None:  # a second fit meets the blocks already checkpointed
+            self._give_idle_experts_zero_gradients(model)
             _, self.prepared = self.plan.apply(model, log=rank_zero_info)
         return model
+
+    def _give_idle_experts_zero_gradients(self, model: torch.nn.Module) -> None:
+        """Stages 1-2: experts idle on a rank get zero gradients there (parallel/idle_experts.py), so every rank
+        reduces the same buffers; stage 3 gathers a module's parameters only when it is called: refused."""
+        units = [model, *block_modules(model, resolve_blocks(model, self.plan.blocks))]
+        idle_experts = IdleExperts(model, units)
+        if idle_experts.trackers and self.stage == 3:
+            raise ValueError(
+                f"FastDeepSpeedStrategy: stage 3 cannot train experts that may sit idle on a rank "
+                f"({idle_experts.describe()}: ZeRO-3 gathers a module's weights only when it is called); use "
+                "stage=2 or FastFSDPStrategy, which give an idle expert a zero gradient."
+            )
 
     @override
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:

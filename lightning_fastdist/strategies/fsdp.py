@@ -37,8 +37,10 @@ from typing_extensions import override
 
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.exposed_comm import ExposedCommClock
 from lightning_fastdist.parallel.fsdp import FSDPSharding, RootUnit, ShardingMode, shard_model
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
+from lightning_fastdist.parallel.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan import (
     BlocksOption,
     CheckpointingOption,
@@ -69,6 +71,8 @@ class FastFSDPStrategy(
         hsdp_group_size: ranks per shard group under ``"hsdp"``; must divide the
             world size. ``None`` means the devices of one node.
         cpu_offload: :class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``cpu_offload``.
+        keep_fp32: :class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``keep_fp32``: class names of modules
+            that keep float32 parameters under mixed precision, each a unit of its own.
         activation_checkpointing: the plan's.
         compile: the plan's.
         compile_scope: the plan's.
@@ -82,7 +86,8 @@ class FastFSDPStrategy(
         log_comm_bytes: log the bytes of the last optimizer step's parameter all-gathers and
             gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
             ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
-            counts, no device sync. Needs torch >= 2.9 (FSDP2's custom collectives).
+            counts, no device sync), and the time the last step waited for them as ``comm/exposed_s``.
+            Needs torch >= 2.9 (FSDP2's custom collectives).
         shard_modules: deprecated spelling of ``blocks`` (one more release).
     """
 
@@ -95,6 +100,7 @@ class FastFSDPStrategy(
         sharding: ShardingMode = "zero3",
         hsdp_group_size: int | None = None,
         cpu_offload: bool = False,
+        keep_fp32: list[str] | None = None,
         activation_checkpointing: CheckpointingOption = "none",
         compile: CompileOption = False,
         compile_scope: CompileScope = "blocks",
@@ -105,7 +111,7 @@ class FastFSDPStrategy(
         log_comm_bytes: bool = True,
         shard_modules: str | list[str] | None = None,
     ) -> None:
-        self.fsdp = FSDPSharding(sharding, hsdp_group_size, cpu_offload)
+        self.fsdp = FSDPSharding(sharding, hsdp_group_size, cpu_offload, tuple(keep_fp32 or ()))
         blocks = blocks_option("FastFSDPStrategy", blocks, "shard_modules", shard_modules)
         timeout = self.take_shared_options(
             timeout, ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
@@ -130,6 +136,9 @@ class FastFSDPStrategy(
         self._comm_stats = CommStats()
         self._comm_counted = False
         self._root: RootUnit | None = None
+        self._idle_experts: IdleExperts | None = None
+        self._experts_group: dist.ProcessGroup | None = None
+        self._accumulating = False
 
     @override
     def _configure_launcher(self) -> None:
@@ -193,10 +202,15 @@ class FastFSDPStrategy(
         The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
         """
         precision = self.precision_plugin.precision
-        root, units, self.prepared = shard_model(
+        root, units, self.prepared, self._idle_experts = shard_model(
             model, self.device_mesh, self.plan, self.fsdp, precision, rank_zero_info
         )
-        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated=self.fsdp.mode == "hsdp")
+        if self._idle_experts.trackers and self._experts_group is None:
+            self._experts_group = dist.new_group(backend="gloo")  # host-side flags: no device sync
+        clock = ExposedCommClock(self.root_device)
+        replicated = self.fsdp.mode == "hsdp"
+        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated, clock)
+        self.exposed_comm = clock if self._comm_counted else None
         return root
 
     @property
@@ -216,8 +230,20 @@ class FastFSDPStrategy(
         if not isinstance(self.model, FSDPModule):
             yield
             return
-        with self.fsdp.accumulating(self.model):
-            yield
+        self._accumulating = True
+        try:
+            with self.fsdp.accumulating(self.model):
+                yield
+        finally:
+            self._accumulating = False
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._idle_experts is not None and self._idle_experts.trackers and not self._accumulating:
+            # An optimizer step's last backward: experts no rank called keep no gradient, as under DDP.
+            self._idle_experts.drop_gradients_of_experts_idle_everywhere(self._experts_group)
+        return output
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

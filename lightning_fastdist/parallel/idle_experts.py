@@ -1,0 +1,163 @@
+"""Zero gradients for experts that sat idle in a step, so that every rank reduces the same gradients.
+
+A mixture-of-experts layer with one module per expert (SwitchTransformers, Qwen2-MoE, DeepSeek
+in HuggingFace) calls only the experts its router picked for the tokens of this rank's batch: an
+expert no token reached gets no gradient, and which experts those are differs between ranks.
+FSDP2 reduce-scatters the gradients a unit *has*, packed into one buffer, so two ranks with
+different idle experts hand gloo or NCCL buffers of different sizes (gloo aborts the process:
+"Received data size doesn't match expected size"). DDP has ``find_unused_parameters`` for it;
+FSDP2 has nothing.
+
+:class:`IdleExperts` hooks the layers that may leave experts idle. After such
+a layer's forward, a zero that depends on the idle experts' parameters (an autograd function that
+reads nothing from them) is added to the layer's output; in the backward it hands each of their
+parameters a zero gradient, before the unit's reduce-scatter (it is among the first nodes of the
+layer's backward; FSDP reduces once the whole unit's backward has run). Every rank then reduces every parameter:
+the result is the same mean gradient, with zeros from the ranks where an expert was idle.
+
+Which layers: a ``ModuleList``/``ModuleDict`` (or a subclass) holding two or more modules of one
+class that own parameters (the experts), inside a unit and not themselves units. The hooks sit on
+the experts and on the module that calls them (the container when it has a ``forward`` of its
+own, else its parent). A dense model has no such container inside its blocks (its layers are the
+blocks) and gets no hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+EXPERT_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+class _ZeroGradientTie(torch.autograd.Function):
+    """A scalar zero that depends on ``parameters``: in the backward, a zero gradient for each of them.
+
+    Nothing is computed from the parameters' values (an idle expert's weights may hold anything).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in parameters]
+        return parameters[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes)
+
+
+def expert_containers(unit: nn.Module, units: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """The containers of experts inside ``unit`` (see the module docstring), leaving out the parts of the other
+    ``units`` nested in it, and lists whose modules are units themselves (a stack's layers)."""
+    inside = {id(m) for m in unit.modules()}
+    nested_units = [other for other in units if other is not unit and id(other) in inside]
+    excluded = {id(m) for other in nested_units for m in other.modules()}
+    found = []
+    for module in unit.modules():
+        if id(module) in excluded or not isinstance(module, EXPERT_CONTAINERS):
+            continue
+        children = list(module.children())
+        if any(child in nested_units for child in children):
+            continue
+        owns_parameters = all(next(child.parameters(), None) is not None for child in children)
+        if len(children) >= 2 and len({type(child) for child in children}) == 1 and owns_parameters:
+            found.append(module)
+    return found
+
+
+def _calls_its_children(container: nn.Module) -> bool:
+    """Whether ``container`` has a ``forward`` of its own (a plain ``ModuleList``/``ModuleDict`` has none)."""
+    return type(container).forward is not nn.Module.forward
+
+
+class IdleExperts:
+    """The expert containers inside a model's units, hooked to give their idle experts zero gradients.
+
+    Build it before ``fully_shard`` (the ties must run before FSDP's own post-forward hook of a unit
+    that calls its experts itself, while the parameters are still the gathered ones). After each
+    optimizer step's last backward, :meth:`drop_gradients_of_experts_idle_everywhere` matches DDP's
+    ``find_unused_parameters``: an expert that no rank called keeps no gradient, so the optimizer
+    leaves it as it is (AdamW would otherwise move it by its momentum and weight decay).
+
+    Args:
+        model: the model (FSDP's root unit).
+        units: the modules that become FSDP units, ``model`` among them.
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+        self.trackers: list[_IdleExpertTracker] = []
+        for unit in units:
+            for container in expert_containers(unit, units):
+                caller = container if _calls_its_children(container) else parents[id(container)]
+                tracker = _IdleExpertTracker(caller, list(container.children()), type(container).__name__)
+                self.trackers.append(tracker)
+
+    def describe(self) -> str:
+        """``"2 SwitchTransformersExperts of 16 experts each"``: what was found, for a log line or an error."""
+        counts: dict[str, set[int]] = {}
+        for tracker in self.trackers:
+            counts.setdefault(tracker.container_class, set()).add(len(tracker.experts))
+        return ", ".join(
+            f"{sum(t.container_class == name for t in self.trackers)} {name} of "
+            f"{'/'.join(map(str, sorted(sizes)))} experts each"
+            for name, sizes in counts.items()
+        )
+
+    def drop_gradients_of_experts_idle_everywhere(self, group: dist.ProcessGroup | None = None) -> int:
+        """Collective over ``group`` (a CPU group: gloo): which experts some rank called since the last call; every
+        other expert's parameters lose their gradient. Returns how many experts that was."""
+        experts = [expert for tracker in self.trackers for expert in tracker.experts]
+        called = torch.tensor(
+            [any(id(expert) in tracker.called_this_step for tracker in self.trackers) for expert in experts],
+            dtype=torch.uint8,
+        )
+        dist.all_reduce(called, op=dist.ReduceOp.MAX, group=group)
+        for tracker in self.trackers:
+            tracker.called_this_step.clear()
+        idle = [expert for expert, used in zip(experts, called.tolist()) if not used]
+        for expert in idle:
+            for parameter in expert.parameters():
+                parameter.grad = None
+        return len(idle)
+
+
+class _IdleExpertTracker:
+    """Records which experts ran during one forward of ``caller``, and ties the others to its output."""
+
+    def __init__(self, caller: nn.Module, experts: list[nn.Module], container_class: str) -> None:
+        self.caller = caller
+        self.experts = experts
+        self.container_class = container_class
+        self.called: set[int] = set()  # during the caller's current forward
+        self.called_this_step: set[int] = set()  # over every forward since the last optimizer step
+        caller.register_forward_pre_hook(self._start)
+        for expert in experts:
+            expert.register_forward_pre_hook(self._mark_called)
+        caller.register_forward_hook(self._tie_idle)
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        self.called = set()
+
+    def _mark_called(self, expert: nn.Module, args: Any) -> None:
+        self.called.add(id(expert))
+        self.called_this_step.add(id(expert))
+
+    def _tie_idle(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        idle = [p for expert in self.experts if id(expert) not in self.called for p in expert.parameters()]
+        idle = [p for p in idle if p.requires_grad]
+        if not idle:
+            return None
+        leaves, spec = tree_flatten(output)
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+                leaves[index] = leaf + _ZeroGradientTie.apply(*idle).to(leaf.dtype)
+                return tree_unflatten(leaves, spec)
+        return None
