@@ -9,6 +9,11 @@ is added to that rank's next gradient, so nothing is lost over time; with warm
 start, ``Q`` carries over between steps so one power iteration per step tracks
 the top singular directions.
 
+The hook never waits: it starts the bucket's exact and ``P`` all-reduces and returns a
+future; orthonormalising ``P``, computing ``Q``, its all-reduce and the decompression run as
+callbacks of those futures (on a GPU on side streams, on gloo in its threads), so the rest of the
+backward goes on meanwhile. Results and bytes are the same as waiting for each round.
+
 The error and ``Q`` memories are kept per parameter (by its position in the
 model's parameter list), not per DDP bucket: DDP rebuilds its buckets after the
 first backward of every process, so bucket indices are not stable across a
@@ -91,6 +96,23 @@ class PowerSGDState(HookState):
     errors: dict[int, Tensor] = field(default_factory=dict)
     q_memory: dict[int, Tensor] = field(default_factory=dict)
     parameter_index: dict[int, int] = field(default_factory=dict)
+    last_q_started: Future = field(default_factory=lambda: _done(None), repr=False, compare=False)
+    _factor_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+
+    def factor_group(self) -> dist.ProcessGroup | None:
+        """The group the Q all-reduces go to, which start from callbacks rather than from DDP's thread.
+
+        NCCL runs a future's callbacks at once in the thread that started the collective (its futures
+        complete when the collective is queued on the GPU), so the order stays DDP's and the group is
+        the hook's. Elsewhere (gloo) callbacks run in the backend's threads as collectives finish: the
+        Q rounds get a group of their own, created on first use by every member at the same bucket.
+        """
+        if self._factor_group is None:
+            if dist.get_backend(self.process_group) == dist.Backend.NCCL:
+                return self.process_group
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._factor_group = dist.new_group(ranks, use_local_synchronization=True)
+        return self._factor_group
 
     def index_parameters(self, module: nn.Module) -> None:
         """Key the memories by each parameter's position in ``module.parameters()``."""
@@ -111,12 +133,24 @@ class PowerSGDState(HookState):
         self.q_memory = {key: q.to(device) for key, q in state["q_memory"].items()}
 
     def q_factor(self, key: int, matrix: Tensor) -> Tensor:
-        """The ``Q`` to multiply ``matrix`` with: the remembered one, or a seeded random one."""
+        """The ``Q`` to multiply ``matrix`` with: the remembered one, or a seeded random one.
+
+        Drawn by a generator on ``matrix``'s device, seeded alike on every rank: the same numbers on
+        every rank, and no host-to-device copy (a pageable copy waits for the GPU's queue).
+        """
         if key not in self.q_memory or not self.settings.warm_start:
-            generator = torch.Generator().manual_seed(hash((self.settings.seed, key, self.iteration)) % 2**63)
+            seed = hash((self.settings.seed, key, self.iteration)) % 2**63
+            generator = torch.Generator(device=matrix.device).manual_seed(seed)
             shape = (matrix.shape[1], min(self.settings.rank, *matrix.shape))
-            self.q_memory[key] = torch.randn(shape, generator=generator).to(matrix.device, matrix.dtype)
+            q = torch.randn(shape, generator=generator, device=matrix.device)
+            self.q_memory[key] = q.to(matrix.dtype)
         return self.q_memory[key]
+
+
+def _done(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def _bucket_views(bucket: dist.GradBucket) -> list[Tensor]:
@@ -151,14 +185,103 @@ def _unflatten_into(flat: Tensor, targets: list[Tensor]) -> None:
         offset += target.numel()
 
 
-def _average_factors(state: PowerSGDState, factors: list[Tensor]) -> None:
-    """Average ``factors`` over ranks in place, sent in the settings' ``factor_dtype``; waits for the result."""
-    sent = _flatten(factors).to(POWERSGD_FACTOR_DTYPES[state.settings.factor_dtype])
-    _unflatten_into(launch_mean_all_reduce(state, sent).wait(), factors)
+def _launch_average(state: PowerSGDState, tensor: Tensor, group: dist.ProcessGroup | None) -> Future:
+    """Start an async mean all-reduce of ``tensor`` over ``group`` (bytes counted by the caller); a future of it."""
+    tensor.div_(state.world_size)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda _: tensor)
+
+
+def _result_future(device: torch.device) -> Future:
+    """What the hook returns: CUDA-aware on a GPU, so DDP's wait orders its stream after the callbacks' work."""
+    return Future(devices=[device]) if device.type == "cuda" else Future()
+
+
+class _CompressedBucket:
+    """One bucket's rounds after the hook returned: P averaged -> orthonormalise, ``Q = M^T P`` -> Q averaged ->
+    ``M = P Q^T`` and error feedback -> the bucket's future. Each step is a callback of the previous one's future.
+
+    Collectives must start in the same order on every rank. The hook starts the exact and P all-reduces itself
+    (in DDP's order); the Q all-reduces start from callbacks, so they go to their own group
+    (:meth:`PowerSGDState.factor_group`), one after another in bucket order: each waits for the previous
+    bucket's Q to have started (``previous_q_started``), never for its result.
+    """
+
+    def __init__(self, state: PowerSGDState, bucket: dist.GradBucket, keys: list[int], matrices: list[Tensor]) -> None:
+        self.state, self.buffer, self.keys, self.matrices = state, bucket.buffer(), keys, matrices
+        self.result = _result_future(self.buffer.device)
+        self.q_started: Future = Future()
+        self.exact: list[Tensor] = []
+        self.exact_average: Future | None = None
+
+    def start(self, exact: list[Tensor], previous_q_started: Future) -> Future:
+        """Launch the exact and P rounds from the hook and chain the rest; return the bucket's future at once."""
+        state, dtype = self.state, POWERSGD_FACTOR_DTYPES[self.state.settings.factor_dtype]
+        if exact:
+            self.exact = exact
+            self.exact_average = launch_mean_all_reduce(state, _flatten(exact))
+        if state.settings.error_feedback:
+            for key, matrix in zip(self.keys, self.matrices):
+                if key in state.errors:
+                    matrix.add_(state.errors[key])
+            self.compensated = [matrix.clone() for matrix in self.matrices]
+        self.qs = [state.q_factor(key, matrix) for key, matrix in zip(self.keys, self.matrices)]
+        self.ps = [matrix @ q for matrix, q in zip(self.matrices, self.qs)]
+        sent_p = _flatten(self.ps).to(dtype)
+        state.stats.record(sent_p)
+        # Q's bytes are counted here too, in this thread: a callback thread would race the counters.
+        state.stats.record(torch.empty(sum(q.numel() for q in self.qs), dtype=dtype, device="meta"))
+        p_average = _launch_average(state, sent_p, state.process_group)
+        p_average.then(lambda done: previous_q_started.then(lambda _: self._start_q(done)))
+        return self.result
+
+    def _start_q(self, p_average: Future) -> None:
+        try:
+            _unflatten_into(p_average.wait(), self.ps)
+            for matrix, q, p in zip(self.matrices, self.qs, self.ps):
+                _orthonormalise_columns(p)
+                torch.matmul(matrix.t(), p, out=q)
+            sent_q = _flatten(self.qs).to(POWERSGD_FACTOR_DTYPES[self.state.settings.factor_dtype])
+            q_average = _launch_average(self.state, sent_q, self.state.factor_group())
+        except BaseException as error:  # the bucket's future carries it to DDP's wait; later buckets go on
+            self.q_started.set_result(None)
+            self.result.set_exception(error)
+            return
+        self.q_started.set_result(None)
+        q_average.then(self._finish)
+
+    def _finish(self, q_average: Future) -> None:
+        try:
+            _unflatten_into(q_average.wait(), self.qs)
+            for matrix, q, p in zip(self.matrices, self.qs, self.ps):
+                torch.matmul(p, q.t(), out=matrix)
+            if self.state.settings.error_feedback:
+                for key, before, after in zip(self.keys, self.compensated, self.matrices):
+                    self.state.errors[key] = before.sub_(after)
+        except BaseException as error:
+            self.result.set_exception(error)
+            return
+        if self.exact_average is None:
+            self.result.set_result(self.buffer)
+        else:
+            self.exact_average.then(self._finish_exact)
+
+    def _finish_exact(self, exact_average: Future) -> None:
+        try:
+            _unflatten_into(exact_average.wait(), self.exact)
+        except BaseException as error:
+            self.result.set_exception(error)
+            return
+        self.result.set_result(self.buffer)
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tensor]:
-    """Average one bucket with rank-``r`` PowerSGD compression (exact before ``start_iter``)."""
+    """Average one bucket with rank-``r`` PowerSGD compression (exact before ``start_iter``).
+
+    Returns as soon as the bucket's first all-reduces are started; the rest runs in callbacks
+    (:class:`_CompressedBucket`), so the backward goes on meanwhile (on a GPU, the callbacks run on
+    side streams: the compute stream never waits for the P and Q rounds).
+    """
     is_last = bucket.is_last()
     if is_last:
         state.stats.finish_round()
@@ -172,32 +295,9 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tenso
     keys = [state.parameter_index[id(p)] for p, wanted in zip(bucket.parameters(), compress) if wanted]
     matrices = [view.view(view.shape[0], -1) for view, wanted in zip(views, compress) if wanted]
     exact = [view for view, wanted in zip(views, compress) if not wanted]
-    exact_average = launch_mean_all_reduce(state, _flatten(exact)) if exact else None
-
-    if state.settings.error_feedback:
-        for key, matrix in zip(keys, matrices):
-            if key in state.errors:
-                matrix.add_(state.errors[key])
-        compensated = [matrix.clone() for matrix in matrices]
-    qs = [state.q_factor(key, matrix) for key, matrix in zip(keys, matrices)]
-    ps = [matrix @ q for matrix, q in zip(matrices, qs)]
-    # The P and Q rounds run in this (autograd) thread and wait: a collective launched
-    # from a future's callback thread could interleave with the next bucket's in a
-    # different order on each rank, which gloo and NCCL require to be identical.
-    _average_factors(state, ps)
-    for matrix, q, p in zip(matrices, qs, ps):
-        _orthonormalise_columns(p)
-        torch.matmul(matrix.t(), p, out=q)
-    _average_factors(state, qs)
-    for matrix, q, p in zip(matrices, qs, ps):
-        torch.matmul(p, q.t(), out=matrix)
-    if state.settings.error_feedback:
-        for key, before, after in zip(keys, compensated, matrices):
-            state.errors[key] = before.sub_(after)
+    compressed = _CompressedBucket(state, bucket, keys, matrices)
+    result = compressed.start(exact, state.last_q_started)
+    state.last_q_started = compressed.q_started
     if is_last:
         state.iteration += 1
-    if exact_average is None:
-        done: Future[Tensor] = Future()
-        done.set_result(bucket.buffer())
-        return done
-    return exact_average.then(lambda average: _unflatten_into(average.value(), exact) or bucket.buffer())
+    return result
