@@ -80,7 +80,8 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         static_graph: promise DDP the set of used parameters never changes (enables optimisations).
         find_unused_parameters: search for parameters without gradients every step; costs a
             traversal of the graph, so only enable it for models that need it.
-        log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync).
+        log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync) and the
+            time the last step waited for the all-reduces after its backward, ``comm/exposed_s``.
         activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`),
             applied before DDP wraps the model.
         blocks: the plan's: the blocks that activation checkpointing and per-block compile act on.
@@ -193,6 +194,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state = self.comm.register(self.model)
+        self.watch_ddp_backward(self.model)  # comm/exposed_s
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)
             self._pending_hook_checkpoint = None
