@@ -39,7 +39,7 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
                   "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
     setups = "lightning-deepspeed,ddp,fsdp-zero3,deepspeed-zero2"
     result = run_launcher(cli_command("bench", "--steps", "7", "--setups", setups, "--", *model_args), timeout=400)
-    assert "setup" in result.stdout and "vs Lightning" in result.stdout
+    assert "setup" in result.stdout and "vs Lightning" in result.stdout and "exposed ms" in result.stdout
     rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
     assert set(rows) == set(setups.split(","))
     model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -55,6 +55,7 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
         assert rows[name]["tokens_per_s"] == pytest.approx(32 * rows[name]["samples_per_s"])  # 32-token sequences
         # The same seed and data: every engine computes the same fp32 training, to rounding.
         assert rows[name]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=1e-4)
+        assert 0 <= rows[name]["exposed_comm_s"] < rows[name]["step_time_s"]  # Lightning's rows: test_exposed_comm
     for name in ("ddp", "fsdp-zero3"):
         assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
     assert rows["deepspeed-zero2"]["host_syncs_per_step"] == 1  # DeepSpeed's own gradient-norm check

@@ -38,6 +38,7 @@ COLUMNS = (
     ("vs Lightning", 12, "{:.2f}x"),
     ("peak MiB", 9, "{:.0f}"),
     ("comm B/step", 12, "{:,.0f}"),
+    ("exposed ms", 10, "{:.1f}"),
     ("syncs/step", 10, "{:.1f}"),
     ("loss", 8, "{:.4f}"),
 )
@@ -187,6 +188,7 @@ def format_row(row: dict) -> str:
         row.get("vs_lightning"),
         row["peak_memory_bytes_max_rank"] / 2**20,
         row["comm_bytes_per_step"],
+        1000 * row["exposed_comm_s"] if row.get("exposed_comm_s") is not None else None,
         row["host_syncs_per_step"],
         row["final_loss"],
     )

@@ -5,11 +5,22 @@ window after warm-up (the clock is read at the window's two ends, with one
 device synchronisation each), samples and tokens per second (tokens for batches
 of token ids, as :class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
 the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
-FastFSDPStrategy's all-gathers and reduce-scatters), host
+FastFSDPStrategy's all-gathers and reduce-scatters), the communication each
+step waited for after its compute (exposed communication: the strategy's
+``exposed_comm`` clock, summed over the timing window and divided as the step
+time is: the part of ``step_time_s`` spent waiting for communication), host
 syncs per step (counted from the start of the third-to-last step to the start
 of the last, after the timing window because counting slows dispatch, and
 before the end-of-training flush), and the last loss. Rank 0 writes the
 results as JSON.
+
+Lightning's own strategies time and count nothing, so the probe attaches the
+same measurement ours use (:mod:`lightning_fastdist.parallel.exposed_comm`),
+without changing what they compute: on ``DDPStrategy``'s DDP module gradient
+hooks that only read the clock; on the FSDP2 units of ``ModelParallelStrategy``
+the counting collectives, which do what FSDP2's own do; on ``DeepSpeedStrategy``
+the counting communication backend. Their rows then have bytes (but DDP's) and
+exposed communication like ours.
 """
 
 from __future__ import annotations
@@ -17,14 +28,22 @@ from __future__ import annotations
 import json
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.callbacks.speed_monitor import default_units
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
+from lightning_fastdist.parallel.comm_accounting import CommStats
+from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
+from lightning_fastdist.parallel.exposed_comm import ExposedCommClock, watch_ddp
+from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 
 SYNC_COUNT_STEPS = 2
 
@@ -59,6 +78,39 @@ class BenchProbe(L.Callback):
         self._syncs: HostSyncCounter | None = None
         self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
         self._last_loss: torch.Tensor | None = None
+        self._clock: ExposedCommClock | None = None
+        # What the probe measures itself, for a Lightning strategy (it closes their steps).
+        self._own_clock: ExposedCommClock | None = None
+        self._own_stats: CommStats | None = None
+        self._stop_measuring: Callable[[], None] | None = None
+        self._global_step = 0
+        self._exposed_at_start: float | None = None
+        self._exposed_per_step: float | None = None
+
+    @property
+    def exposed_comm(self) -> ExposedCommClock | None:
+        """The clock this probe reads: the strategy's ``exposed_comm``, or its own on one of Lightning's strategies."""
+        return self._clock
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock = getattr(trainer.strategy, "exposed_comm", None)
+        if self._clock is None:
+            self._measure_lightnings_own(trainer, pl_module)
+
+    def _measure_lightnings_own(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Attach this package's measurement to one of Lightning's strategies (see the module docstring)."""
+        strategy, clock, stats = trainer.strategy, ExposedCommClock(pl_module.device), CommStats()
+        units = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
+        if isinstance(strategy.model, DistributedDataParallel):  # its bytes stay uncounted: no hook of ours sees them
+            self._stop_measuring = watch_ddp(strategy.model, clock).remove
+        elif units and count_fsdp_communication(units, stats, replicated=False, clock=clock):
+            self._own_stats = stats
+        elif isinstance(strategy, DeepSpeedStrategy):
+            self._stop_measuring = count_deepspeed_communication(stats, clock)
+            self._own_stats = stats
+        else:
+            return
+        self._clock = self._own_clock = clock
 
     def _timing_ends_at(self, trainer: L.Trainer) -> int:
         return max(trainer.max_steps - SYNC_COUNT_STEPS - 1, self.warmup_steps + 1)
@@ -73,9 +125,12 @@ class BenchProbe(L.Callback):
         if step == self.warmup_steps:
             _synchronize(pl_module.device)
             self._window_start = time.perf_counter()
+            self._exposed_at_start = self._clock.total_s if self._clock is not None else None  # the events are done
         elif step == self._timing_ends_at(trainer) and self._window_start is not None:
             _synchronize(pl_module.device)
             self._step_time = (time.perf_counter() - self._window_start) / self._window_steps
+            if self._exposed_at_start is not None:
+                self._exposed_per_step = (self._clock.total_s - self._exposed_at_start) / self._window_steps
             self._syncs = count_host_syncs()
             self._syncs.__enter__()
 
@@ -85,6 +140,11 @@ class BenchProbe(L.Callback):
         if self._window_start is not None and self._step_time is None:
             self._window_steps += 1
         self._units_per_step = {unit: count * trainer.world_size for unit, count in default_units(batch).items()}
+        if trainer.global_step != self._global_step:  # an optimizer step closed
+            self._global_step = trainer.global_step
+            for own in (self._own_stats, self._own_clock):
+                if own is not None:
+                    own.end_step()
         self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
 
     def _per_second(self, unit: str) -> float | None:
@@ -93,7 +153,9 @@ class BenchProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak, peak_kind = peak_memory_bytes(pl_module.device)
-        comm = getattr(trainer.strategy, "comm_stats", None)
+        comm = getattr(trainer.strategy, "comm_stats", None) or self._own_stats
+        if self._stop_measuring is not None:
+            self._stop_measuring()
         result = {
             "steps": trainer.global_step,
             "step_time_s": self._step_time,
@@ -103,6 +165,7 @@ class BenchProbe(L.Callback):
             "peak_memory_kind": peak_kind,
             "comm_bytes_per_step": comm.last_step_bytes if comm is not None else None,
             "comm_bytes_by_collective": {k: t.bytes for k, t in comm.last_step.items()} if comm is not None else None,
+            "exposed_comm_s": self._exposed_per_step,
             "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
             "final_loss": self._last_loss.item() if self._last_loss is not None else None,
         }
