@@ -1,7 +1,8 @@
 """The compatibility matrix: models this project did not write, trained by every setup, against Lightning's DDP.
 
 Each model of tests/model_zoo.py trains for a few steps on 2 CPU ranks (gloo) under
-Lightning's plain ``DDPStrategy`` and under each setup below, from the same seed and data;
+Lightning's plain ``DDPStrategy`` (with ``find_unused_parameters`` for the mixture of experts) and under each
+setup below, from the same seed and data;
 every rank's losses must match DDP's within the tolerance of what the setup sends
 (exact in fp32, bf16 gradients, PowerSGD's low-rank approximation). All of it runs in one
 spawned pair of processes to keep the cost down. docs/models.md shows the result.
@@ -19,8 +20,11 @@ from tests.harness import run_function
 STEPS = 4
 # The MLP stack has no block that "auto" could name: to checkpoint or compile per block, name its layers.
 NAMED_BLOCKS = {"mlp": ["Linear"]}
+# SwitchTransformers' experts sit idle on some ranks: DDP needs find_unused_parameters (Lightning's DDP too, as
+# its own message says); FSDP needs nothing (parallel/idle_experts.py).
+DDP_OPTIONS = {"switch": {"find_unused_parameters": True}}
 # FSDP units "auto" chooses (blocks + the root), by model (docs/models.md lists them).
-AUTO_UNITS = {"gpt2": 3, "bert": 3, "lightning-transformer": 5, "resnet": 5, "mlp": 1}
+AUTO_UNITS = {"gpt2": 3, "bert": 3, "t5": 5, "switch": 5, "lightning-transformer": 5, "resnet": 5, "mlp": 1}
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ def _strategy(model_name: str, setup: Setup):
     from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 
     options = dict(setup.options)
+    if setup.strategy == "fast_ddp":
+        options.update(DDP_OPTIONS.get(model_name, {}))
     if setup.per_block and model_name in NAMED_BLOCKS:
         options["blocks"] = NAMED_BLOCKS[model_name]
     return (FastDDPStrategy if setup.strategy == "fast_ddp" else FastFSDPStrategy)(**options)
@@ -100,7 +106,7 @@ def train_the_matrix(model_names: list[str]) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for model_name in model_names:
-            runs[(model_name, "ddp")] = _fit(model_name, DDPStrategy())
+            runs[(model_name, "ddp")] = _fit(model_name, DDPStrategy(**DDP_OPTIONS.get(model_name, {})))
             for setup_name, setup in SETUPS.items():
                 try:
                     runs[(model_name, setup_name)] = _fit(model_name, _strategy(model_name, setup))

@@ -85,6 +85,19 @@ CAUSES: tuple[tuple[re.Pattern[str], Cause], ...] = (
     ),
 )
 UNKNOWN_CAUSE = Cause("a guard failed", "run with TORCH_LOGS=recompiles to see every guard")
+# Causes that a block class run at several places in the model explains at first (a shape, a missing argument).
+_PLACE_GUARDS = re.compile(r"size mismatch|stride mismatch| is None|type\(|len\(L\['args'\]")
+
+
+def call_site_cause(sites: dict[str, tuple[str, ...]]) -> Cause:
+    """The cause of a recompile when compiled block classes run at several places (``sites``: class -> places)."""
+    where = "; ".join(f"{cls} at {', '.join(places)}" for cls, places in sites.items())
+    return Cause(
+        f"one block class runs at several places in the model, each with inputs of its own shapes or arguments "
+        f"({where}): each place needs a graph of its own",
+        "nothing: one compile per place is expected; set compile: {dynamic: true} only if shapes also change "
+        "from step to step",
+    )
 
 
 def explain_guard(guard: str) -> Cause:
@@ -124,6 +137,8 @@ class RecompileWatcher:
 
     def __init__(self, report: Callable[[str], None]) -> None:
         self.report = report
+        # Compiled block classes run at several places (PreparedBlocks.compiled_call_sites); set by the strategy.
+        self.call_sites: dict[str, tuple[str, ...]] = {}
         self.reasons: Counter[str] = Counter()
         self._reported: set[tuple[str, Cause]] = set()
         self._handler: _Forward | None = None
@@ -161,6 +176,11 @@ class RecompileWatcher:
         self.reasons[summary] += 1
         function, guard = summary.split(": ", 1)
         cause = explain_guard(guard)
+        places = sum(len(found) for found in self.call_sites.values())
+        explained_by_places = places > 0 and _PLACE_GUARDS.search(guard) is not None
+        # Each place may need a graph of its own (and its first block another, e.g. T5's relative position bias).
+        if explained_by_places and self._recompiles_of(function) <= 2 * places:
+            cause = call_site_cause(self.call_sites)
         if (function, cause) in self._reported:
             return
         self._reported.add((function, cause))
@@ -168,6 +188,9 @@ class RecompileWatcher:
             f"torch.compile recompiled {summary}. Cause: {cause.what}. Fix: {cause.fix}. "
             "(Reported once per function and cause.)"
         )
+
+    def _recompiles_of(self, function: str) -> int:
+        return sum(count for summary, count in self.reasons.items() if summary.startswith(f"{function}: "))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_handler": None}

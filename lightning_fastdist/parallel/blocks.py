@@ -91,6 +91,8 @@ def _stacks(
         classes = {type(child) for child in module.children()}
         return len(classes) == 1 and classes <= candidates
 
+    if is_layer_list(model):  # the model is the list of its layers: every other list is inside a layer
+        return set()
     layer_lists = [module for module in model.modules() if module is not model and is_layer_list(module)]
     outermost = [layers for layers in layer_lists if not any(is_layer_list(outer) for outer in ancestors[id(layers)])]
     return {type(outer) for layers in outermost for outer in ancestors[id(layers)]} & candidates
@@ -152,15 +154,35 @@ def outermost_block_modules(model: nn.Module, block_classes: Sequence[type[nn.Mo
     return [block for block in blocks if id(block) not in nested]
 
 
+def call_sites(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, tuple[str, ...]]:
+    """For each class of ``modules`` (submodules of ``model``) found at two or more places, those places.
+
+    A place is where an instance sits, its list index left out: T5's ``T5Block`` runs at
+    ``model.encoder.block`` and at ``model.decoder.block``, with inputs of each place's own shapes.
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    places: dict[str, dict[str, None]] = {}
+    for module in modules:
+        parts = names[id(module)].split(".")
+        place = ".".join(parts[:-1] if parts[-1].isdigit() else parts)
+        places.setdefault(type(module).__name__, {})[place] = None
+    return {cls: tuple(found) for cls, found in places.items() if len(found) >= 2}
+
+
 def root_module_names(model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> list[str]:
-    """Short names of the modules outside every block that own parameters (what the root unit holds)."""
-    inside = {id(m) for block in block_modules(model, block_classes) for m in block.modules()}
+    """Short names of the modules outside every block that own parameters (what the root unit holds).
+
+    A module held both inside a block and outside (a tied embedding) counts where it is first registered.
+    """
+    prefixes = tuple(
+        f"{name}." for name, m in model.named_modules() if m is not model and isinstance(m, tuple(block_classes))
+    )
     names: list[str] = []
     for name, module in model.named_modules():
         owns = any(p is not None for p in module._parameters.values())
         parts = name.split(".")
         short = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1] or type(module).__name__  # "head.0", "wte"
-        if owns and id(module) not in inside and short not in names:
+        if owns and not f"{name}.".startswith(prefixes) and short not in names:
             names.append(short)
     return names
 

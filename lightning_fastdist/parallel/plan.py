@@ -39,7 +39,13 @@ from lightning_fastdist.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
-from lightning_fastdist.parallel.blocks import block_modules, check_blocks_value, describe_blocks, resolve_blocks
+from lightning_fastdist.parallel.blocks import (
+    block_modules,
+    call_sites,
+    check_blocks_value,
+    describe_blocks,
+    resolve_blocks,
+)
 from lightning_fastdist.parallel.compile import apply_compile, normalize_compile_config, validate_compile_scope
 from lightning_fastdist.parallel.kv_cache import turn_off_kv_cache
 from lightning_fastdist.parallel.shared_parameters import blocks_sharing_parameters, describe_kept_blocks
@@ -62,12 +68,15 @@ class PreparedBlocks:
         checkpointed: the blocks under activation checkpointing, in module order.
         selective: whether that checkpointing is ``"selective"`` (FSDP then casts their inputs itself).
         compiled: the modules whose ``forward`` is compiled ("compiled regions").
+        compiled_call_sites: for each compiled block class that runs at two or more places in the model
+            (T5's encoder and decoder), those places (:func:`~lightning_fastdist.parallel.blocks.call_sites`).
     """
 
     block_classes: tuple[type[nn.Module], ...] = ()
     checkpointed: tuple[nn.Module, ...] = ()
     selective: bool = False
     compiled: tuple[nn.Module, ...] = ()
+    compiled_call_sites: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,11 @@ class ParallelPlan:
             else []
         )
         prepared = PreparedBlocks(
-            tuple(block_classes), tuple(checkpointed), self.activation_checkpointing == "selective", tuple(compiled)
+            tuple(block_classes),
+            tuple(checkpointed),
+            self.activation_checkpointing == "selective",
+            tuple(compiled),
+            call_sites(model, compiled),
         )
         return (wrap(model, prepared) if wrap is not None else model), prepared
 

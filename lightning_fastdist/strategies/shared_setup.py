@@ -40,9 +40,20 @@ class SharedSetup:
         """Check and keep ``timeout``, keep ``plan`` (checked when built); return the timeout for Lightning."""
         self.timeout = collective_timeout(timeout, type(self).__name__)
         self.plan = plan
-        self.prepared: PreparedBlocks | None = None
+        self.prepared = None
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
         return self.timeout
+
+    @property
+    def prepared(self) -> PreparedBlocks | None:
+        """What the plan did to the model's blocks (``None`` until it is applied)."""
+        return self._prepared
+
+    @prepared.setter
+    def prepared(self, prepared: PreparedBlocks | None) -> None:
+        self._prepared = prepared
+        if prepared is not None:  # a recompile's report names the places a compiled block class runs at
+            self.recompiles.call_sites = prepared.compiled_call_sites
 
     @property
     def checkpointed_blocks(self) -> tuple[Any, ...]:
