@@ -1,19 +1,40 @@
-"""PowerSGD hook state in checkpoints: every rank's memories gathered on save, each rank's restored on load.
+"""PowerSGD hook state in checkpoints: each rank's error feedback in a file of its own, beside the checkpoint.
 
-Error feedback differs per rank, so rank 0 alone cannot save it: :func:`gather_to_rank_zero`
-collects all ranks' states into the checkpoint, and :func:`restore_hook_state` gives each rank
-its own back (or, at a different world size, keeps the shared step count and ``Q`` factors and
-restarts error feedback from zero).
+Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0:
+
+- the checkpoint holds what every rank shares: the step count and the ``Q`` factors, the world size;
+- each rank writes its error feedback to ``<checkpoint>.powersgd/rank00003.pt`` (staged under
+  ``.partial`` and renamed: atomic) before rank 0 publishes the checkpoint, with the step count it
+  belongs to;
+- a resume at the same world size gives each rank its own file back; a file that is missing or from
+  another save restarts that rank's error feedback (one line); at another world size error feedback
+  restarts from zero on every rank (one line) and the files are not read.
+
+Only files named like ours are ever replaced or removed there: ``rankNNNNN.pt`` (and the folder, once
+empty). Checkpoints written before this layout (every rank's state in the checkpoint) still load.
+:func:`gather_to_rank_zero` stays for small per-rank state (random states).
 """
 
 from __future__ import annotations
 
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
 from lightning_fastdist.parallel.comm_hooks import HookState
 from lightning_fastdist.parallel.powersgd import PowerSGDState
+
+SHARDS_SUFFIX = ".powersgd"  # the folder beside a checkpoint that holds each rank's error feedback
+_SHARD_NAME = re.compile(r"rank(\d{5})\.pt")
+LOCATION_KEY = "loaded_from"  # set on load: where the checkpoint was read, so its shards can be found
 
 
 def gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] | None:
@@ -25,6 +46,49 @@ def gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] |
     return gathered
 
 
+def shard_folder(checkpoint_path: Any, follow_link: bool = False) -> str:
+    """Where the ranks' files of the checkpoint at ``checkpoint_path`` live.
+
+    A save writes beside the path it publishes; a load follows a link (Lightning's ``save_last="link"``
+    makes ``last.ckpt`` one) to the checkpoint it names, whose files are beside it.
+    """
+    path = str(checkpoint_path)
+    if follow_link and is_local_path(path):
+        path = str(Path(path).resolve())
+    return path + SHARDS_SUFFIX
+
+
+def shard_path(checkpoint_path: Any, rank: int, follow_link: bool = False) -> str:
+    return f"{shard_folder(checkpoint_path, follow_link)}/rank{rank:05d}.pt"
+
+
+def save_hook_state(
+    hook_state: PowerSGDState, comm_hook: str, checkpoint_path: Any, world_size: int, rank: int
+) -> dict[str, Any]:
+    """Write this rank's error feedback beside ``checkpoint_path``; return what the checkpoint itself holds.
+
+    Call on every rank, then a barrier, then publish the checkpoint (rank 0). Rank 0 also removes files
+    of ranks beyond ``world_size`` left there by an earlier, larger run.
+    """
+    state = hook_state.state_dict()
+    _write({"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]},
+           shard_path(checkpoint_path, rank))  # fmt: skip
+    if rank == 0:
+        remove_shards(checkpoint_path, keep=world_size)
+    return {
+        "comm_hook": comm_hook,
+        "world_size": world_size,
+        "iteration": state["iteration"],
+        "q_memory": state["q_memory"],
+        "errors_in": SHARDS_SUFFIX,
+    }
+
+
+def remember_location(saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
+    """``saved`` (the checkpoint's hook state) with the path it was loaded from, to find its shards later."""
+    return {**saved, LOCATION_KEY: str(checkpoint_path)}
+
+
 def restore_hook_state(
     hook_state: HookState | None, comm_hook: str, saved: dict, world_size: int, rank: int, device: torch.device
 ) -> None:
@@ -33,7 +97,8 @@ def restore_hook_state(
     Args:
         hook_state: the registered hook's state.
         comm_hook: the strategy's ``comm_hook`` option (named in the warning when it ignores the state).
-        saved: what the checkpoint holds: ``{"comm_hook": name, "per_rank": [state, ...]}``.
+        saved: what the checkpoint holds (:func:`save_hook_state`, with :func:`remember_location`), or
+            an older checkpoint's ``{"comm_hook": name, "per_rank": [state, ...]}``.
         world_size: ranks now.
         rank: this rank.
         device: where the restored tensors go.
@@ -41,12 +106,61 @@ def restore_hook_state(
     if not isinstance(hook_state, PowerSGDState) or saved["comm_hook"] != "powersgd":
         rank_zero_warn(f"The checkpoint holds {saved['comm_hook']!r} hook state; comm_hook={comm_hook!r} ignores it.")
         return
-    per_rank = saved["per_rank"]
-    if len(per_rank) == world_size:
-        hook_state.load_state_dict(per_rank[rank], device)
+    if "per_rank" in saved:  # written before each rank had its own file
+        per_rank = saved["per_rank"]
+        shared = {"iteration": per_rank[0]["iteration"], "q_memory": per_rank[0]["q_memory"]}
+        errors = per_rank[rank]["errors"] if len(per_rank) == world_size else None
+        saved_by = len(per_rank)
+    else:
+        shared = {"iteration": saved["iteration"], "q_memory": saved["q_memory"]}
+        saved_by = saved["world_size"]
+        errors = _read_own_errors(saved, rank) if saved_by == world_size else None
+    if saved_by != world_size:
+        rank_zero_warn(
+            f"PowerSGD state was saved by {saved_by} ranks and is resumed by {world_size}: "
+            "keeping the step count and Q factors, restarting error feedback from zero."
+        )
+    hook_state.load_state_dict({**shared, "errors": errors or {}}, device)
+
+
+def _read_own_errors(saved: dict, rank: int) -> dict | None:
+    """This rank's error feedback from its file beside the checkpoint, or ``None`` (with one line) if unusable."""
+    if LOCATION_KEY not in saved:
+        warnings.warn(f"[rank {rank}] PowerSGD error feedback: the checkpoint's location is unknown; restarting it.")
+        return None
+    path = shard_path(saved[LOCATION_KEY], rank, follow_link=True)
+    try:
+        shard = _load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as error:
+        problem = f"cannot be read ({type(error).__name__})"
+    else:
+        if shard.get("iteration") == saved["iteration"] and shard.get("rank") == rank:
+            return shard["errors"]
+        problem = f"belongs to another save (step count {shard.get('iteration')}, not {saved['iteration']})"
+    warnings.warn(f"[rank {rank}] PowerSGD error feedback at {path} {problem}: restarting it from zero on this rank.")
+    return None
+
+
+def remove_shards(checkpoint_path: Any, keep: int = 0) -> None:
+    """Remove the ranks' files of ``checkpoint_path`` from rank ``keep`` on (all by default), then the folder if empty.
+
+    Only ``rankNNNNN.pt`` files are touched: anything else in the folder stays, and so does the folder.
+    """
+    folder = shard_folder(checkpoint_path)
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.isdir(root):
         return
-    rank_zero_warn(
-        f"PowerSGD state was saved by {len(per_rank)} ranks and is resumed by {world_size}: "
-        "keeping the step count and Q factors, restarting error feedback from zero."
-    )
-    hook_state.load_state_dict({**per_rank[0], "errors": {}}, device)
+    entries = fs.ls(root, detail=False)
+    for entry in entries:
+        match = _SHARD_NAME.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
+        if match and int(match.group(1)) >= keep:
+            fs.rm(entry)
+    if keep == 0 and not fs.ls(root, detail=False):
+        fs.rmdir(root)
+
+
+def _write(shard: dict, path: str) -> None:
+    if is_local_path(path):
+        save_file_atomically(lambda staged: torch.save(shard, staged), Path(path))
+    else:
+        _atomic_save(shard, path)  # Lightning's write for remote file systems

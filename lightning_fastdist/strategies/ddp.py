@@ -4,8 +4,9 @@ and measured communication.
 Lightning's ``DDPStrategy`` takes a comm hook only as a Python callable and
 registers it only on CUDA (on CPU/gloo it is silently dropped). This subclass
 registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and
-backend, saves the hook's state (PowerSGD error feedback and ``Q`` factors, per
-rank) in checkpoints and restores it on resume, writes checkpoints atomically
+backend, saves the hook's state in checkpoints (PowerSGD's step count and ``Q``
+factors in the checkpoint, each rank's error feedback in its own file beside it:
+:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`) and restores it on resume, writes checkpoints atomically
 (``<name>.partial`` renamed onto ``<name>``, so ``last.ckpt`` is always complete),
 and logs the bytes each rank all-reduced in the last optimizer step as
 ``comm/allreduce_bytes_per_step``.
@@ -51,7 +52,12 @@ from lightning_fastdist.parallel.plan import (
 )
 from lightning_fastdist.parallel.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option
-from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero, restore_hook_state
+from lightning_fastdist.strategies.comm_hook_checkpoint import (
+    remember_location,
+    remove_shards,
+    restore_hook_state,
+    save_hook_state,
+)
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
 from lightning_fastdist.strategies.ddp_options import check_bucket_cap_mb, check_ddp_kwargs
 from lightning_fastdist.strategies.exact_resume import ExactResume
@@ -214,11 +220,11 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.refuse_non_finite(checkpoint, filepath)
         self._add_resume_state(checkpoint)
-        if isinstance(self.hook_state, PowerSGDState):
-            checkpoint[CHECKPOINT_KEY] = {
-                "comm_hook": self.comm.name,
-                "per_rank": gather_to_rank_zero(self.hook_state.state_dict(), self.world_size, self.global_rank),
-            }
+        if isinstance(self.hook_state, PowerSGDState):  # each rank's error feedback in its own file beside it
+            checkpoint[CHECKPOINT_KEY] = save_hook_state(
+                self.hook_state, self.comm.name, filepath, self.world_size, self.global_rank
+            )
+            self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
             return
@@ -226,7 +232,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        load = functools.partial(self._load_noting_location, weights_only=weights_only)
         checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=False)
         self._take_resume_state(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
@@ -236,6 +242,18 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             else:
                 self._restore_hook_state(saved)
         return checkpoint
+
+    def _load_noting_location(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if CHECKPOINT_KEY in checkpoint:  # the ranks' PowerSGD files are found beside the file actually loaded
+            checkpoint[CHECKPOINT_KEY] = remember_location(checkpoint[CHECKPOINT_KEY], checkpoint_path)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any
 
     @property
     def comm_stats(self) -> CommStats | None:
