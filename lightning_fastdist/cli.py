@@ -111,6 +111,9 @@ class FastDistCLI(LightningCLI):
         # Report those like parser errors rather than as a traceback.
         try:
             super().instantiate_classes()
+            check_names = getattr(self.trainer.strategy, "check_names", None)
+            if check_names is not None:  # a misspelt block class is a recipe mistake too
+                check_names(self.model)
         except (ValueError, TypeError, MisconfigurationException) as error:
             raise UsageError(condense_parser_error(str(error))) from None
 

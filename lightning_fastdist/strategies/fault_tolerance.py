@@ -3,7 +3,8 @@
 - **Job identity.** The process group is joined through
   :func:`~lightning_fastdist.parallel.job_identity.join_process_group`: ranks of
   another launch on the same port are refused, a port in use is named as such.
-  When Lightning starts the processes itself, the launch gets a fresh run id.
+  When Lightning starts the processes itself on one node, the launch gets a fresh run id
+  (:meth:`FaultTolerance.launch_identity`, in the environment of the launch only).
 - **Preemption.** SIGTERM / SIGUSR1 on any subset of ranks stop every rank at the
   same optimizer step, with that step saved and exit status ``128 + signal``
   (:class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler`).
@@ -18,7 +19,8 @@
   load is replaced by the newest checkpoint of the same folder that does, with a
   warning saying so.
 
-A strategy lists this mixin first among its bases, calls
+A strategy lists this mixin first among its bases, launches inside :meth:`launch_identity`
+(:class:`~lightning_fastdist.strategies.shared_setup.SharedSetup` does), calls
 :meth:`start_fault_handling` at the start of its ``setup``, and routes its
 ``save_checkpoint`` / ``load_checkpoint`` through :meth:`refuse_non_finite` and
 :meth:`load_or_fall_back`; ``timeout`` is its collective timeout.
@@ -28,7 +30,8 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -62,11 +65,27 @@ class FaultTolerance:
     handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
     _preemption: PreemptionHandler | None = None
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        if not self.cluster_environment.creates_processes_externally:  # type: ignore[attr-defined]
-            # The processes Lightning is about to start inherit it: their launch's id.
-            os.environ[OWN_RUN_ID_VARIABLE] = new_run_id()
+    @contextmanager
+    def launch_identity(self) -> Generator[None, None, None]:
+        """Around Lightning's launch: the processes it starts inherit a fresh run id; the variable is then put
+        back as it was (a library leaves its user's environment as it found it).
+
+        Only where this launcher starts every rank of the job (one node): under a multi-node launch by
+        hand each node's launcher would draw its own id, and the nodes would refuse each other.
+        """
+        environment = self.cluster_environment  # type: ignore[attr-defined]
+        if environment.creates_processes_externally or self.num_nodes > 1:  # type: ignore[attr-defined]
+            yield
+            return
+        before = os.environ.get(OWN_RUN_ID_VARIABLE)
+        os.environ[OWN_RUN_ID_VARIABLE] = new_run_id()
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(OWN_RUN_ID_VARIABLE, None)
+            else:
+                os.environ[OWN_RUN_ID_VARIABLE] = before
 
     def _join_process_group(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,8 @@
 """What every strategy of this package sets up alike, written once: the collective ``timeout``,
 the :class:`~lightning_fastdist.parallel.plan.ParallelPlan` (blocks, activation checkpointing,
-compile) and its recompile watcher, a one-file checkpoint published atomically, and registration
-under ``strategy_name``.
+compile) and its recompile watcher, the launch (class names checked against the model before any
+process starts, the run id in the launch's environment only), a one-file checkpoint published
+atomically, and registration under ``strategy_name``.
 
 A strategy lists :class:`SharedSetup` among its mixins (before Lightning's class), calls
 :meth:`~SharedSetup.take_shared_options` in ``__init__`` before Lightning's ``__init__`` (which
@@ -13,15 +14,19 @@ and :meth:`~SharedSetup.stop_shared` in ``teardown``, and sets ``strategy_name``
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, save_file_atomically
+from lightning_fastdist.parallel.blocks import resolve_blocks
 from lightning_fastdist.parallel.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.plan import ParallelPlan, PreparedBlocks
 
@@ -65,6 +70,19 @@ class SharedSetup:
         """The modules whose ``forward`` is compiled (empty until the plan is applied)."""
         return self.prepared.compiled if self.prepared is not None else ()
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        launcher = self._launcher  # type: ignore[attr-defined]
+        if launcher is not None:  # an instance attribute: the launcher's class (and isinstance checks) stay Lightning's
+            launcher.launch = functools.partial(_checked_launch, self, launcher.launch)
+
+    def check_names(self, module: Any) -> None:
+        """Raise the one-line ``ValueError`` of a class name in the options that ``module`` lacks (a misspelt
+        block), before any process starts; a model that builds its layers in ``configure_model`` is checked
+        later, when the plan is applied."""
+        if module is not None and not is_overridden("configure_model", module):
+            resolve_blocks(module, self.plan.blocks)
+
     def start_shared(self, trainer: Any) -> None:
         """Job identity and preemption handling, and the recompile watcher when compiling."""
         self.start_fault_handling(trainer)  # type: ignore[attr-defined]
@@ -95,3 +113,13 @@ class SharedSetup:
         """Register in Lightning's registry unless a first import already did."""
         if cls.strategy_name not in StrategyRegistry:
             cls.register_strategies(StrategyRegistry)
+
+
+def _checked_launch(
+    strategy: Any, launch: Callable[..., Any], function: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """Lightning's ``launch``, after the options' class names were checked against the model (raised once, in
+    this process, before another starts) and with the launch's run id in the environment of the launch only."""
+    strategy.check_names(strategy.lightning_module)
+    with strategy.launch_identity():
+        return launch(function, *args, **kwargs)
