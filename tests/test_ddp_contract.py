@@ -99,3 +99,25 @@ def test_a_recipe_passes_distributed_data_parallel_arguments_as_with_lightnings_
         main(["fit", "--config", str(recipe), "--print_config"])
     printed = capsys.readouterr().out
     assert "broadcast_buffers: false" in printed and "init_sync: false" in printed
+
+
+def test_an_unusable_checkpoint_is_still_the_value_error_lightning_raises():
+    from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError
+
+    with pytest.raises(ValueError):  # a user's `except ValueError` around Lightning's load keeps working
+        raise UnusableCheckpointError("'x.ckpt' is not a checkpoint")
+
+
+def test_fsdp_refuses_a_model_holding_fsdp1_modules_with_lightnings_type_error():
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    legacy = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # FSDP1 cannot be built on CPU
+    nn.Module.__init__(legacy)
+    model = tiny_gpt()
+    model.legacy = legacy
+    strategy = FastFSDPStrategy()
+    strategy.model = model
+    strategy.accelerator = object()
+    with pytest.raises(TypeError, match="FullyShardedDataParallel` \\(FSDP1\\); FastFSDPStrategy shards with FSDP2"):
+        strategy.setup(L.Trainer(logger=False))

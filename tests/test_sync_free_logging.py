@@ -75,6 +75,22 @@ def test_a_moved_internal_fails_loudly():
         require_internals(trainer, "SyncFreeLogging")
 
 
+def test_missing_internals_are_one_short_line_and_the_optional_preemption_path_switches_itself_off():
+    from datetime import timedelta
+
+    from lightning_fastdist.callbacks.preemption import PreemptionHandler
+
+    trainer = L.Trainer(logger=False)
+    trainer._signal_connector = object()  # as a unit test's mocked trainer: every signal internal is missing
+    with pytest.raises(RuntimeError) as error:
+        require_internals(trainer, "SyncFreeLogging")
+    assert "\n" not in str(error.value) and len(str(error.value)) < 300 and "(and 3 more)" in str(error.value)
+    loop = trainer.fit_loop.epoch_loop
+    with pytest.warns(UserWarning, match="^Preemption handling is off: PreemptionHandler needs Lightning internals"):
+        PreemptionHandler(trainer, timedelta(seconds=5)).install()
+    assert "advance" not in vars(loop)  # nothing patched: Lightning's own handling stays
+
+
 def test_the_old_sigterm_interval_is_deprecated_in_one_line():
     with pytest.deprecated_call(match="sigterm_check_every_n_steps is ignored"):
         SyncFreeLogging(sigterm_check_every_n_steps=5)

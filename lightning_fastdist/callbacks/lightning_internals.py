@@ -6,8 +6,9 @@ SIGTERM before a batch", so :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
 private methods *on one trainer's instances* (never on the classes) for the duration
 of a fit; the strategies' ``comm/`` metrics read whether a batch is a logging step
 (:class:`~lightning_fastdist.strategies.comm_metrics.CommBytesLogging`). Each is listed
-here with the versions it was verified on; :func:`require_internals` fails loudly,
-naming the missing piece, if an upgrade moved one, and ``tests/test_sync_free_logging.py``
+here with the versions it was verified on; :func:`require_internals` fails in one line
+naming the missing piece if an upgrade moved one (the optional preemption path only switches itself off,
+saying so: :func:`missing_internals_line`), and ``tests/test_sync_free_logging.py``
 fails on the same check when the installed Lightning changes.
 """
 
@@ -76,6 +77,19 @@ def missing_internals(trainer: Trainer) -> list[str]:
     return missing
 
 
+def missing_internals_line(trainer: Trainer, user: str) -> str | None:
+    """One short line saying what ``user`` lacks in this trainer's Lightning, or ``None`` if nothing is missing."""
+    missing = missing_internals(trainer)
+    if not missing:
+        return None
+    low, high = TESTED_LIGHTNING
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return (
+        f"{user} needs Lightning internals that this Lightning {lightning.__version__} does not have "
+        f"(tested with >={low},<{high}): {missing[0]}{more}"
+    )
+
+
 def require_internals(trainer: Trainer, user: str) -> None:
     """Raise if a private Lightning internal that ``user`` needs has moved; warn on an untested version.
 
@@ -84,16 +98,13 @@ def require_internals(trainer: Trainer, user: str) -> None:
         user: the class name to put in the message.
 
     Raises:
-        RuntimeError: one or more internals are missing or changed shape.
+        RuntimeError: one or more internals are missing or changed shape (one line naming the first).
     """
-    missing = missing_internals(trainer)
-    low, high = TESTED_LIGHTNING
-    if missing:
-        raise RuntimeError(
-            f"{user} needs Lightning internals that this Lightning {lightning.__version__} does not have "
-            f"(tested with >={low},<{high}): " + "; ".join(missing)
-        )
+    line = missing_internals_line(trainer, user)
+    if line is not None:
+        raise RuntimeError(line)
     if not lightning_version_is_tested():
+        low, high = TESTED_LIGHTNING
         rank_zero_warn(f"{user} was tested with Lightning >={low},<{high}; found {lightning.__version__}.")
 
 

@@ -48,8 +48,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fastdist.callbacks.lightning_internals import InstancePatches, require_internals
+from lightning_fastdist.callbacks.lightning_internals import InstancePatches, missing_internals_line
 from lightning_fastdist.parallel.stop_agreement import NO_REQUEST, StopAgreement, new_agreement_group
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,16 @@ class PreemptionHandler:
         self._patches = InstancePatches()
 
     def install(self) -> None:
-        """Replace Lightning's signal handling on this trainer; collective when fitting on several ranks."""
+        """Replace Lightning's signal handling on this trainer; collective when fitting on several ranks.
+
+        Preemption handling is optional: where this Lightning lacks an internal it patches, one line says
+        so and training goes on with Lightning's own signal handling.
+        """
         trainer = self.trainer
-        require_internals(trainer, type(self).__name__)
+        missing = missing_internals_line(trainer, type(self).__name__)
+        if missing is not None:
+            rank_zero_warn(f"Preemption handling is off: {missing}.")
+            return
         loop = trainer.fit_loop.epoch_loop
         self._patches.replace(trainer._signal_connector, "register_signal_handlers", self._register_handlers)
         # Lightning's per-batch broadcast of rank 0's flag (a host sync every batch) is replaced by our boundary check.

@@ -50,20 +50,39 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def default_units(batch: Any) -> dict[str, int]:
+def _is_token_ids(tensor: Any) -> bool:
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dim() == 2
+        and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+    )
+
+
+def default_units(batch: Any, encoder_decoder: bool = False) -> dict[str, int]:
     """``samples`` (the first dimension of the batch's first tensor) and, for token ids, ``tokens``.
 
     The first tensor is taken as token ids when it is an integer tensor of shape
     ``(samples, sequence)``; then ``tokens`` is its number of elements. Images,
-    feature vectors and other float inputs count samples only.
+    feature vectors and other float inputs count samples only. An encoder-decoder
+    (``encoder_decoder``) processes its decoder's tokens too: a HuggingFace-style
+    batch's ``decoder_input_ids``, or else its ``labels`` (the decoder reads them
+    shifted right), are added to the encoder's ``input_ids``.
     """
     first = first_tensor(batch)
     if first is None or first.dim() == 0:
         return {}
     units = {"samples": first.shape[0]}
-    if first.dim() == 2 and not (first.is_floating_point() or first.is_complex() or first.dtype == torch.bool):
+    if _is_token_ids(first):
         units["tokens"] = first.numel()
+    if encoder_decoder and isinstance(batch, Mapping) and _is_token_ids(batch.get("input_ids")):
+        decoder = batch.get("decoder_input_ids", batch.get("labels"))
+        units["tokens"] = batch["input_ids"].numel() + (decoder.numel() if _is_token_ids(decoder) else 0)
     return units
+
+
+def is_encoder_decoder(module: Any) -> bool:
+    """Whether ``module`` holds a HuggingFace encoder-decoder (a submodule whose ``config.is_encoder_decoder``)."""
+    return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in module.modules())
 
 
 @dataclass
@@ -98,6 +117,7 @@ class SpeedMonitor(Callback):
         self._clock: WallClock | CudaEventClock = WallClock()
         self._start: Any = None
         self._units: Counter[str] = Counter()
+        self._encoder_decoder = False
         self._pending: list[_Window] = []
 
     def count_units(self, batch: Any) -> dict[str, int]:
@@ -105,21 +125,22 @@ class SpeedMonitor(Callback):
 
         The default is :func:`default_units`: ``{"samples": B}``, plus
         ``{"tokens": B * T}`` when the batch's first tensor is integer token ids
-        of shape ``(B, T)``. Each name is logged as ``speed/<name>_per_sec`` for
-        all ranks together; ``tokens`` also gives TFLOP/s and MFU. Count from
-        shapes only (reading a device tensor's values would synchronise). For
-        images, for example::
+        of shape ``(B, T)`` (an encoder-decoder's decoder tokens added). Each
+        name is logged as ``speed/<name>_per_sec`` for all ranks together;
+        ``tokens`` also gives TFLOP/s and MFU. Count from shapes only (reading a
+        device tensor's values would synchronise). For images, for example::
 
             class ImageSpeed(SpeedMonitor):
                 def count_units(self, batch):
                     images = batch[0]  # (B, C, H, W)
                     return {"images": images.shape[0], "pixels": images.shape[0] * images.shape[2] * images.shape[3]}
         """
-        return default_units(batch)
+        return default_units(batch, self._encoder_decoder)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         require_internals(trainer, type(self).__name__)
+        self._encoder_decoder = is_encoder_decoder(pl_module)
         root = trainer.strategy.root_device
         self._clock = clock_for(root)
         if self.flops_per_token is None:

@@ -22,8 +22,12 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"
 
 
-class UnusableCheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message is one line naming the path and the problem."""
+class UnusableCheckpointError(RuntimeError, ValueError):
+    """A checkpoint that cannot be loaded; the message is one line naming the path and the problem.
+
+    Also a ``ValueError``: Lightning raises that for a checkpoint folder it cannot read, and a user's
+    ``except ValueError`` keeps catching it.
+    """
 
 
 def _first_line(error: BaseException) -> str:

@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter
@@ -174,6 +174,11 @@ class FastFSDPStrategy(
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
+            raise TypeError(  # as Lightning's ModelParallelStrategy, whose setup this one replaces
+                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1); "
+                f"{type(self).__name__} shards with FSDP2: leave the model unwrapped."
+            )
         self.start_shared(trainer)
         self.accelerator.setup(trainer)
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
