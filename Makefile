@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test test-fast install clean
+.PHONY: demo lint test test-fast install clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,18 @@ test-fast: install
 
 clean:
 	rm -rf $(VENV) lightning_logs build *.egg-info .pytest_cache
+
+# The wheels a GPU machine without network lacks, for its python3 3.12 on x86-64 Linux (its own torch
+# stays): DeepSpeed (built here from its source: pure Python), pydantic, jsonargparse and their needs,
+# at the versions this .venv runs. benchmarks/gpu_check.sh installs them there with pip --no-index.
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEEL_PACKAGES := pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson \
+	jsonargparse docstring-parser typeshed-client
+VERSIONS_OF = $(BIN)/python -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))'
+gpu-wheels: install
+	mkdir -p $(GPU_WHEELS) && rm -f $(GPU_WHEELS)/*.whl
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) $$($(VERSIONS_OF) deepspeed)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $$($(VERSIONS_OF) $(GPU_WHEEL_PACKAGES))
+	@ls $(GPU_WHEELS)

@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# All GPU-only checks in a few minutes, for a lent GPU machine (one H100/H200-class GPU).
-# Run from the repository root:  bash benchmarks/gpu_check.sh
-# It installs the package into .venv with the CUDA build of torch, prints the environment
-# (`lightning-fastdist doctor` when it exists), then runs benchmarks/gpu_check.py.
+# Every GPU-only check of this package in one command, on a GPU machine with no network access needed:
+# the machine's own python3 and torch, this working tree on PYTHONPATH, and the wheels of what the
+# machine lacks (DeepSpeed and its pydantic, jsonargparse), prepared elsewhere by `make gpu-wheels`
+# into .gpu-wheels/. Nothing is fetched: pip runs with --no-index only. From the repository root:
+#
+#   bash benchmarks/gpu_check.sh [--out DIR] [--only a,b] [--steps N] [--budget-s S]
+#
+# Writes DIR/gpu_check.json (default bench_results/gpu_check) and DIR/gpu_check.log, prints one
+# PASS/FAIL/SKIP line per check; exit status 1 if a check failed. docs/gpu.md says more.
+# Environment: PYTHON (default python3), GPU_WHEELS (default .gpu-wheels), GPU_SITE (where the
+# wheels are unpacked, default /tmp/lightning-fastdist-gpu-site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-gpu
-.venv-gpu/bin/pip install --quiet --upgrade pip
-.venv-gpu/bin/pip install --quiet torch -e ".[test]"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-.venv-gpu/bin/lightning-fastdist doctor 2>/dev/null || true
-timeout 480 .venv-gpu/bin/python benchmarks/gpu_check.py --steps 60
+PYTHON=${PYTHON:-python3}
+WHEELS=${GPU_WHEELS:-.gpu-wheels}
+SITE=${GPU_SITE:-/tmp/lightning-fastdist-gpu-site}
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl
+else
+    echo "no wheels in $WHEELS: checks that need a missing package say so (make gpu-wheels prepares them)" >&2
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+exec "$PYTHON" benchmarks/gpu_check.py "$@"
