@@ -213,6 +213,9 @@ class _CompressedBucket:
         self.q_started: Future = Future()
         self.exact: list[Tensor] = []
         self.exact_average: Future | None = None
+        self.compensated: list[Tensor] = []  # the matrices with error feedback added, before compression
+        self.ps: list[Tensor] = []
+        self.qs: list[Tensor] = []
 
     def start(self, exact: list[Tensor], previous_q_started: Future) -> Future:
         """Launch the exact and P rounds from the hook and chain the rest; return the bucket's future at once."""
@@ -237,6 +240,7 @@ class _CompressedBucket:
 
     def _start_q(self, p_average: Future) -> None:
         try:
+            self._used_on_this_stream()
             _unflatten_into(p_average.wait(), self.ps)
             for matrix, q, p in zip(self.matrices, self.qs, self.ps):
                 _orthonormalise_columns(p)
@@ -252,6 +256,7 @@ class _CompressedBucket:
 
     def _finish(self, q_average: Future) -> None:
         try:
+            self._used_on_this_stream()
             _unflatten_into(q_average.wait(), self.qs)
             for matrix, q, p in zip(self.matrices, self.qs, self.ps):
                 torch.matmul(p, q.t(), out=matrix)
@@ -265,6 +270,14 @@ class _CompressedBucket:
             self.result.set_result(self.buffer)
         else:
             self.exact_average.then(self._finish_exact)
+
+    def _used_on_this_stream(self) -> None:
+        """On a GPU a callback runs on a side stream: tell the caching allocator that the bucket's tensors, made on
+        the backward's stream, are used here too, so their memory is not handed out again before this work ran."""
+        if self.buffer.is_cuda:
+            stream = torch.cuda.current_stream(self.buffer.device)
+            for tensor in (*self.ps, *self.qs, *self.matrices, *self.compensated):
+                tensor.record_stream(stream)
 
     def _finish_exact(self, exact_average: Future) -> None:
         try:
