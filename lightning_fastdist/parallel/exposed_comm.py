@@ -2,10 +2,10 @@
 
 Measured, per engine, where the waiting happens (the sources that justify each choice are cited where it is made):
 
-- DDP (:class:`BackwardTail`): from the accumulation of the last parameter gradient to the end of
-  ``backward()``, on backward passes that synchronise gradients. DDP all-reduces each bucket as it fills,
-  under the rest of the backward, and its reducer waits for every bucket before ``backward()`` returns;
-  what is left after the last gradient is the part the backward did not hide.
+- DDP (:class:`BackwardTail`): from the accumulation of the last parameter gradient to the end of DDP's
+  ``finalize_backward`` (inside ``backward()``), on backward passes that synchronise gradients. DDP
+  all-reduces each bucket as it fills, under the rest of the backward, and waits for every bucket before
+  ``backward()`` returns; what is left after the last gradient is the part the backward did not hide.
 - FSDP2 and DeepSpeed (:func:`timed_collective`, called by their counting wrappers): every blocking
   collective call and every ``wait()`` on an asynchronous one.
 
