@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 # Parameters and gradients in the parameters' own dtype; inputs left as they come (the module casts them).
 OWN_DTYPE_POLICY = MixedPrecisionPolicy(cast_forward_inputs=False)
@@ -45,7 +46,13 @@ def refuse_dtype_changes(unit: nn.Module, units: Sequence[nn.Module], compute_dt
     def check(module: nn.Module, args: Any, output: Any) -> None:
         handle.remove()
         for name, owner in own:
-            changed = [p for p in owner.parameters(recurse=False) if p.is_floating_point() and p.dtype != compute_dtype]
+            changed = [
+                p
+                for p in owner.parameters(recurse=False)
+                # A sharded parameter (a DTensor) is FSDP's own fp32 copy: the forward already resharded it
+                # (manual optimization steps inside training_step, which runs in the root's forward).
+                if p.is_floating_point() and p.dtype != compute_dtype and not isinstance(p, DTensor)
+            ]
             if changed:
                 # A torch layer (the Linear a router casts) is named by the module around it, which does the cast.
                 caster = name.rpartition(".")[0] if type(owner).__module__.startswith("torch.nn") and name else name

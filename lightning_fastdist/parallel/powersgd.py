@@ -105,7 +105,9 @@ class PowerSGDState(HookState):
         NCCL runs a future's callbacks at once in the thread that started the collective (its futures
         complete when the collective is queued on the GPU), so the order stays DDP's and the group is
         the hook's. Elsewhere (gloo) callbacks run in the backend's threads as collectives finish: the
-        Q rounds get a group of their own, created on first use by every member at the same bucket.
+        Q rounds get a group of their own, created on first use by every member at the same bucket, in
+        DDP's thread: creating a group from a callback thread would race the collectives DDP's thread
+        starts meanwhile on the default group.
         """
         if self._factor_group is None:
             if dist.get_backend(self.process_group) == dist.Backend.NCCL:
@@ -234,6 +236,7 @@ class _CompressedBucket:
         state.stats.record(sent_p)
         # Q's bytes are counted here too, in this thread: a callback thread would race the counters.
         state.stats.record(torch.empty(sum(q.numel() for q in self.qs), dtype=dtype, device="meta"))
+        state.factor_group()  # created here, in DDP's thread, never from a callback racing this thread's collectives
         p_average = _launch_average(state, sent_p, state.process_group)
         p_average.then(lambda done: previous_q_started.then(lambda _: self._start_q(done)))
         return self.result
