@@ -66,7 +66,8 @@ def merge(base: dict, extra: dict) -> dict:
 
 ROWS = [
     Row("unknown-comm-hook",
-        "Parser key \"comm_hook\": Expected a typing.Literal['none', 'fp16', 'bf16', 'powersgd']. Got value: fp8",
+        ("Parser key \"comm_hook\": Expected a typing.Literal['auto', 'none', 'fp16', 'bf16', 'powersgd']. "
+         "Got value: fp8"),
         strategy("FastDDPStrategy", comm_hook="fp8")),
     Row("powersgd-rank-zero", "FastDDPStrategy: powersgd_rank must be an integer >= 1, got 0.",
         strategy("FastDDPStrategy", powersgd_rank=0)),

@@ -21,6 +21,8 @@ from tests.harness import cli_command, run_launcher
             "--setups: unknown zero4; known: lightning-ddp, lightning-fsdp2, lightning-deepspeed,",
         ),
         (["--steps", "5"], "--steps: must be >= 6"),
+        (["--warmup-steps", "10", "--steps", "12"], "--steps: must be >= 14"),
+        (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
         (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
     ],
 )

@@ -147,6 +147,7 @@ def test_auto_bucket_size_aims_at_eight_buckets_within_bounds():
 
 def test_unknown_hook_name_lists_the_accepted_ones():
     with pytest.raises(
-        ValueError, match="comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'"
+        ValueError,
+        match="comm_hook='fp8' is not supported; accepted values: 'auto', 'none', 'fp16', 'bf16', 'powersgd'",
     ):
         CommHookSpec("fp8")

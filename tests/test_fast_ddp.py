@@ -51,7 +51,7 @@ def test_registered_as_fast_ddp():
     [
         (
             dict(comm_hook="fp8"),
-            "comm_hook='fp8' is not supported; accepted values: 'none', 'fp16', 'bf16', 'powersgd'",
+            "comm_hook='fp8' is not supported; accepted values: 'auto', 'none', 'fp16', 'bf16', 'powersgd'",
         ),
         (dict(powersgd_rank=0), "powersgd_rank must be an integer >= 1, got 0"),
         (dict(powersgd_start_iter=1), "powersgd_start_iter must be an integer >= 2, got 1"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", default="cpu_smoke", help="recipe to train (a path or a packaged name)")
     parser.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated; known: {', '.join(all_setups())}")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per setup (>= 6)")
-    parser.add_argument("--devices", default=None, help="processes per setup (default: the recipe's)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per setup (>= warm-up + 4)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="steps left out of the timing (e.g. until comm_hook auto decided)"
+    )
+    parser.add_argument("--devices", default=None, help="processes per node per setup (default: the recipe's)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes per setup (default: the recipe's num_nodes)")
+    parser.add_argument(
+        "--launcher",
+        default="",
+        help="a command that runs each setup's training on every node, put before it (e.g. 'srun "
+        "--ntasks-per-node=1', or the emulated cluster's 'python -m tests.emulated_cluster ... --')",
+    )
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of ddp-compile")
     parser.add_argument("--output", default="bench_results", help="folder for bench.json, bench.png and logs")
     own, _, passthrough = _split_passthrough(argv)
@@ -66,8 +77,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [name for name in args.setup_list if name not in known]
     if unknown or not args.setup_list:
         parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
-    if args.steps < 6:
-        parser.error(f"--steps: must be >= 6 (2 warm-up, timed steps, 2 sync-counting, 1 last), got {args.steps}")
+    if args.nodes is not None and args.nodes < 1:
+        parser.error(f"--nodes: must be >= 1, got {args.nodes}")
+    if args.warmup_steps < 1:
+        parser.error(f"--warmup-steps: must be >= 1, got {args.warmup_steps}")
+    if args.steps < args.warmup_steps + 4:
+        parser.error(
+            f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, 2 sync-counting, 1 last), "
+            f"got {args.steps}"
+        )
     recipe = find_recipe(args.config)
     if recipe is None:
         parser.error(f"--config: recipe file {args.config!r} not found")
@@ -92,9 +110,10 @@ def _deepspeed_precision(recipe: dict) -> dict:
 
 
 def world_size(args: argparse.Namespace) -> int | None:
-    """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``trainer.num_nodes``, or ``None``."""
+    """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``--nodes`` (else its
+    ``trainer.num_nodes``), or ``None``."""
     trainer = args.recipe.get("trainer") or {}
-    devices, nodes = args.devices or trainer.get("devices"), trainer.get("num_nodes", 1)
+    devices, nodes = args.devices or trainer.get("devices"), args.nodes or trainer.get("num_nodes", 1)
     try:
         return int(devices) * int(nodes)
     except (TypeError, ValueError):
@@ -115,7 +134,7 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
                 {"class_path": "lightning_fastdist.SyncFreeLogging"},
                 {
                     "class_path": "lightning_fastdist.commands.bench_probe.BenchProbe",
-                    "init_args": {"output": str(probe_output)},
+                    "init_args": {"output": str(probe_output), "warmup_steps": args.warmup_steps},
                 },
             ],
         }
@@ -141,7 +160,9 @@ def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict
     ]  # fmt: skip
     if args.devices:
         command += ["--trainer.devices", args.devices]
-    command += args.passthrough
+    if args.nodes:
+        command += ["--trainer.num_nodes", str(args.nodes)]
+    command = [*shlex.split(args.launcher), *command, *args.passthrough]
     log = output / f"{setup.name}.log"
     with open(log, "w") as handle:
         finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)

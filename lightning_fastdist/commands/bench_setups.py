@@ -95,7 +95,8 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
             "lightning-fsdp2", "FSDP2", LIGHTNING_FSDP2, model_class=HAND_SHARDED_MODEL, all_ranks_data_parallel=True
         ),
         BenchSetup("lightning-deepspeed", "DeepSpeed", LIGHTNING_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
-        BenchSetup("ddp", "DDP", FAST_DDP),
+        BenchSetup("ddp", "DDP", FAST_DDP, {"comm_hook": "none"}),  # exact: fp32 gradients always
+        BenchSetup("ddp-auto", "DDP", FAST_DDP, exact=False),  # the defaults: comm_hook auto may compress
         BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
         BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
         BenchSetup(
@@ -109,6 +110,7 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         BenchSetup("fsdp-zero2", "FSDP2", FAST_FSDP, {"sharding": "zero2"}),
         BenchSetup("fsdp-zero3", "FSDP2", FAST_FSDP, {"sharding": "zero3"}),
         BenchSetup("fsdp-zero3-ac", "FSDP2", FAST_FSDP, {"sharding": "zero3", "activation_checkpointing": "full"}),
+        BenchSetup("fsdp-hsdp", "FSDP2", FAST_FSDP, {"sharding": "hsdp"}),  # shards within a node
         BenchSetup("deepspeed-zero1", "DeepSpeed", FAST_DEEPSPEED, {"stage": 1}, needs=no_deepspeed),
         BenchSetup("deepspeed-zero2", "DeepSpeed", FAST_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
         BenchSetup("deepspeed-zero3", "DeepSpeed", FAST_DEEPSPEED, {"stage": 3}, needs=no_deepspeed),

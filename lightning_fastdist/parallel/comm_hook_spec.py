@@ -1,5 +1,5 @@
-"""DDP's gradient communication hook, in one place: its names, PowerSGD's settings, which choices
-send bfloat16 and the backends that can reduce it, the checks, and the registration on a DDP module."""
+"""DDP's gradient communication hook, in one place: its names, PowerSGD's and ``auto``'s settings, which
+choices send bfloat16 and the backends that can reduce it, the checks, and the registration on a DDP module."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_fastdist.parallel.auto_comm_hook import AutoCommState, AutoPolicy, auto_hook
 from lightning_fastdist.parallel.comm_hooks import (
     HookState,
     allreduce_hook,
@@ -19,7 +20,7 @@ from lightning_fastdist.parallel.comm_hooks import (
 from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, powersgd_hook
 
 # The type a strategy's signature uses (LightningCLI offers exactly these), and the names it allows.
-CommHookName = Literal["none", "fp16", "bf16", "powersgd"]
+CommHookName = Literal["auto", "none", "fp16", "bf16", "powersgd"]
 COMM_HOOK_NAMES = get_args(CommHookName)
 # Backends known to all-reduce bfloat16 tensors.
 BF16_BACKENDS = ("gloo", "nccl")
@@ -31,15 +32,18 @@ class CommHookSpec:
     """How DDP averages gradients; checked when built, so a bad choice fails before any process starts.
 
     Attributes:
-        name: ``"none"`` (full precision), ``"fp16"`` or ``"bf16"`` (sent in half precision: half
-            the bytes), ``"powersgd"`` (low-rank compression, see :class:`PowerSGDSettings`).
-            ``"none"`` still registers a full-precision averaging hook, so bytes are counted the
-            same way for every choice.
+        name: ``"auto"`` (starts exact, then measures and switches to bf16, then PowerSGD, only where the
+            network makes it pay: :mod:`~lightning_fastdist.parallel.auto_comm_hook`), ``"none"`` (full
+            precision, always), ``"fp16"`` or ``"bf16"`` (sent in half precision: half the bytes),
+            ``"powersgd"`` (low-rank compression, see :class:`PowerSGDSettings`). ``"none"`` still
+            registers a full-precision averaging hook, so bytes are counted the same way for every choice.
         powersgd: PowerSGD's settings (checked whatever the name, so a typo never waits for a switch).
+        auto: when ``"auto"`` switches (:class:`~lightning_fastdist.parallel.auto_comm_hook.AutoPolicy`).
     """
 
-    name: str = "none"
+    name: str = "auto"
     powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
+    auto: AutoPolicy = field(default_factory=AutoPolicy)
 
     def __post_init__(self) -> None:
         if self.name not in COMM_HOOK_NAMES:
@@ -73,7 +77,23 @@ class CommHookSpec:
             )
 
     def register(self, ddp_module: DistributedDataParallel, group: dist.ProcessGroup | None = None) -> HookState:
-        """Register the hook on ``ddp_module``, reducing over ``group`` (default: the world); return its state."""
+        """Register the hook on ``ddp_module``, reducing over ``group`` (default: the world); return its state.
+
+        Collective under ``"auto"`` on a backend other than gloo: its decisions get a gloo group of their own.
+        """
+        if self.name == "auto":
+            backend = dist.get_backend(group)
+            device = next(ddp_module.module.parameters()).device
+            state = AutoCommState(
+                process_group=group,
+                module=ddp_module.module,
+                policy=self.auto,
+                powersgd_settings=self.powersgd,
+                decision_group=group if backend == "gloo" else dist.new_group(backend="gloo"),
+                allow_bf16=backend in BF16_BACKENDS and (device.type != "cuda" or torch.cuda.is_bf16_supported()),
+            )
+            ddp_module.register_comm_hook(state, auto_hook)
+            return state
         if self.name == "powersgd":
             state = PowerSGDState(process_group=group, settings=self.powersgd)
             state.index_parameters(ddp_module.module)

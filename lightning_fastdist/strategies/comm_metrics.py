@@ -63,11 +63,17 @@ class CommBytesLogging:
         # (a Python float would become a tensor on the accelerator). float64 keeps byte counts exact.
         if due and self.exposed_comm is not None:
             module.log(EXPOSED_METRIC, torch.tensor(self.exposed_comm.last_step_s, dtype=torch.float64), on_step=True)
+        for name, value in self.extra_comm_metrics().items() if due else ():
+            module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True)
         if step_bytes == self._comm_bytes_logged and not due:
             return
         self._comm_bytes_logged = step_bytes
         for collective, count in zip(self.comm_collectives, step_bytes):
             module.log(metric_name(collective), torch.tensor(count, dtype=torch.float64), on_step=True)
+
+    def extra_comm_metrics(self) -> dict[str, float]:
+        """More host-side values a strategy logs on logging steps (FastDDPStrategy: ``comm_hook: auto``'s level)."""
+        return {}
 
     def watch_ddp_backward(self, ddp: torch.nn.Module) -> None:
         """Time ``ddp``'s exposed communication (a :class:`BackwardTail`) in a new ``exposed_comm``."""

@@ -4,12 +4,14 @@ and measured communication.
 Lightning's ``DDPStrategy`` takes a comm hook only as a Python callable and
 registers it only on CUDA (on CPU/gloo it is silently dropped). This subclass
 registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and
-backend, saves the hook's state in checkpoints (PowerSGD's step count and ``Q``
-factors in the checkpoint, each rank's error feedback in its own file beside it:
-:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`) and restores it on resume, writes checkpoints atomically
-(``<name>.partial`` renamed onto ``<name>``, so ``last.ckpt`` is always complete),
-and logs the bytes each rank all-reduced in the last optimizer step as
-``comm/allreduce_bytes_per_step``.
+backend (by default ``"auto"``: exact until it has measured that the network
+makes compression pay, :mod:`~lightning_fastdist.parallel.auto_comm_hook`),
+saves the hook's state in checkpoints (auto's level; PowerSGD's step count and
+``Q`` factors in the checkpoint, each rank's error feedback in its own file
+beside it: :mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`) and
+restores it on resume, writes checkpoints atomically (``<name>.partial`` renamed
+onto ``<name>``, so ``last.ckpt`` is always complete), and logs the bytes each
+rank all-reduced in the last optimizer step as ``comm/allreduce_bytes_per_step``.
 
 Gradient accumulation needs nothing extra: Lightning runs non-final
 micro-batches under DDP's ``no_sync()``, which the byte and round counters
@@ -38,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
+from lightning_fastdist.parallel.auto_comm_hook import AUTO_LEVELS, AutoCommState, AutoPolicy
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
 from lightning_fastdist.parallel.comm_hook_spec import CommHookName, CommHookSpec
@@ -65,14 +68,18 @@ from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
 from lightning_fastdist.strategies.shared_setup import SharedSetup
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
+AUTO_CHECKPOINT_KEY = "fast_ddp_comm_hook_auto"  # the level auto chose, and its decisions
+HOOK_LEVEL_METRIC = "comm/hook_level"  # auto's level: 0 none, 1 bf16, 2 powersgd
 
 
 class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
-        comm_hook: how gradients are averaged: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``
-            (:class:`~lightning_fastdist.parallel.comm_hook_spec.CommHookSpec`'s ``name``).
+        comm_hook: how gradients are averaged: ``"auto"`` (the default), ``"none"``, ``"fp16"``, ``"bf16"``
+            or ``"powersgd"`` (:class:`~lightning_fastdist.parallel.comm_hook_spec.CommHookSpec`'s ``name``).
+        comm_hook_window: optimizer steps ``"auto"`` measures per decision
+            (:class:`~lightning_fastdist.parallel.auto_comm_hook.AutoPolicy`'s ``window``).
         powersgd_rank: PowerSGD's ``rank``; PowerSGD's settings are described (and defaulted) once, in
             :class:`~lightning_fastdist.parallel.powersgd.PowerSGDSettings`.
         powersgd_start_iter: PowerSGD's ``start_iter``.
@@ -112,7 +119,8 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
 
     def __init__(
         self,
-        comm_hook: CommHookName = "none",
+        comm_hook: CommHookName = "auto",
+        comm_hook_window: int = AutoPolicy.window,
         powersgd_rank: int = PowerSGDSettings.rank,
         powersgd_start_iter: int = PowerSGDSettings.start_iter,
         powersgd_error_feedback: bool = PowerSGDSettings.error_feedback,
@@ -147,7 +155,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
                 warm_start=powersgd_warm_start,
                 factor_dtype=powersgd_factor_dtype,
             )
-            self.comm = CommHookSpec(comm_hook, powersgd)
+            self.comm = CommHookSpec(comm_hook, powersgd, AutoPolicy(window=comm_hook_window))
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
         check_bucket_cap_mb(bucket_cap_mb)
@@ -217,12 +225,36 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         super().teardown()
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        state, clock = self.hook_state, self.exposed_comm
+        if isinstance(state, AutoCommState) and clock is not None and state.measuring:
+            decision = state.on_optimizer_step(lambda: clock.total_s, self._synchronize_device)
+            if decision is not None:
+                rank_zero_info(decision.line(state.policy))
+        return output
+
+    def _synchronize_device(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
+
+    @override
+    def extra_comm_metrics(self) -> dict[str, float]:
+        if isinstance(self.hook_state, AutoCommState):
+            return {HOOK_LEVEL_METRIC: float(AUTO_LEVELS.index(self.hook_state.level))}
+        return {}
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.refuse_non_finite(checkpoint, filepath)
         self._add_resume_state(checkpoint)
-        if isinstance(self.hook_state, PowerSGDState):  # each rank's error feedback in its own file beside it
+        powersgd = self.hook_state
+        if isinstance(powersgd, AutoCommState):
+            checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
+            powersgd = powersgd.powersgd
+        if isinstance(powersgd, PowerSGDState):  # each rank's error feedback in its own file beside it
             checkpoint[CHECKPOINT_KEY] = save_hook_state(
-                self.hook_state, self.comm.name, filepath, self.world_size, self.global_rank
+                powersgd, "powersgd", filepath, self.world_size, self.global_rank
             )
             self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
@@ -235,8 +267,8 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         load = functools.partial(self._load_noting_location, weights_only=weights_only)
         checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=False)
         self._take_resume_state(checkpoint)
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is not None:
+        saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
+        if saved:
             if self.hook_state is None:
                 self._pending_hook_checkpoint = saved  # applied once the hook is registered
             else:
@@ -263,7 +295,20 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
     comm_collectives = (ALL_REDUCE,)
 
     def _restore_hook_state(self, saved: dict) -> None:
-        restore_hook_state(self.hook_state, self.comm.name, saved, self.world_size, self.global_rank, self.root_device)
+        """Put back what a checkpoint holds of the hook: auto's level and decisions, PowerSGD's memories."""
+        powersgd = self.hook_state
+        if isinstance(powersgd, AutoCommState) and AUTO_CHECKPOINT_KEY in saved:
+            powersgd.load_state_dict(saved[AUTO_CHECKPOINT_KEY])
+            if powersgd.decisions:
+                rank_zero_info(
+                    f"comm_hook auto: resumed at {powersgd.level} (decided at step {powersgd.decisions[-1].step})."
+                )
+            powersgd = powersgd.powersgd
+        if CHECKPOINT_KEY in saved:
+            name = "powersgd" if isinstance(self.hook_state, AutoCommState) else self.comm.name
+            restore_hook_state(
+                powersgd, name, saved[CHECKPOINT_KEY], self.world_size, self.global_rank, self.root_device
+            )
 
 
 @contextmanager

@@ -1,0 +1,163 @@
+"""`lightning-fastdist bench` in the emulated cluster: one table per link rate and topology.
+
+Each case runs the same ``bench`` command with ``--launcher`` set to the emulated cluster's
+(``python -m tests.emulated_cluster --nodes N --ranks-per-node R --link-mbit M --``), so every setup
+trains in fresh processes, one command per emulated node, across a link of that rate (or an
+unshaped one). It prints bench's own table per case, then the ratios the emulated-cluster issue
+asks for, each measured within one case (side by side, same link, same run):
+
+- ``overlap``: each DDP row's step over its limit, max(its unshaped step, the time its bytes take
+  on the link each way);
+- ``best DDP / lightning-ddp`` in tokens/s, and the best row's final loss next to ``ddp``'s;
+- ``fsdp-zero2 / lightning-fsdp2`` with accumulation;
+- ``hsdp / fsdp-zero3`` with 2 nodes x 2 ranks.
+
+Needs root, ``ip`` and ``tc`` (``tests/emulated_cluster.py`` says why it cannot otherwise). Usage::
+
+    python benchmarks/emulated_bench.py                      # the cases below, 10 steps each
+    python benchmarks/emulated_bench.py --cases ddp-50 ddp-unshaped --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.emulated_cluster
+
+from tests.emulated_cluster import cannot_emulate  # noqa: E402
+
+DDP_SETUPS = "lightning-ddp,ddp,ddp-bf16,ddp-powersgd"
+FSDP_SETUPS = "lightning-fsdp2,fsdp-zero2,fsdp-zero3"
+HSDP_SETUPS = "fsdp-zero3,fsdp-hsdp"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One emulated cluster and the bench setups run in it."""
+
+    nodes: int
+    ranks_per_node: int
+    link_mbit: float | None  # None: the same cluster, unshaped
+    setups: str
+    fit_args: tuple[str, ...] = field(default=())  # after bench's --, to every fit
+
+    @property
+    def link(self) -> str:
+        return "unshaped" if self.link_mbit is None else f"{self.link_mbit:g} Mbit/s"
+
+
+CASES = {
+    "ddp-50": Case(2, 1, 50, DDP_SETUPS),
+    "ddp-100": Case(2, 1, 100, DDP_SETUPS),
+    "ddp-unshaped": Case(2, 1, None, DDP_SETUPS),
+    "fsdp-accumulate-50": Case(2, 1, 50, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
+    "fsdp-accumulate-unshaped": Case(2, 1, None, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
+    "hsdp-2x2-50": Case(2, 2, 50, HSDP_SETUPS),
+    "hsdp-2x2-unshaped": Case(2, 2, None, HSDP_SETUPS),
+}
+
+
+def run_case(name: str, case: Case, steps: int, output: Path) -> list[dict]:
+    """Run bench for ``case``; print its table; return its rows (bench.json)."""
+    launcher = [sys.executable, "-m", "tests.emulated_cluster", "--nodes", str(case.nodes)]
+    launcher += ["--ranks-per-node", str(case.ranks_per_node)]
+    if case.link_mbit is not None:
+        launcher += ["--link-mbit", str(case.link_mbit)]
+    folder = output / name
+    command = [
+        sys.executable, "-m", "lightning_fastdist.cli", "bench", "--config", "cpu_smoke", "--steps", str(steps),
+        "--setups", case.setups, "--nodes", str(case.nodes), "--devices", str(case.ranks_per_node),
+        "--launcher", shlex.join([*launcher, "--"]), "--output", str(folder), "--", *case.fit_args,
+    ]  # fmt: skip
+    print(f"\n== {name}: {case.nodes} node(s) x {case.ranks_per_node} rank(s), link {case.link}", flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=False)
+    print(f"({time.perf_counter() - started:.0f} s)", flush=True)
+    results = folder / "bench.json"
+    return json.loads(results.read_text()) if results.is_file() else []
+
+
+def _row(rows: list[dict], setup: str) -> dict | None:
+    return next((row for row in rows if row["setup"] == setup and row.get("step_time_s")), None)
+
+
+def link_seconds(row: dict, link_mbit: float) -> float:
+    """The time the row's bytes take on one direction of the link: what each node sends per step over its rate.
+
+    A ring all-reduce of B bytes between 2 nodes sends B each way; an all-gather or reduce-scatter B/2.
+    """
+    sent = sum(
+        count * (1.0 if collective == "allreduce" else 0.5)
+        for collective, count in (row.get("comm_bytes_by_collective") or {}).items()
+    )
+    return sent / (link_mbit * 1e6 / 8)
+
+
+def report(results: dict[str, list[dict]]) -> None:
+    """The ratios the issue's goals are stated in, from the cases that ran."""
+    print("\n== ratios (each within one case)")
+    for shaped, unshaped in (("ddp-50", "ddp-unshaped"), ("ddp-100", "ddp-unshaped")):
+        rows, base = results.get(shaped), results.get(unshaped)
+        if not rows or not base:
+            continue
+        link_mbit = CASES[shaped].link_mbit
+        for setup in ("ddp", "ddp-bf16", "ddp-powersgd"):
+            row, free = _row(rows, setup), _row(base, setup)
+            if row and free and row.get("comm_bytes_by_collective"):
+                limit = max(free["step_time_s"], link_seconds(row, link_mbit))
+                print(
+                    f"{shaped}: overlap {setup}: step {1000 * row['step_time_s']:.0f} ms / limit "
+                    f"{1000 * limit:.0f} ms = {row['step_time_s'] / limit:.2f} (goal <= 1.3)"
+                )
+        lightning = _row(rows, "lightning-ddp")
+        ours = [row for row in (_row(rows, s) for s in ("ddp", "ddp-bf16", "ddp-powersgd")) if row]
+        if lightning and ours:
+            best = max(ours, key=lambda row: row["tokens_per_s"])
+            exact = _row(rows, "ddp")
+            print(
+                f"{shaped}: best DDP {best['setup']} / lightning-ddp = "
+                f"{best['tokens_per_s'] / lightning['tokens_per_s']:.2f}x tokens/s (goal >= 2.5); final loss "
+                f"{best['final_loss']:.4f} vs ddp {exact['final_loss'] if exact else float('nan'):.4f}"
+            )
+    for case, ours, theirs, goal in (
+        ("fsdp-accumulate-50", "fsdp-zero2", "lightning-fsdp2", 1.5),
+        ("fsdp-accumulate-unshaped", "fsdp-zero2", "lightning-fsdp2", 0.95),
+        ("hsdp-2x2-50", "fsdp-hsdp", "fsdp-zero3", 1.5),
+        ("hsdp-2x2-unshaped", "fsdp-hsdp", "fsdp-zero3", 0.95),
+    ):
+        rows = results.get(case) or []
+        mine, base = _row(rows, ours), _row(rows, theirs)
+        if mine and base:
+            ratio = base["step_time_s"] / mine["step_time_s"]
+            print(f"{case}: {ours} / {theirs} = {ratio:.2f}x (goal >= {goal})")
+    for case in ("ddp-unshaped", "fsdp-accumulate-unshaped"):
+        for row in results.get(case) or []:
+            if row.get("vs_lightning") is not None and not row["setup"].startswith("lightning-"):
+                print(f"{case}: {row['setup']} {row['vs_lightning']:.2f}x its Lightning baseline (goal >= 0.95)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench_results" / "emulated")
+    args = parser.parse_args()
+    reason = cannot_emulate()
+    if reason:
+        print(reason)
+        return 2
+    results = {name: run_case(name, CASES[name], args.steps, args.output) for name in args.cases}
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
