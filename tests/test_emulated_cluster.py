@@ -6,6 +6,7 @@ Behaviour only (bytes on the link, sums, namespaces left): times are for benchma
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -172,3 +173,20 @@ def test_the_command_line_reports_link_bytes_and_the_worst_exit_status(emulation
     lines = completed.stdout.splitlines()
     assert lines[0].startswith("node 0 (198.18.0.1): sent ") and lines[0].endswith("exit 0")
     assert "over its 100 Mbit/s link" in lines[1] and lines[1].endswith("exit 3")
+
+
+@pytest.mark.slow
+def test_hsdp_keeps_its_gathers_inside_a_node_and_sends_less_over_the_slow_link(emulation):
+    # 2 nodes x 2 ranks: zero3 all-gathers and reduce-scatters over all 4 ranks (across the link); hsdp shards
+    # within each node and sends only the all-reduce of its gradient shards across. Same losses either way.
+    sent, fits = {}, {}
+    with EmulatedCluster(nodes=2, ranks_per_node=2, link_mbit=200) as cluster:
+        for sharding in ("zero3", "hsdp"):
+            before = cluster.link_counters()
+            outputs = cluster.run([sys.executable, "-m", "tests.hsdp_link_fit", sharding], timeout=240, cwd=REPO_ROOT)
+            sent[sharding] = sum(end.sent - start.sent for start, end in zip(before, cluster.link_counters()))
+            fits[sharding] = json.loads(outputs[0].stdout.split("FIT ", 1)[1])
+    assert fits["hsdp"]["losses"] == pytest.approx(fits["zero3"]["losses"], rel=1e-5)
+    assert set(fits["hsdp"]["bytes"]) == {"allgather", "reduce_scatter", "allreduce"}  # the all-reduce across nodes
+    assert "allreduce" not in fits["zero3"]["bytes"]
+    assert sent["hsdp"] < 0.6 * sent["zero3"]  # the gathers stayed on each node's loopback
