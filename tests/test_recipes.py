@@ -37,9 +37,10 @@ RECIPE_CPU_OVERRIDES = {
     "single_node": EAGER_COMPILE,
     "large_model": [],
     "large_model_deepspeed": [],
-    "multi_node": [*EAGER_COMPILE, "--trainer.num_nodes", "1"],
 }
 RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node")
+# One resume per engine (DDP, FSDP, DeepSpeed); multi_node trains on two loopback nodes below.
+RESUMED = ("cpu_smoke", "large_model", "large_model_deepspeed")
 
 
 def test_the_documented_recipes_are_packaged():
@@ -80,7 +81,7 @@ def accumulation(name: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", list(RECIPE_CPU_OVERRIDES))
 def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_last(name, in_tmp_dir):
     batches_per_step = accumulation(name)
     overrides = [*CPU_OVERRIDES, *RECIPE_CPU_OVERRIDES[name], "--trainer.val_check_interval", str(batches_per_step)]
@@ -89,7 +90,8 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
     assert saved_step(last) == 2
     first = metrics(in_tmp_dir / "lightning_logs", "version_0")
     assert [int(r["step"]) for r in first if r["val_loss"]] == [0, 1]  # validated after each optimizer step
-
+    if name not in RESUMED:
+        return
     run_cli(["fit", "--config", name, *overrides, "--trainer.max_steps", "4", "--ckpt_path", "last"], timeout=240)
     assert saved_step(last) == 4
     second = metrics(in_tmp_dir / "lightning_logs", "version_1")
