@@ -10,7 +10,8 @@ asks for, each measured within one case (side by side, same link, same run):
   on the link each way);
 - ``best DDP / lightning-ddp`` in tokens/s, and the best row's final loss next to ``ddp``'s;
 - ``fsdp-zero2 / lightning-fsdp2`` with accumulation;
-- ``hsdp / fsdp-zero3`` with 2 nodes x 2 ranks.
+- ``hsdp / fsdp-zero3`` with 2 nodes x 2 ranks;
+- ``ddp-auto / lightning-ddp``: FastDDPStrategy's defaults (``comm_hook: auto``), timed after its decisions.
 
 Needs root, ``ip`` and ``tc`` (``tests/emulated_cluster.py`` says why it cannot otherwise). Usage::
 
@@ -37,6 +38,7 @@ from tests.emulated_cluster import cannot_emulate  # noqa: E402
 DDP_SETUPS = "lightning-ddp,ddp,ddp-bf16,ddp-powersgd"
 FSDP_SETUPS = "lightning-fsdp2,fsdp-zero2,fsdp-zero3"
 HSDP_SETUPS = "fsdp-zero3,fsdp-hsdp"
+AUTO_SETUPS = "lightning-ddp,ddp-auto"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Case:
     link_mbit: float | None  # None: the same cluster, unshaped
     setups: str
     fit_args: tuple[str, ...] = field(default=())  # after bench's --, to every fit
+    steps: int | None = None  # default: --steps
+    warmup: int | None = None  # bench's --warmup-steps (default: bench's)
 
     @property
     def link(self) -> str:
@@ -57,7 +61,12 @@ class Case:
 CASES = {
     "ddp-50": Case(2, 1, 50, DDP_SETUPS),
     "ddp-100": Case(2, 1, 100, DDP_SETUPS),
+    "ddp-200": Case(2, 1, 200, DDP_SETUPS),
+    "ddp-400": Case(2, 1, 400, DDP_SETUPS),
     "ddp-unshaped": Case(2, 1, None, DDP_SETUPS),
+    # comm_hook auto decides at steps 23 and 46 (AutoPolicy's warm-up and window): timed from step 50 on.
+    "auto-50": Case(2, 1, 50, AUTO_SETUPS, steps=58, warmup=50),
+    "auto-unshaped": Case(2, 1, None, AUTO_SETUPS, steps=58, warmup=50),
     "fsdp-accumulate-50": Case(2, 1, 50, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
     "fsdp-accumulate-unshaped": Case(2, 1, None, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
     "hsdp-2x2-50": Case(2, 2, 50, HSDP_SETUPS),
@@ -73,7 +82,8 @@ def run_case(name: str, case: Case, steps: int, output: Path) -> list[dict]:
         launcher += ["--link-mbit", str(case.link_mbit)]
     folder = output / name
     command = [
-        sys.executable, "-m", "lightning_fastdist.cli", "bench", "--config", "cpu_smoke", "--steps", str(steps),
+        sys.executable, "-m", "lightning_fastdist.cli", "bench", "--config", "cpu_smoke", "--steps",
+        str(case.steps or steps), *(["--warmup-steps", str(case.warmup)] if case.warmup else []),
         "--setups", case.setups, "--nodes", str(case.nodes), "--devices", str(case.ranks_per_node),
         "--launcher", shlex.join([*launcher, "--"]), "--output", str(folder), "--", *case.fit_args,
     ]  # fmt: skip
@@ -104,7 +114,19 @@ def link_seconds(row: dict, link_mbit: float) -> float:
 def report(results: dict[str, list[dict]]) -> None:
     """The ratios the issue's goals are stated in, from the cases that ran."""
     print("\n== ratios (each within one case)")
-    for shaped, unshaped in (("ddp-50", "ddp-unshaped"), ("ddp-100", "ddp-unshaped")):
+    print("thresholds of comm_hook auto: exposed share of the step, and what the next level gained")
+    for case in ("ddp-50", "ddp-100", "ddp-200", "ddp-400", "ddp-unshaped"):
+        rows = results.get(case) or []
+        fp32, bf16, powersgd = (_row(rows, setup) for setup in ("ddp", "ddp-bf16", "ddp-powersgd"))
+        if fp32 and bf16 and powersgd:
+            print(
+                f"{case}: fp32 waits {100 * fp32['exposed_comm_s'] / fp32['step_time_s']:.0f}%, bf16 "
+                f"{fp32['step_time_s'] / bf16['step_time_s']:.2f}x faster; bf16 waits "
+                f"{100 * bf16['exposed_comm_s'] / bf16['step_time_s']:.0f}%, powersgd "
+                f"{bf16['step_time_s'] / powersgd['step_time_s']:.2f}x faster than bf16"
+            )
+    for shaped in ("ddp-50", "ddp-100", "ddp-200", "ddp-400"):
+        unshaped = "ddp-unshaped"
         rows, base = results.get(shaped), results.get(unshaped)
         if not rows or not base:
             continue
@@ -138,6 +160,15 @@ def report(results: dict[str, list[dict]]) -> None:
         if mine and base:
             ratio = base["step_time_s"] / mine["step_time_s"]
             print(f"{case}: {ours} / {theirs} = {ratio:.2f}x (goal >= {goal})")
+    for case in ("auto-50", "auto-unshaped"):
+        rows = results.get(case) or []
+        mine, base = _row(rows, "ddp-auto"), _row(rows, "lightning-ddp")
+        if mine and base:
+            ratio = mine["tokens_per_s"] / base["tokens_per_s"]
+            print(
+                f"{case}: ddp-auto (the defaults) / lightning-ddp = {ratio:.2f}x tokens/s; final loss "
+                f"{mine['final_loss']:.4f} vs {base['final_loss']:.4f}"
+            )
     for case in ("ddp-unshaped", "fsdp-accumulate-unshaped"):
         for row in results.get(case) or []:
             if row.get("vs_lightning") is not None and not row["setup"].startswith("lightning-"):

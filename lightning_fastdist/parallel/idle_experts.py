@@ -8,12 +8,16 @@ different idle experts hand gloo or NCCL buffers of different sizes (gloo aborts
 "Received data size doesn't match expected size"). DDP has ``find_unused_parameters`` for it;
 FSDP2 has nothing.
 
-:class:`IdleExperts` hooks the layers that may leave experts idle. After such
-a layer's forward, a zero that depends on the idle experts' parameters (an autograd function that
-reads nothing from them) is added to the layer's output; in the backward it hands each of their
-parameters a zero gradient, before the unit's reduce-scatter (it is among the first nodes of the
-layer's backward; FSDP reduces once the whole unit's backward has run). Every rank then reduces every parameter:
-the result is the same mean gradient, with zeros from the ranks where an expert was idle.
+:class:`IdleExperts` hooks the layers that may leave experts idle. After such a layer's forward, a
+zero that depends on the idle experts' parameters (an autograd function that reads nothing from
+them) is added to the layer's output; in the backward it hands each of their parameters a zero
+gradient, before the unit's reduce-scatter (it is among the first nodes of the layer's backward;
+FSDP reduces once the whole unit's backward has run). Every rank then reduces every parameter: the
+result is the same mean gradient, with zeros from the ranks where an expert was idle. An expert no
+rank called would now get a zero gradient that AdamW still applies (momentum, weight decay), so
+after an optimizer step's last backward one small all-reduce of which experts ran drops those
+gradients again, as DDP's ``find_unused_parameters`` leaves them (FastFSDPStrategy does this;
+FastDeepSpeedStrategy, whose optimizer works on flat partitions, cannot).
 
 Which layers: a ``ModuleList``/``ModuleDict`` (or a subclass) holding two or more modules of one
 class that own parameters (the experts), inside a unit and not themselves units. The hooks sit on
