@@ -87,7 +87,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         powersgd_warm_start: PowerSGD's ``warm_start``.
         powersgd_factor_dtype: PowerSGD's ``factor_dtype``.
         bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to
-            [1, 100] MB, so communication overlaps the backward in several buckets without
+            [0.25, 100] MB, so communication overlaps the backward in several buckets without
             paying per-message latency on tiny ones (see ``parallel/buckets.py``).
         gradient_as_bucket_view: let gradients live in DDP's buckets (saves one copy and memory).
         static_graph: promise DDP the set of used parameters never changes (enables optimisations).
