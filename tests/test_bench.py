@@ -40,7 +40,11 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
     model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
                   "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
     setups = "lightning-deepspeed,ddp,fsdp-zero3,deepspeed-zero2"
-    result = run_launcher(cli_command("bench", "--steps", "7", "--setups", setups, "--", *model_args), timeout=400)
+    # --launcher runs each setup's fit (here through a shell that first leaves a mark); --nodes 1 is one node.
+    launcher = ["--launcher", "sh -c 'touch bench_results/launched && exec \"$@\"' sh", "--nodes", "1"]
+    command = cli_command("bench", "--steps", "7", "--setups", setups, *launcher, "--", *model_args)
+    result = run_launcher(command, timeout=400)
+    assert (in_tmp_dir / "bench_results" / "launched").is_file()
     assert "setup" in result.stdout and "vs Lightning" in result.stdout and "exposed ms" in result.stdout
     rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
     assert set(rows) == set(setups.split(","))
