@@ -37,7 +37,7 @@ def test_a_decision_reads_as_one_line_and_a_saved_level_comes_back_with_powersgd
     decision = Decision(step=23, level_from="none", level_to="bf16", exposed_share=0.42, step_s=0.31)
     assert decision.line(AutoPolicy()) == (
         "comm_hook auto: switching to bf16 after step 23: the step waited 42% of its 310 ms for gradient "
-        "communication at none (thresholds: bf16 from 10%, powersgd from 25%)."
+        "communication at none (thresholds: bf16 from 20%, powersgd from 25%)."
     )
     saved = {"level": "powersgd", "steps": 46, "decisions": [vars(decision)] * 2}
     state = AutoCommState(module=tiny_gpt())

@@ -63,7 +63,7 @@ class AutoPolicy:
 
     warmup: int = 3
     window: int = 20
-    bf16_share: float = 0.10
+    bf16_share: float = 0.20
     powersgd_share: float = 0.25
     min_powersgd_ratio: float = 8.0
     min_exposed_ms: float = 10.0
