@@ -113,7 +113,17 @@ def _seq2seq_batches(batch_size: int) -> DataLoader:
     return DataLoader(samples, batch_size=batch_size)
 
 
-class HFSeq2Seq(ZooModule):
+class _EncoderDecoder(ZooModule):
+    """A HuggingFace encoder-decoder in ``self.model``, trained ``self.model(**batch)`` on dict batches."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._logged(self.model(**batch).loss)
+
+    def batches(self, batch_size: int = 4) -> DataLoader:
+        return _seq2seq_batches(batch_size)
+
+
+class HFSeq2Seq(_EncoderDecoder):
     """T5 from a tiny random config (2 encoder and 2 decoder layers, width 32), trained ``self.model(**batch)``."""
 
     def __init__(self) -> None:
@@ -126,14 +136,8 @@ class HFSeq2Seq(ZooModule):
         )  # fmt: skip
         self.model = T5ForConditionalGeneration(config)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._logged(self.model(**batch).loss)
 
-    def batches(self, batch_size: int = 4) -> DataLoader:
-        return _seq2seq_batches(batch_size)
-
-
-class HFSwitch(ZooModule):
+class HFSwitch(_EncoderDecoder):
     """SwitchTransformers from a tiny random config: 2 + 2 layers, every second one a mixture of 16 experts
     (one module per expert, top-1 routing: an expert that no token of a rank's batch reaches has no gradient
     there, and which experts those are differs between ranks). No router noise: every run draws the same.
@@ -153,12 +157,6 @@ class HFSwitch(ZooModule):
             decoder_start_token_id=0, pad_token_id=0,
         )  # fmt: skip
         self.model = SwitchTransformersForConditionalGeneration(config)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._logged(self.model(**batch).loss)
-
-    def batches(self, batch_size: int = 4) -> DataLoader:
-        return _seq2seq_batches(batch_size)
 
 
 class DemoTransformer(ZooModule):

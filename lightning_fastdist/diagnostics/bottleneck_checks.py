@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from lightning_fastdist.parallel.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB
+
 DATA_WAIT_WARN = 0.20
 COMM_WARN = 0.30
 OPTIMIZER_WARN = 0.30
 MEMORY_WARN = 0.90
-MIN_BUCKET_BYTES = 2**20
+MIN_BUCKET_BYTES = int(MIN_BUCKET_MB * 2**20)  # the auto rule's floor: smaller buckets only pay latency
 STATUSES = ("OK", "WARN", "N/A")
 
 
@@ -81,7 +83,8 @@ def check_buckets(bucket_cap_bytes: int | None, gradient_bytes: int) -> CheckRow
     tiny = bucket_cap_bytes < MIN_BUCKET_BYTES and buckets > 1
     fix = (
         "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
-        "    init_args:\n      bucket_cap_mb: auto   # gradient MB / 8, clamped to [1, 100] MB"
+        "    init_args:\n"
+        f"      bucket_cap_mb: auto   # gradient MB / 8, clamped to [{MIN_BUCKET_MB:g}, {MAX_BUCKET_MB:g}] MB"
     )
     measured = (
         f"{bucket_cap_bytes / 2**20:.3g} MiB cap, ~{buckets} bucket(s) "

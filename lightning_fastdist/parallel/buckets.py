@@ -26,6 +26,7 @@ from torch import nn
 
 TARGET_BUCKETS = 8
 MIN_BUCKET_MB = 0.25
+COMPILED_MIN_BUCKET_MB = 1.0  # torch.distributed's default first bucket (dynamo splits graphs at buckets)
 MAX_BUCKET_MB = 100.0
 MEBIBYTE = 2**20
 
@@ -35,7 +36,12 @@ def gradient_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-def auto_bucket_cap_mb(module: nn.Module) -> float:
-    """DDP ``bucket_cap_mb`` for ``module``: gradient MB / 8, clamped to [0.25, 100] MB."""
+def auto_bucket_cap_mb(module: nn.Module, compiled: bool = False) -> float:
+    """DDP ``bucket_cap_mb`` for ``module``: gradient MB / 8, clamped to [0.25, 100] MB.
+
+    ``compiled``: the model runs under ``torch.compile``, whose DDP graph splitting requires buckets no smaller
+    than DDP's 1 MB first bucket (dynamo's ``DDPOptimizer`` asserts it): the floor is then 1 MB.
+    """
+    floor = max(MIN_BUCKET_MB, COMPILED_MIN_BUCKET_MB) if compiled else MIN_BUCKET_MB
     wanted = gradient_bytes(module) / MEBIBYTE / TARGET_BUCKETS
-    return min(max(wanted, MIN_BUCKET_MB), MAX_BUCKET_MB)
+    return min(max(wanted, floor), MAX_BUCKET_MB)

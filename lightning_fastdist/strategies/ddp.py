@@ -204,7 +204,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
     def _wrap_in_ddp(self, model: torch.nn.Module, prepared: PreparedBlocks) -> DistributedDataParallel:
         """Size the buckets, wrap ``model`` (``self.model``) in DDP as Lightning does, register the comm hook."""
         if self.bucket_cap_mb == "auto":
-            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model)
+            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model, compiled=self.plan.compile_config is not None)
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state = self.comm.register(self.model)

@@ -30,7 +30,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -148,10 +147,9 @@ class FastFSDPStrategy(
         super()._configure_launcher()
 
     @override
-    def check_names(self, module: Any) -> None:
-        super().check_names(module)
-        if module is not None and not is_overridden("configure_model", module):
-            self.fsdp.units(module, [])  # resolves keep_fp32
+    def resolve_names(self, module: Any) -> None:
+        super().resolve_names(module)
+        self.fsdp.units(module, [])  # resolves keep_fp32
 
     @override
     def setup_environment(self) -> None:

@@ -81,7 +81,11 @@ class SharedSetup:
         block), before any process starts; a model that builds its layers in ``configure_model`` is checked
         later, when the plan is applied."""
         if module is not None and not is_overridden("configure_model", module):
-            resolve_blocks(module, self.plan.blocks)
+            self.resolve_names(module)
+
+    def resolve_names(self, module: Any) -> None:
+        """Resolve every class name of the options in ``module`` (a strategy with more names extends it)."""
+        resolve_blocks(module, self.plan.blocks)
 
     def start_shared(self, trainer: Any) -> None:
         """Job identity and preemption handling, and the recompile watcher when compiling."""
