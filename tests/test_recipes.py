@@ -39,8 +39,9 @@ RECIPE_CPU_OVERRIDES = {
     "large_model_deepspeed": [],
 }
 RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node")
-# One resume per engine (DDP, FSDP, DeepSpeed); multi_node trains on two loopback nodes below.
-RESUMED = ("cpu_smoke", "large_model", "large_model_deepspeed")
+# The quick-start recipe resumes through the CLI; each engine's resume is held bitwise by its own tests
+# (test_exact_resume, test_fsdp_checkpoint, test_deepspeed). multi_node trains on two loopback nodes below.
+RESUMED = ("cpu_smoke",)
 
 
 def test_the_documented_recipes_are_packaged():
