@@ -133,7 +133,7 @@ class AutoCommState(HookState):
     level: str = "none"
     decisions: list[Decision] = field(default_factory=list)
     powersgd: PowerSGDState | None = None
-    steps: int = 0  # optimizer steps seen
+    steps: int = 0  # optimizer steps seen while measuring (a decision names the step it was made at)
     _steps_at_level: int = 0
     _window_start: tuple[float, float] | None = None
 
@@ -175,12 +175,12 @@ class AutoCommState(HookState):
     def _decide(self, share: float, step_s: float, exposed_s: float) -> Decision:
         policy, level = self.policy, self.level
         target = level
-        if 1000 * exposed_s < policy.min_exposed_ms:
-            pass  # latency, not bandwidth: fewer bytes would not shorten it
-        elif level == "none" and share >= policy.bf16_share and self.allow_bf16:
+        bandwidth_bound = 1000 * exposed_s >= policy.min_exposed_ms  # else latency: fewer bytes would not help
+        if bandwidth_bound and level == "none" and share >= policy.bf16_share and self.allow_bf16:
             target = "bf16"
         elif (
-            level == "bf16"
+            bandwidth_bound
+            and level == "bf16"
             and share >= policy.powersgd_share
             and powersgd_compression_ratio(self.module, self.powersgd_settings.rank) >= policy.min_powersgd_ratio
         ):
