@@ -64,8 +64,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--launcher",
         default="",
-        help="a command that runs each setup's training on every node, put before it (e.g. 'srun "
-        "--ntasks-per-node=1', or the emulated cluster's 'python -m tests.emulated_cluster ... --')",
+        help="a command put before each setup's training that runs it across the nodes: once per node with "
+        "NODE_RANK set (the emulated cluster's 'python -m tests.emulated_cluster ... --') or once per rank "
+        "(SLURM's 'srun --ntasks-per-node=8' with --devices 8)",
     )
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of ddp-compile")
     parser.add_argument("--output", default="bench_results", help="folder for bench.json, bench.png and logs")
