@@ -144,7 +144,8 @@ def test_every_model_trains_under_every_setup_with_the_losses_of_lightning_ddp()
     runs = ranks[0]
     for model_name, units in AUTO_UNITS.items():
         assert runs[(model_name, "fast_fsdp zero3")]["units"] == units, model_name
-    assert runs[("mlp", "fast_fsdp zero3 + AC full + compile")]["units"] == 4  # blocks: [Linear], 3 of them, and the root
+    # blocks: [Linear], 3 of them, and the root
+    assert runs[("mlp", "fast_fsdp zero3 + AC full + compile")]["units"] == 4
     assert all(runs[(name, "fast_ddp powersgd")]["compressed"] for name in MODELS)
     # The comm/ metrics are logged only when due, yet what a callback reads is the last step's count
     # (every step sends the same bytes by the end of these runs, PowerSGD's compressed steps included).
