@@ -62,7 +62,7 @@ EXPLAINED_FAILURES = (
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
-EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench", "doctor": "doctor"}
+EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench", "doctor": "doctor", "tune": "tune"}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 QUIET_VARIABLE = "LIGHTNING_FASTDIST_QUIET"
 HELP = f"""usage: {PROGRAM} COMMAND [options]
@@ -83,6 +83,9 @@ commands:
             bench.png and one log per setup into --output (default bench_results/), nothing else.
   doctor    report the machine, estimate memory per device and write a recipe that fits into
             --output (default doctor-recipe.yaml).
+  tune      measure candidate setups of one recipe (pruned by a memory plan, successive halving,
+            a loss guard) and write the fastest as a recipe (--output, default tuned.yaml); logs
+            and tune.png go to --workdir (default tune_runs/).
 
 Run '{PROGRAM} COMMAND --help' for a command's options, e.g. '{PROGRAM} fit --help'.
 Try it: '{PROGRAM} fit --config cpu_smoke' trains the demo on 2 CPU processes.

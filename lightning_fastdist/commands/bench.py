@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_fastdist.commands.bench_setups import ENGINES, BenchSetup, all_setups
+from lightning_fastdist.commands.bench_setups import ENGINES, BenchSetup, all_setups, recipe_setup
 from lightning_fastdist.recipes import find_recipe
 
 DEFAULT_SETUPS = (
@@ -54,7 +54,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2",
     )
     parser.add_argument("--config", default="cpu_smoke", help="recipe to train (a path or a packaged name)")
-    parser.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated; known: {', '.join(all_setups())}")
+    parser.add_argument(
+        "--setups",
+        default=DEFAULT_SETUPS,
+        help=f"comma-separated; known: {', '.join(all_setups())}, and recipe (the recipe's own strategy)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps per setup (>= warm-up + 4)")
     parser.add_argument(
         "--warmup-steps", type=int, default=2, help="steps left out of the timing (e.g. until comm_hook auto decided)"
@@ -73,7 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     own, _, passthrough = _split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
-    known = all_setups(args.compile_backend)
+    known = [*all_setups(args.compile_backend), "recipe"]
     args.setup_list = [name.strip() for name in args.setups.split(",") if name.strip()]
     unknown = [name for name in args.setup_list if name not in known]
     if unknown or not args.setup_list:
@@ -147,8 +151,11 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
     return overlay
 
 
-def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict:
-    """Train ``setup`` in fresh processes; return its measurements, or why it did not run."""
+def run_setup(
+    setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: list[str] = ()
+) -> dict:
+    """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
+    ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
     unavailable = setup.unavailable(args.recipe, world_size(args))
     if unavailable:
         return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
@@ -157,7 +164,7 @@ def run_setup(setup: BenchSetup, args: argparse.Namespace, output: Path) -> dict
     overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name, args)))
     command = [
         sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", args.config, "--config", str(overlay),
-        "--trainer.max_steps", str(args.steps),
+        "--trainer.max_steps", str(steps or args.steps), *extra_args,
     ]  # fmt: skip
     if args.devices:
         command += ["--trainer.devices", args.devices]
@@ -259,7 +266,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    setups = all_setups(args.compile_backend)
+    setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe)}
     print(f"bench: {len(args.setup_list)} setups x {args.steps} steps of {args.config}; logs in {output}/", flush=True)
     print(header(), flush=True)
     rows: list[dict] = []

@@ -86,6 +86,28 @@ class BenchSetup:
         return None
 
 
+_ENGINE_OF_CLASS = {
+    FAST_DDP: "DDP",
+    LIGHTNING_DDP: "DDP",
+    FAST_FSDP: "FSDP2",
+    LIGHTNING_FSDP2: "FSDP2",
+    FAST_DEEPSPEED: "DeepSpeed",
+    LIGHTNING_DEEPSPEED: "DeepSpeed",
+}
+
+
+def recipe_setup(recipe: dict) -> BenchSetup:
+    """The ``recipe`` row: the recipe's own ``trainer.strategy``, unchanged (e.g. one ``tune`` wrote)."""
+    strategy = (recipe.get("trainer") or {}).get("strategy")
+    class_path = strategy.get("class_path") if isinstance(strategy, dict) else None
+    if class_path not in _ENGINE_OF_CLASS:
+        known = ", ".join(sorted(_ENGINE_OF_CLASS))
+        reason = f"the recipe's trainer.strategy is {strategy!r}; this row needs a class_path, one of {known}"
+        return BenchSetup("recipe", "DDP", str(class_path), exact=False, needs=reason)
+    init_args = dict(strategy.get("init_args") or {})
+    return BenchSetup("recipe", _ENGINE_OF_CLASS[class_path], class_path, init_args, exact=False)
+
+
 def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
     """Every setup bench knows, by name, in the order the table lists them."""
     no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"

@@ -13,13 +13,13 @@ import inspect
 import json
 from pathlib import Path
 
+from lightning_fastdist.commands.bench_setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.simulate import SimulatedSetup, Simulation, import_class
 from lightning_fastdist.diagnostics.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
     describe_setup,
     strategy_section,
-    uses_deepspeed,
 )
 from lightning_fastdist.diagnostics.memory_model import GiB, MemoryEstimate
 
@@ -127,27 +127,35 @@ def _accepted_options(class_path: str) -> set[str]:
     return set(inspect.signature(import_class(class_path)).parameters)
 
 
-def tailored_recipe(config: dict, chosen: SimulatedSetup, gpus_per_node: int, nodes: int, precision: str) -> dict:
-    """The user's recipe with the chosen strategy, its devices and nodes; their other strategy options kept where
-    the chosen class takes them (``blocks``, ``timeout``, ...)."""
+def replace_strategy(config: dict, strategy: dict, precision: str) -> dict:
+    """A copy of the recipe ``config`` training with ``strategy`` (a ``class_path``/``init_args`` entry): the user's
+    other strategy options kept where the new class takes them (``blocks``, ``timeout``, ...), and a DeepSpeed
+    strategy given ``trainer.precision`` in place of the precision plugin (DeepSpeed runs 16-bit itself)."""
     recipe = copy.deepcopy(config)
     trainer = recipe.setdefault("trainer", {})
-    estimate = _as_estimate(chosen)
-    strategy = strategy_section(estimate)
+    strategy = copy.deepcopy(strategy)
     previous = trainer.get("strategy")
     previous_options = (previous.get("init_args") or {}) if isinstance(previous, dict) else {}
     accepted = _accepted_options(strategy["class_path"])
+    init_args = strategy.setdefault("init_args", {})
     for option, value in previous_options.items():
-        if option in accepted and option not in strategy["init_args"]:
-            strategy["init_args"][option] = value
-    trainer.update(strategy=strategy, devices=gpus_per_node, num_nodes=nodes)
-    if uses_deepspeed(estimate):  # DeepSpeed runs 16-bit itself: trainer.precision, not the plugin
+        if option in accepted and option not in init_args:
+            init_args[option] = value
+    trainer["strategy"] = strategy
+    if strategy["class_path"] == FAST_DEEPSPEED:
         plugins = trainer.get("plugins") or []
         kept = [p for p in plugins if not (isinstance(p, dict) and p.get("class_path") == _PRECISION_PLUGIN)]
         trainer.pop("plugins", None)
         if kept:
             trainer["plugins"] = kept
         trainer["precision"] = precision
+    return recipe
+
+
+def tailored_recipe(config: dict, chosen: SimulatedSetup, gpus_per_node: int, nodes: int, precision: str) -> dict:
+    """The user's recipe with the chosen strategy (see :func:`replace_strategy`), its devices and nodes."""
+    recipe = replace_strategy(config, strategy_section(_as_estimate(chosen)), precision)
+    recipe["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
     return recipe
 
 

@@ -1,0 +1,194 @@
+"""How ``lightning-fastdist tune`` spends its budget: the order of trials, the quality guard, successive halving.
+
+Round 1 trains every candidate the memory plan kept for ``steps`` optimizer steps,
+in this order: the exact setups; then the compressed ones, each after the exact
+setup it is compared with; then per-block compile of the two fastest accepted
+DDP or FSDP2 setups, each after its uncompiled self; then larger micro-batches
+(less accumulation, the same global batch) of the fastest. A candidate compared
+with another is accepted only if its last loss lies within ``loss_tolerance``
+(relative) of that one's, trained on the same batches for the same steps.
+
+Then successive halving: the faster half of the accepted candidates (rounded up)
+trains again for twice the steps, and again, until one is left; the winner is
+the fastest of the last round with more than one. A run is started only if the
+runs so far say it ends within the budget (seconds per step, measured, times its
+steps); what the budget leaves untried is listed as such.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from lightning_fastdist.commands.bench import throughput
+from lightning_fastdist.commands.bench_setups import FAST_DEEPSPEED
+from lightning_fastdist.commands.tune_candidates import Candidate, MemoryPlan, larger_micro_batches, memory_verdict
+
+COMPILED_LEADERS = 2  # how many of the fastest accepted setups are tried with compile
+
+
+@dataclass
+class Trial:
+    """What happened to one candidate.
+
+    Attributes:
+        candidate: the setup.
+        status: ``pruned`` (memory plan), ``rejected`` (quality guard), ``failed``, ``not tried`` (budget or
+            a reference that did not run), ``measured`` (eliminated by halving), or ``winner``.
+        reason: one line for every status but ``measured`` and ``winner``.
+        peak_plan_bytes: the memory plan's peak per rank, when there was a plan.
+        rounds: bench's row per round it trained in (steps, tokens/s, exposed communication, loss, ...).
+    """
+
+    candidate: Candidate
+    status: str = "waiting"
+    reason: str | None = None
+    peak_plan_bytes: int | None = None
+    rounds: list[dict] = field(default_factory=list)
+
+    @property
+    def speed(self) -> float:
+        """Throughput in its latest round (tokens/s, else samples/s); 0 when it has none."""
+        return (throughput(self.rounds[-1]) or 0.0) if self.rounds else 0.0
+
+
+Measure = Callable[[Candidate, int, int], dict]  # (candidate, steps, round) -> bench's row for it
+
+
+@dataclass
+class Search:
+    """One tune run's trials, in the order they were decided.
+
+    Args:
+        measure: trains a candidate in fresh processes and returns bench's row.
+        plan: the memory plan.
+        steps: optimizer steps of round 1.
+        budget_s: seconds the trials may take in all.
+        loss_tolerance: the quality guard's relative tolerance.
+        compile_backend: the backend of the compile trials, or ``None`` for none.
+        report: called with each trial as it is decided (the progress line).
+    """
+
+    measure: Measure
+    plan: MemoryPlan
+    steps: int
+    budget_s: float
+    loss_tolerance: float
+    compile_backend: str | None
+    report: Callable[[Trial, int], None]
+    trials: dict[str, Trial] = field(default_factory=dict)
+    halving_stopped: str | None = None  # why halving ended before one was left, if the budget ended it
+    _started: float = field(default_factory=time.monotonic)
+    _seconds_per_step: list[float] = field(default_factory=list)
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def _fits_budget(self, steps: int) -> bool:
+        if not self._seconds_per_step:
+            return True
+        expected = max(self._seconds_per_step) * steps  # the slowest so far, start-up included: conservative
+        return self.elapsed_s() + expected <= self.budget_s
+
+    def add(self, candidate: Candidate, status: str = "waiting", reason: str | None = None) -> Trial:
+        peak, too_large = memory_verdict(candidate, self.plan)
+        trial = Trial(candidate, status, reason, peak)
+        if status == "waiting" and too_large:
+            trial.status, trial.reason = "pruned", too_large
+        self.trials[candidate.name] = trial
+        if trial.status != "waiting":
+            self.report(trial, 1)
+        return trial
+
+    def _run(self, trial: Trial, steps: int, round_number: int) -> bool:
+        """Train ``trial`` for ``steps``; whether it produced numbers (and, in round 1, passed the guard)."""
+        started = time.monotonic()
+        row = self.measure(trial.candidate, steps, round_number)
+        self._seconds_per_step.append((time.monotonic() - started) / steps)
+        if "failed" in row or "skipped" in row:
+            trial.status, trial.reason = "failed", row.get("failed") or row.get("skipped")
+            self.report(trial, round_number)
+            return False
+        trial.rounds.append({**row, "round": round_number, "steps": steps})
+        trial.status = "measured"
+        if round_number == 1:
+            self._guard(trial)
+        self.report(trial, round_number)
+        return trial.status == "measured"
+
+    def _guard(self, trial: Trial) -> None:
+        reference_name = trial.candidate.compared_with
+        if reference_name is None:
+            return
+        reference = self.trials[reference_name].rounds[0]["final_loss"]
+        loss = trial.rounds[0]["final_loss"]
+        if loss is None or reference is None or not math.isfinite(loss):
+            trial.status, trial.reason = "rejected", f"no finite loss to compare with {reference_name}'s"
+        elif abs(loss - reference) > self.loss_tolerance * abs(reference):
+            trial.status = "rejected"
+            trial.reason = (
+                f"loss {loss:.4f} vs {reference_name}'s {reference:.4f} after {self.steps} steps: "
+                f"{100 * abs(loss - reference) / abs(reference):.3g}% apart, tolerance {100 * self.loss_tolerance:g}%"
+            )
+
+    def try_in_order(self, candidates: list[Candidate]) -> None:
+        """Round 1 for ``candidates``, each after the one it is compared with, while the budget lasts."""
+        for candidate in candidates:
+            trial = self.trials.get(candidate.name) or self.add(candidate)
+            if trial.status != "waiting":
+                continue
+            reference = self.trials.get(candidate.compared_with) if candidate.compared_with else None
+            if reference is not None and reference.status not in ("measured", "winner"):
+                trial.status = "not tried"
+                trial.reason = f"{reference.candidate.name}, which its loss is compared with, did not train"
+            elif not self._fits_budget(self.steps):
+                trial.status, trial.reason = "not tried", f"the budget ({self.budget_s / 60:.1f} min) was spent"
+            else:
+                self._run(trial, self.steps, 1)
+                continue
+            self.report(trial, 1)
+
+    def accepted(self) -> list[Trial]:
+        """The candidates still in the running, fastest first."""
+        return sorted((t for t in self.trials.values() if t.status == "measured"), key=lambda t: -t.speed)
+
+    def try_compile(self) -> None:
+        """Compile the fastest accepted setups that can (DeepSpeed has no per-block compile here)."""
+        if self.compile_backend is None:
+            return
+        leaders = [t for t in self.accepted() if t.candidate.setup.strategy_class != FAST_DEEPSPEED]
+        compiled = [
+            replace(t.candidate, compile_backend=self.compile_backend, compared_with=t.candidate.name)
+            for t in leaders[:COMPILED_LEADERS]
+        ]
+        self.try_in_order(compiled)
+
+    def try_larger_micro_batches(self, micro_batch: int | None, accumulation: int) -> None:
+        """Fewer, larger micro-batches for the fastest accepted setup, where they fit."""
+        accepted = self.accepted()
+        if not accepted:
+            return
+        leader = accepted[0].candidate
+        splits = larger_micro_batches(micro_batch, accumulation)
+        self.try_in_order([replace(leader, micro_batch=m, accumulation=a) for m, a in splits])
+
+    def halve(self) -> Trial | None:
+        """Successive halving over the accepted candidates; the winner, or ``None`` when none was accepted."""
+        ranking, steps, round_number = self.accepted(), self.steps, 1
+        while len(ranking) > 1:
+            survivors = ranking[: max(2, math.ceil(len(ranking) / 2))]
+            if not self._fits_budget(2 * steps * len(survivors)):
+                self.halving_stopped = (
+                    f"the budget ({self.budget_s / 60:.1f} min) left no time for round {round_number + 1}"
+                )
+                break
+            steps, round_number = steps * 2, round_number + 1
+            ranking = sorted((t for t in survivors if self._run(t, steps, round_number)), key=lambda t: -t.speed)
+            if len(survivors) == 2:
+                break
+        if not ranking:
+            return None
+        ranking[0].status = "winner"
+        return ranking[0]

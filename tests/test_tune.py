@@ -1,0 +1,123 @@
+"""lightning-fastdist tune: refusals before any trial, then a real tune of a HuggingFace decoder on 2 CPU ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from lightning_fastdist.commands.simulate import recipe_run, simulate
+from lightning_fastdist.commands.tune import main
+from lightning_fastdist.diagnostics.advisor import HEADROOM
+from lightning_fastdist.diagnostics.memory_model import GiB
+from tests.emulated_cluster import REPO_ROOT
+from tests.harness import cli_command, run_launcher
+
+LLAMA = {"class_path": "tests.model_zoo.HFLlama", "init_args": {}}  # HuggingFace LlamaForCausalLM, tiny random config
+TOKENS = {"class_path": "tests.model_zoo.RandomTokens", "init_args": {"batch_size": 2, "samples": 16}}
+
+
+def write_recipe(path, accumulation: int = 1) -> dict:
+    recipe = {
+        "seed_everything": 7,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}},
+            "accumulate_grad_batches": accumulation,
+            "max_steps": 4,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+        },
+        "model": LLAMA,
+        "data": TOKENS,
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return recipe
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--setups", "ddp,lightning-ddp"], "--setups: unknown lightning-ddp; known: ddp, ddp-auto, ddp-fp16,"),
+        (["--steps", "5"], "--steps: must be >= 6"),
+        (["--budget-minutes", "0"], "--budget-minutes: must be > 0, got 0"),
+        (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
+        (["--output", "users.yaml"], "--output: users.yaml exists and was not written by tune, so it is kept"),
+        (["--json", "users.yaml"], "--json: users.yaml exists and was not written by tune, so it is kept"),
+        (["--workdir", "users"], "--workdir: users holds files tune did not write; give a new or empty folder"),
+    ],
+)
+def test_bad_arguments_name_the_flag_and_nothing_of_the_users_is_touched(argv, message, capsys, in_tmp_dir):
+    (in_tmp_dir / "users.yaml").write_text("mine: 1\n")
+    (in_tmp_dir / "users").mkdir()
+    (in_tmp_dir / "users" / "notes.txt").write_text("mine\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "cpu_smoke", *argv])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert (in_tmp_dir / "users.yaml").read_text() == "mine: 1\n"
+    assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["users", "users.yaml"]  # no work folder was made
+
+
+def _usable_between(recipe: dict, fits: str, does_not: str) -> float:
+    """A --gpu-memory (GiB) whose usable part holds the ``fits`` setup's simulated peak but not ``does_not``'s."""
+    peaks = {
+        (row.setup, row.activation_checkpointing): row.memory.peak
+        for row in simulate(recipe_run(recipe, recipe["model"], recipe["data"]), world_size=2, gpus_per_node=2).rows
+        if not row.cpu_offload
+    }
+    low, high = peaks[(fits, "none")], min(peaks[(does_not, mode)] for mode in ("none", "selective", "full"))
+    assert low < high, peaks
+    return (low + high) / 2 / (1 - HEADROOM) / GiB
+
+
+@pytest.mark.slow
+def test_tune_prunes_by_the_plan_guards_the_loss_halves_and_writes_a_recipe_that_trains(in_tmp_dir):
+    recipe = write_recipe(in_tmp_dir / "recipe.yaml", accumulation=2)
+    memory = _usable_between(recipe, fits="ddp", does_not="ds-zero1")
+    argv = [
+        "tune", "--config", "recipe.yaml", "--setups", "ddp,ddp-powersgd,fsdp-zero3,deepspeed-zero1",
+        "--gpu-memory", f"{memory:.9f}", "--compile-backend", "none", "--loss-tolerance", "1e-6",
+        "--json", "tune.json", "--budget-minutes", "20", "--steps", "6",
+    ]  # fmt: skip
+    env = {"PYTHONPATH": str(REPO_ROOT)}
+    result = run_launcher(cli_command(*argv), timeout=500, env=env)
+    assert "tune took" in result.stdout
+    document = json.loads((in_tmp_dir / "tune.json").read_text())
+    trials = {c["name"]: c for c in document["candidates"]}
+    usable = document["memory_plan"]["usable_bytes"]
+    # The plan's verdict decided which ran: what does not fit never started (no log of it anywhere).
+    logs = {path.stem for path in (in_tmp_dir / "tune_runs").rglob("*.log")}
+    for name, trial in trials.items():
+        if trial["status"] == "pruned":
+            assert trial["peak_plan_bytes"] > usable and name not in logs, name
+        elif trial["rounds"]:
+            assert trial["peak_plan_bytes"] <= usable and name in logs, name
+    assert trials["deepspeed-zero1"]["status"] == "pruned"
+    assert "memory plan: peak" in trials["deepspeed-zero1"]["reason"]
+    # PowerSGD's loss is not within 1e-6 of exact DDP's on the same batches: measured, then refused.
+    assert trials["ddp-powersgd"]["status"] == "rejected" and "tolerance" in trials["ddp-powersgd"]["reason"]
+    assert trials["ddp-powersgd"]["compared_with"] == "ddp"
+    # Accumulating 2, the fastest is also planned with micro-batches twice as large and no accumulation: here
+    # twice the activations do not fit, so it is pruned before it starts, like the setups planned at the start.
+    larger = [trial for name, trial in trials.items() if name.endswith("+mb4x1")]
+    assert len(larger) == 1 and larger[0]["status"] == "pruned", trials.keys()
+    # Halving: the two fastest accepted trained again, twice as long; the winner is the faster of those.
+    second_round = {name: t for name, t in trials.items() if len(t["rounds"]) == 2}
+    assert len(second_round) == 2 and all(t["rounds"][1]["steps"] == 12 for t in second_round.values())
+    winner = document["winner"]
+    assert trials[winner]["status"] == "winner" and winner in second_round
+    assert (in_tmp_dir / "tune_runs" / "tune.png").is_file()
+
+    tuned = yaml.safe_load((in_tmp_dir / "tuned.yaml").read_text())
+    assert tuned["model"] == recipe["model"] and tuned["data"]["class_path"] == recipe["data"]["class_path"]
+    assert tuned["trainer"]["strategy"] == {
+        "class_path": trials[winner]["strategy"]["class_path"],
+        "init_args": {**trials[winner]["strategy"]["init_args"], "timeout": 60},  # the user's option kept
+    }
+    assert (in_tmp_dir / "tuned.yaml").read_text().startswith("# Written by: lightning-fastdist tune")
+    fit = run_launcher(cli_command("fit", "--config", "tuned.yaml", "--trainer.max_steps", "2"), timeout=180, env=env)
+    assert fit.returncode == 0
