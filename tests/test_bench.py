@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_fastdist.commands.bench import _overlay, add_baseline_ratio, loss_spread, main, parse_args
-from lightning_fastdist.commands.bench_setups import all_setups
+from lightning_fastdist.commands.bench_setups import all_setups, recipe_setup
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import gradient_bytes
 from tests.harness import cli_command, run_launcher
@@ -102,3 +102,16 @@ def test_each_row_is_compared_with_its_engines_lightning_baseline_and_exact_loss
     spread, names = loss_spread(rows)
     assert names == ["lightning-ddp", "ddp", "deepspeed-zero2"]  # bf16 gradient compression is not exact
     assert spread == pytest.approx(1e-5)
+
+
+def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
+    recipe = {
+        "trainer": {
+            "strategy": {"class_path": "lightning_fastdist.FastFSDPStrategy", "init_args": {"sharding": "zero2"}}
+        }
+    }
+    setup = recipe_setup(recipe)
+    assert (setup.engine, setup.baseline, setup.unavailable(recipe, 2)) == ("FSDP2", "lightning-fsdp2", None)
+    assert setup.strategy_config(2) == recipe["trainer"]["strategy"]
+    named = recipe_setup({"trainer": {"strategy": "ddp"}})
+    assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)

@@ -105,9 +105,9 @@ def test_tune_prunes_by_the_plan_guards_the_loss_halves_and_writes_a_recipe_that
     # twice the activations do not fit, so it is pruned before it starts, like the setups planned at the start.
     larger = [trial for name, trial in trials.items() if name.endswith("+mb4x1")]
     assert len(larger) == 1 and larger[0]["status"] == "pruned", trials.keys()
-    # Halving: the two fastest accepted trained again, twice as long; the winner is the faster of those.
+    # Halving: the two fastest accepted trained again, three times as long; the winner is the faster of those.
     second_round = {name: t for name, t in trials.items() if len(t["rounds"]) == 2}
-    assert len(second_round) == 2 and all(t["rounds"][1]["steps"] == 12 for t in second_round.values())
+    assert len(second_round) == 2 and all(t["rounds"][1]["steps"] == 18 for t in second_round.values())
     winner = document["winner"]
     assert trials[winner]["status"] == "winner" and winner in second_round
     assert (in_tmp_dir / "tune_runs" / "tune.png").is_file()
@@ -121,3 +121,16 @@ def test_tune_prunes_by_the_plan_guards_the_loss_halves_and_writes_a_recipe_that
     assert (in_tmp_dir / "tuned.yaml").read_text().startswith("# Written by: lightning-fastdist tune")
     fit = run_launcher(cli_command("fit", "--config", "tuned.yaml", "--trainer.max_steps", "2"), timeout=180, env=env)
     assert fit.returncode == 0
+
+
+def test_a_device_too_small_for_everything_starts_no_trial_and_writes_no_recipe(in_tmp_dir, capsys):
+    write_recipe(in_tmp_dir / "recipe.yaml")
+    argv = ["--config", "recipe.yaml", "--setups", "ddp,ddp-bf16,fsdp-zero3", "--gpu-memory", "0.0001"]
+    assert main([*argv, "--json", "tune.json"]) == 1
+    out = capsys.readouterr().out
+    # Planned at the recipe's micro-batch 2, then at 1 with twice the accumulation: nothing fits either.
+    assert "nothing fits: the same global batch as micro-batch 1 x 2 accumulated" in out
+    trials = json.loads((in_tmp_dir / "tune.json").read_text())["candidates"]
+    assert trials and all(t["status"] == "pruned" and not t["rounds"] for t in trials)
+    assert {t["micro_batch"] for t in trials} == {None, 1}
+    assert not list((in_tmp_dir / "tune_runs").rglob("*.log")) and not (in_tmp_dir / "tuned.yaml").exists()

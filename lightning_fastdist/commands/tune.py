@@ -9,8 +9,8 @@ step) prunes what cannot fit one device of ``--gpu-memory`` GiB (default: this
 machine's GPU; none on a CPU-only machine) and picks the least activation
 checkpointing that fits. A compressed or compiled candidate is accepted only if
 its loss stays within ``--loss-tolerance`` of the exact setup it is compared
-with. Successive halving then re-measures the faster half with twice the steps
-until one is left, within ``--budget-minutes``.
+with. Successive halving then re-measures the fastest third with three times the
+steps until two have been compared, within ``--budget-minutes``.
 
 Writes the winner as a recipe (``--output``: the user's recipe with its strategy
 and batch split replaced, the measured table as comments), every candidate's

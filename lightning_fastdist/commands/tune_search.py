@@ -6,11 +6,16 @@ setup it is compared with; then per-block compile of the two fastest accepted
 DDP or FSDP2 setups, each after its uncompiled self; then larger micro-batches
 (less accumulation, the same global batch) of the fastest. A candidate compared
 with another is accepted only if its last loss lies within ``loss_tolerance``
-(relative) of that one's, trained on the same batches for the same steps.
+(relative) of that one's, trained on the same batches for the same steps; checked
+again in each later round where both trained on.
 
-Then successive halving: the faster half of the accepted candidates (rounded up)
-trains again for twice the steps, and again, until one is left; the winner is
-the fastest of the last round with more than one. A run is started only if the
+Then successive halving: the fastest third of the accepted candidates (rounded
+up, at least two) trains again for three times the steps, and again, until two
+have been compared; the faster of those is the winner, unless its loss after its
+last round is not within tolerance of its exact root's after as many steps (that
+setup trains that long, if halving left it behind): then the other. (A trial costs mostly its
+start-up, ~20 s on the 2-core CPU machine against ~0.3 s per step, so fewer,
+longer rounds: a third rather than a half.) A run is started only if the
 runs so far say it ends within the budget (seconds per step, measured, times its
 steps); what the budget leaves untried is listed as such.
 """
@@ -27,6 +32,7 @@ from lightning_fastdist.commands.bench_setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.tune_candidates import Candidate, MemoryPlan, larger_micro_batches, memory_verdict
 
 COMPILED_LEADERS = 2  # how many of the fastest accepted setups are tried with compile
+HALVING_RATE = 3  # each round keeps the fastest third (at least two) and trains them three times as long
 
 
 @dataclass
@@ -103,7 +109,7 @@ class Search:
         return trial
 
     def _run(self, trial: Trial, steps: int, round_number: int) -> bool:
-        """Train ``trial`` for ``steps``; whether it produced numbers (and, in round 1, passed the guard)."""
+        """Train ``trial`` for ``steps``; whether it produced numbers that passed the guard (so far)."""
         started = time.monotonic()
         row = self.measure(trial.candidate, steps, round_number)
         self._seconds_per_step.append((time.monotonic() - started) / steps)
@@ -113,25 +119,60 @@ class Search:
             return False
         trial.rounds.append({**row, "round": round_number, "steps": steps})
         trial.status = "measured"
-        if round_number == 1:
-            self._guard(trial)
+        self._guard(trial)
         self.report(trial, round_number)
         return trial.status == "measured"
 
     def _guard(self, trial: Trial) -> None:
-        reference_name = trial.candidate.compared_with
-        if reference_name is None:
+        """Reject ``trial`` if its latest loss is not within tolerance of its reference's after as many steps
+        (when the reference has trained that long: round 1 always, later rounds where both went on)."""
+        reference = self.trials.get(trial.candidate.compared_with or "")
+        if reference is not None and trial.status == "measured":
+            self._compare_losses(trial, reference)
+
+    def _compare_losses(self, trial: Trial, reference: Trial) -> None:
+        """Reject ``trial`` if ``reference`` trained as many steps as its latest round and their losses differ by
+        more than the tolerance."""
+        steps = trial.rounds[-1]["steps"]
+        reference_row = next((r for r in reference.rounds if r["steps"] == steps), None)
+        if reference_row is None:
             return
-        reference = self.trials[reference_name].rounds[0]["final_loss"]
-        loss = trial.rounds[0]["final_loss"]
-        if loss is None or reference is None or not math.isfinite(loss):
-            trial.status, trial.reason = "rejected", f"no finite loss to compare with {reference_name}'s"
-        elif abs(loss - reference) > self.loss_tolerance * abs(reference):
+        loss, expected, name = trial.rounds[-1]["final_loss"], reference_row["final_loss"], reference.candidate.name
+        if loss is None or expected is None or not math.isfinite(loss):
+            trial.status, trial.reason = "rejected", f"no finite loss to compare with {name}'s"
+        elif abs(loss - expected) > self.loss_tolerance * abs(expected):
             trial.status = "rejected"
             trial.reason = (
-                f"loss {loss:.4f} vs {reference_name}'s {reference:.4f} after {self.steps} steps: "
-                f"{100 * abs(loss - reference) / abs(reference):.3g}% apart, tolerance {100 * self.loss_tolerance:g}%"
+                f"loss {loss:.4f} vs {name}'s {expected:.4f} after {steps} steps: "
+                f"{100 * abs(loss - expected) / abs(expected):.3g}% apart, tolerance {100 * self.loss_tolerance:g}%"
             )
+
+    def _exact_root(self, trial: Trial) -> Trial | None:
+        """The exact setup at the end of ``trial``'s chain of references (``ddp`` for ``ddp-bf16+compile``)."""
+        root = trial
+        while root.candidate.compared_with:
+            root = self.trials[root.candidate.compared_with]
+        return None if root is trial else root
+
+    def _confirm(self, ranking: list[Trial], round_number: int) -> Trial | None:
+        """The first of ``ranking`` whose loss after its last round is within tolerance of its exact root's after
+        as many steps (the root trains that long first if halving left it behind: the gap of a compression grows
+        with the steps); ``None`` when none is."""
+        for trial in ranking:
+            root = self._exact_root(trial)
+            steps = trial.rounds[-1]["steps"]
+            if root is not None and not any(r["steps"] == steps for r in root.rounds):
+                if not self._fits_budget(steps):
+                    self.halving_stopped = f"the budget left no time to train {root.candidate.name} as a reference"
+                    return trial
+                self._run(root, steps, round_number)
+            if root is not None:
+                self._compare_losses(trial, root)
+            if trial.status == "rejected":
+                self.report(trial, round_number)
+            if trial.status == "measured":
+                return trial
+        return None
 
     def try_in_order(self, candidates: list[Candidate]) -> None:
         """Round 1 for ``candidates``, each after the one it is compared with, while the budget lasts."""
@@ -172,23 +213,29 @@ class Search:
             return
         leader = accepted[0].candidate
         splits = larger_micro_batches(micro_batch, accumulation)
-        self.try_in_order([replace(leader, micro_batch=m, accumulation=a) for m, a in splits])
+        # Not compared: the same gradients, but the last micro-batch holds other samples, so its loss differs.
+        variants = [replace(leader, micro_batch=m, accumulation=a, compared_with=None) for m, a in splits]
+        self.try_in_order(variants)
 
     def halve(self) -> Trial | None:
         """Successive halving over the accepted candidates; the winner, or ``None`` when none was accepted."""
         ranking, steps, round_number = self.accepted(), self.steps, 1
         while len(ranking) > 1:
-            survivors = ranking[: max(2, math.ceil(len(ranking) / 2))]
-            if not self._fits_budget(2 * steps * len(survivors)):
+            survivors = ranking[: max(2, math.ceil(len(ranking) / HALVING_RATE))]
+            if not self._fits_budget(HALVING_RATE * steps * len(survivors)):
                 self.halving_stopped = (
                     f"the budget ({self.budget_s / 60:.1f} min) left no time for round {round_number + 1}"
                 )
                 break
-            steps, round_number = steps * 2, round_number + 1
-            ranking = sorted((t for t in survivors if self._run(t, steps, round_number)), key=lambda t: -t.speed)
+            steps, round_number = steps * HALVING_RATE, round_number + 1
+            for trial in survivors:
+                self._run(trial, steps, round_number)
+            for trial in survivors:  # a reference that trained after the trial compared with it
+                self._guard(trial)
+            ranking = sorted((t for t in survivors if t.status == "measured"), key=lambda t: -t.speed)
             if len(survivors) == 2:
                 break
-        if not ranking:
-            return None
-        ranking[0].status = "winner"
-        return ranking[0]
+        winner = self._confirm(ranking, round_number)
+        if winner is not None:
+            winner.status = "winner"
+        return winner
