@@ -113,5 +113,11 @@ def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
     setup = recipe_setup(recipe)
     assert (setup.engine, setup.baseline, setup.unavailable(recipe, 2)) == ("FSDP2", "lightning-fsdp2", None)
     assert setup.strategy_config(2) == recipe["trainer"]["strategy"]
+    # The options the rows compare are each row's own: a tuned recipe's comm_hook reaches only the recipe row.
+    tuned = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"comm_hook": "bf16", "timeout": 60}}
+    rows = {**all_setups(), "recipe": recipe_setup({"trainer": {"strategy": tuned}})}
+    hooks = {name: rows[name].strategy_config(2)["init_args"]["comm_hook"] for name in ("ddp", "ddp-auto", "recipe")}
+    assert hooks == {"ddp": "none", "ddp-auto": "auto", "recipe": "bf16"}
+    assert rows["ddp-compile"].strategy_config(2)["init_args"]["activation_checkpointing"] == "none"
     named = recipe_setup({"trainer": {"strategy": "ddp"}})
     assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)

@@ -160,6 +160,7 @@ def run_setup(
     if unavailable:
         return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"
+    probe_output.unlink(missing_ok=True)  # an earlier run's numbers must not pass for this one's
     overlay = output / f"{setup.name}.yaml"
     overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name, args)))
     command = [

@@ -24,6 +24,13 @@ LIGHTNING_DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
 DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
 HAND_SHARDED_MODEL = "lightning_fastdist.commands.bench_baselines.HandShardedTinyGPT"
 ENGINES = ("DDP", "FSDP2", "DeepSpeed")
+# The options the rows of our strategies compare, at their defaults where a row does not set them: a recipe's
+# own values (e.g. a tuned recipe's comm_hook: bf16) would otherwise reach every row of the same class.
+COMPARED_OPTIONS = {
+    FAST_DDP: {"comm_hook": "none", "activation_checkpointing": "none", "compile": False},
+    FAST_FSDP: {"activation_checkpointing": "none", "compile": False},
+    FAST_DEEPSPEED: {"activation_checkpointing": "none", "offload_optimizer": False, "offload_parameters": False},
+}
 BASELINES = {"DDP": "lightning-ddp", "FSDP2": "lightning-fsdp2", "DeepSpeed": "lightning-deepspeed"}
 
 
@@ -43,6 +50,9 @@ class BenchSetup:
             dimension (its default puts the ranks of a node in the tensor-parallel one, where a model sharded
             over ``device_mesh["data_parallel"]`` is not sharded at all and every rank reads the same batch).
         needs: a reason this setup cannot run here, or ``None`` if it can.
+        keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise the options
+            in :data:`COMPARED_OPTIONS` are the row's own or their defaults (the recipe's others, such as
+            ``timeout`` or ``blocks``, are kept either way).
     """
 
     name: str
@@ -53,6 +63,7 @@ class BenchSetup:
     exact: bool = True
     all_ranks_data_parallel: bool = False
     needs: str | None = None
+    keeps_recipe_options: bool = False
 
     @property
     def baseline(self) -> str:
@@ -66,6 +77,8 @@ class BenchSetup:
     def strategy_config(self, world_size: int | None) -> dict[str, Any]:
         """The ``trainer.strategy`` entry for a run of ``world_size`` ranks."""
         init_args = dict(self.strategy_args)
+        if not self.keeps_recipe_options:
+            init_args = {**COMPARED_OPTIONS.get(self.strategy_class, {}), **init_args}
         if self.all_ranks_data_parallel:
             init_args.update(data_parallel_size=world_size, tensor_parallel_size=1)
         return {"class_path": self.strategy_class, "init_args": init_args}
@@ -105,7 +118,8 @@ def recipe_setup(recipe: dict) -> BenchSetup:
         reason = f"the recipe's trainer.strategy is {strategy!r}; this row needs a class_path, one of {known}"
         return BenchSetup("recipe", "DDP", str(class_path), exact=False, needs=reason)
     init_args = dict(strategy.get("init_args") or {})
-    return BenchSetup("recipe", _ENGINE_OF_CLASS[class_path], class_path, init_args, exact=False)
+    engine = _ENGINE_OF_CLASS[class_path]
+    return BenchSetup("recipe", engine, class_path, init_args, exact=False, keeps_recipe_options=True)
 
 
 def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
@@ -118,7 +132,7 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         ),
         BenchSetup("lightning-deepspeed", "DeepSpeed", LIGHTNING_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
         BenchSetup("ddp", "DDP", FAST_DDP, {"comm_hook": "none"}),  # exact: fp32 gradients always
-        BenchSetup("ddp-auto", "DDP", FAST_DDP, exact=False),  # the defaults: comm_hook auto may compress
+        BenchSetup("ddp-auto", "DDP", FAST_DDP, {"comm_hook": "auto"}, exact=False),  # the default: may compress
         BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
         BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
         BenchSetup(

@@ -147,6 +147,28 @@ def base_candidates(args: argparse.Namespace, plan: MemoryPlan, split: tuple[int
     return exact + compressed
 
 
+def add_planned_candidates(
+    search: Search, args: argparse.Namespace, plan: MemoryPlan
+) -> tuple[list[Candidate], tuple[int | None, int]]:
+    """Add the base candidates to ``search``, pruned by the plan before any trains; while none fits, the same
+    global batch in micro-batches half as large. Returns the candidates and the batch split they use."""
+    split = None
+    micro_batch, accumulation = recipe_batch_split(args.recipe)
+    candidates = base_candidates(args, plan, split)
+    for candidate in candidates:
+        search.add(candidate)
+    while all(t.status == "pruned" for t in search.trials.values()):
+        split = smaller_micro_batch(micro_batch, accumulation)
+        if split is None:
+            break
+        micro_batch, accumulation = split
+        print(f"nothing fits: the same global batch as micro-batch {micro_batch} x {accumulation} accumulated")
+        candidates = base_candidates(args, plan, split)
+        for candidate in candidates:
+            search.add(candidate)
+    return candidates, (micro_batch, accumulation)
+
+
 def progress_line(trial: Trial, round_number: int, elapsed_s: float) -> str:
     """One line per decision: the candidate, its round, and its numbers or why it has none."""
     head = f"[{elapsed_s / 60:5.1f} min] round {round_number}  {trial.candidate.name:<32}"
@@ -175,20 +197,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     )
     print(f"tune: {args.config}, {len(args.setup_list)} setups, {args.steps} steps in round 1; logs in {workdir}/")
     print(tune_output.plan_line(plan), flush=True)
-    split = None
-    micro_batch, accumulation = recipe_batch_split(args.recipe)
-    candidates = base_candidates(args, plan, split)
-    for candidate in candidates:  # pruning is decided for all before any trains
-        search.add(candidate)
-    while all(t.status == "pruned" for t in search.trials.values()):
-        smaller = smaller_micro_batch(micro_batch, accumulation)
-        if smaller is None:
-            break
-        micro_batch, accumulation = split = smaller
-        print(f"nothing fits: the same global batch as micro-batch {micro_batch} x {accumulation} accumulated")
-        candidates = base_candidates(args, plan, split)
-        for candidate in candidates:
-            search.add(candidate)
+    candidates, (micro_batch, accumulation) = add_planned_candidates(search, args, plan)
     search.try_in_order(candidates)
     search.try_compile()
     search.try_larger_micro_batches(micro_batch, accumulation)

@@ -99,8 +99,7 @@ def tuned_recipe(recipe: dict, winner: Trial, devices: str | None = None, nodes:
     """The user's recipe with the winner's strategy and batch split, and the ``devices`` and ``nodes`` it was
     tuned on where they were given; model and data otherwise unchanged."""
     candidate = winner.candidate
-    setup = candidate.bench_setup()
-    strategy = {"class_path": setup.strategy_class, "init_args": dict(setup.strategy_args)}
+    strategy = candidate.bench_setup().strategy_config(world_size=None)
     tuned = replace_strategy(recipe, strategy, recipe_precision(recipe.get("trainer") or {}))
     if candidate.micro_batch is not None:
         tuned["trainer"]["accumulate_grad_batches"] = candidate.accumulation
@@ -143,10 +142,7 @@ def json_document(
                 "status": t.status,
                 "reason": t.reason,
                 "compared_with": t.candidate.compared_with,
-                "strategy": {
-                    "class_path": t.candidate.setup.strategy_class,
-                    "init_args": t.candidate.bench_setup().strategy_args,
-                },
+                "strategy": t.candidate.bench_setup().strategy_config(world_size=None),
                 "micro_batch": t.candidate.micro_batch,
                 "accumulation": t.candidate.accumulation,
                 "peak_plan_bytes": t.peak_plan_bytes,

@@ -13,7 +13,8 @@ Then successive halving: the fastest third of the accepted candidates (rounded
 up, at least two) trains again for three times the steps, and again, until two
 have been compared; the faster of those is the winner, unless its loss after its
 last round is not within tolerance of its exact root's after as many steps (that
-setup trains that long, if halving left it behind): then the other. (A trial costs mostly its
+setup trains that long, if halving left it behind): then the other, then those
+halving left behind, latest round and fastest first. (A trial costs mostly its
 start-up, ~20 s on the 2-core CPU machine against ~0.3 s per step, so fewer,
 longer rounds: a third rather than a half.) A run is started only if the
 runs so far say it ends within the budget (seconds per step, measured, times its
@@ -154,11 +155,11 @@ class Search:
             root = self.trials[root.candidate.compared_with]
         return None if root is trial else root
 
-    def _confirm(self, ranking: list[Trial], round_number: int) -> Trial | None:
-        """The first of ``ranking`` whose loss after its last round is within tolerance of its exact root's after
+    def _confirm(self, order: list[Trial], round_number: int) -> Trial | None:
+        """The first of ``order`` whose loss after its last round is within tolerance of its exact root's after
         as many steps (the root trains that long first if halving left it behind: the gap of a compression grows
         with the steps); ``None`` when none is."""
-        for trial in ranking:
+        for trial in order:
             root = self._exact_root(trial)
             steps = trial.rounds[-1]["steps"]
             if root is not None and not any(r["steps"] == steps for r in root.rounds):
@@ -235,7 +236,9 @@ class Search:
             ranking = sorted((t for t in survivors if t.status == "measured"), key=lambda t: -t.speed)
             if len(survivors) == 2:
                 break
-        winner = self._confirm(ranking, round_number)
+        # If the guard rejects the finalists, the next best are those halving left behind, latest round first.
+        behind = sorted((t for t in self.accepted() if t not in ranking), key=lambda t: (-len(t.rounds), -t.speed))
+        winner = self._confirm(ranking + behind, round_number)
         if winner is not None:
             winner.status = "winner"
         return winner
