@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 from lightning_fastdist.commands.bench_setups import all_setups
-from lightning_fastdist.commands.simulate import recipe_run, simulate
 from lightning_fastdist.commands.tune import main
 from lightning_fastdist.commands.tune_candidates import Candidate, MemoryPlan
 from lightning_fastdist.commands.tune_search import Search
@@ -65,13 +67,13 @@ def test_bad_arguments_name_the_flag_and_nothing_of_the_users_is_touched(argv, m
     assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["users", "users.yaml"]  # no work folder was made
 
 
-def _usable_between(recipe: dict, fits: str, does_not: str) -> float:
-    """A --gpu-memory (GiB) whose usable part holds the ``fits`` setup's simulated peak but not ``does_not``'s."""
-    peaks = {
-        (row.setup, row.activation_checkpointing): row.memory.peak
-        for row in simulate(recipe_run(recipe, recipe["model"], recipe["data"]), world_size=2, gpus_per_node=2).rows
-        if not row.cpu_offload
-    }
+def _usable_between(fits: str, does_not: str) -> float:
+    """A --gpu-memory (GiB) whose usable part holds the ``fits`` setup's simulated peak but not ``does_not``'s,
+    from ``doctor --simulate`` on ``recipe.yaml`` (in a process of its own: the trace needs a process group)."""
+    argv = ["doctor", "--config", "recipe.yaml", "--simulate", "--world-size", "2", "--json", "plan.json"]
+    run_launcher(cli_command(*argv, "--output", "doctor.yaml"), env={"PYTHONPATH": str(REPO_ROOT)})
+    rows = json.loads(Path("plan.json").read_text())["setups"]
+    peaks = {(r["setup"], r["activation_checkpointing"]): r["per_rank"]["peak"] for r in rows if not r["cpu_offload"]}
     low, high = peaks[(fits, "none")], min(peaks[(does_not, mode)] for mode in ("none", "selective", "full"))
     assert low < high, peaks
     return (low + high) / 2 / (1 - HEADROOM) / GiB
@@ -81,7 +83,7 @@ def _usable_between(recipe: dict, fits: str, does_not: str) -> float:
 def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains(in_tmp_dir):
     """A real tune (the halving's decisions are held by the test below, whose trials are a table)."""
     recipe = write_recipe(in_tmp_dir / "recipe.yaml", accumulation=2)
-    memory = _usable_between(recipe, fits="ddp", does_not="ds-zero1")
+    memory = _usable_between(fits="ddp", does_not="ds-zero1")
     argv = [
         "tune", "--config", "recipe.yaml", "--setups", "ddp,ddp-powersgd,deepspeed-zero1",
         "--gpu-memory", f"{memory:.9f}", "--compile-backend", "none", "--loss-tolerance", "1e-6",
@@ -125,13 +127,16 @@ def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains
     assert fit.returncode == 0
 
 
-def test_a_device_too_small_for_everything_starts_no_trial_and_writes_no_recipe(in_tmp_dir, capsys):
+@pytest.mark.slow
+def test_a_device_too_small_for_everything_starts_no_trial_and_writes_no_recipe(in_tmp_dir):
     write_recipe(in_tmp_dir / "recipe.yaml")
-    argv = ["--config", "recipe.yaml", "--setups", "ddp,ddp-bf16,fsdp-zero3", "--gpu-memory", "0.0001"]
-    assert main([*argv, "--json", "tune.json"]) == 1
-    out = capsys.readouterr().out
+    argv = ["tune", "--config", "recipe.yaml", "--setups", "ddp,ddp-bf16,fsdp-zero3", "--gpu-memory", "0.0001"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(cli_command(*argv, "--json", "tune.json"), capture_output=True, text=True, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
     # Planned at the recipe's micro-batch 2, then at 1 with twice the accumulation: nothing fits either.
-    assert "nothing fits: the same global batch as micro-batch 1 x 2 accumulated" in out
+    assert "nothing fits: the same global batch as micro-batch 1 x 2 accumulated" in result.stdout
+    assert "no candidate trained and passed; no recipe written" in result.stderr
     trials = json.loads((in_tmp_dir / "tune.json").read_text())["candidates"]
     assert trials and all(t["status"] == "pruned" and not t["rounds"] for t in trials)
     assert {t["micro_batch"] for t in trials} == {None, 1}

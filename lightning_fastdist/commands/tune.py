@@ -198,6 +198,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"tune: {args.config}, {len(args.setup_list)} setups, {args.steps} steps in round 1; logs in {workdir}/")
     print(tune_output.plan_line(plan), flush=True)
     candidates, (micro_batch, accumulation) = add_planned_candidates(search, args, plan)
+    if plan.untraceable:
+        print(f"memory plan: the recipe's step could not be traced ({plan.untraceable}); nothing is pruned")
     search.try_in_order(candidates)
     search.try_compile()
     search.try_larger_micro_batches(micro_batch, accumulation)

@@ -3,7 +3,7 @@
 A :class:`Candidate` is one of bench's setups of our strategies (the strategy and
 its options) with the axes tune varies around it: activation checkpointing,
 per-block compile, and the split of the recipe's global batch into micro-batch x
-accumulation. :func:`plan_memory` traces the recipe's own step with ``doctor
+accumulation. A :class:`MemoryPlan` traces the recipe's own step with ``doctor
 --simulate``'s simulation at each micro-batch tune considers; :func:`memory_verdict`
 says whether a candidate fits one device.
 """

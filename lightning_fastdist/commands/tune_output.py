@@ -115,8 +115,8 @@ def write_recipe(path: Path, args: argparse.Namespace, trials: list[Trial], winn
     unit = "tokens" if winner.rounds[-1].get("tokens_per_s") else "samples"
     header = [
         " ".join([RECIPE_HEADER, *argv]),
-        f"# Winner: {winner.candidate.name}, the fastest of {sum(bool(t.rounds) for t in trials)} measured "
-        f"({unit}/s over all ranks, per round):",
+        f"# Winner: {winner.candidate.name}, the fastest that passed the loss guard, of "
+        f"{sum(bool(t.rounds) for t in trials)} measured ({unit}/s over all ranks, per round):",
         *(f"#   {line}" for line in table(trials)),
         "# Run: lightning-fastdist fit --config THIS_FILE",
     ]

@@ -42,8 +42,9 @@ class Trial:
 
     Attributes:
         candidate: the setup.
-        status: ``pruned`` (memory plan), ``rejected`` (quality guard), ``failed``, ``not tried`` (budget or
-            a reference that did not run), ``measured`` (eliminated by halving), or ``winner``.
+        status: ``pruned`` (memory plan), ``rejected`` (quality guard), ``failed``, ``not tried`` (the budget,
+            a reference that did not run, or it cannot run here), ``measured`` (eliminated by halving), or
+            ``winner``.
         reason: one line for every status but ``measured`` and ``winner``.
         peak_plan_bytes: the memory plan's peak per rank, when there was a plan.
         rounds: bench's row per round it trained in (steps, tokens/s, exposed communication, loss, ...).
@@ -99,14 +100,14 @@ class Search:
         expected = max(self._seconds_per_step) * steps  # the slowest so far, start-up included: conservative
         return self.elapsed_s() + expected <= self.budget_s
 
-    def add(self, candidate: Candidate, status: str = "waiting", reason: str | None = None) -> Trial:
+    def add(self, candidate: Candidate) -> Trial:
+        """Plan ``candidate``: waiting to train, or pruned by the memory plan (reported at once)."""
         peak, too_large = memory_verdict(candidate, self.plan)
-        trial = Trial(candidate, status, reason, peak)
-        if status == "waiting" and too_large:
+        trial = Trial(candidate, peak_plan_bytes=peak)
+        if too_large:
             trial.status, trial.reason = "pruned", too_large
-        self.trials[candidate.name] = trial
-        if trial.status != "waiting":
             self.report(trial, 1)
+        self.trials[candidate.name] = trial
         return trial
 
     def _run(self, trial: Trial, steps: int, round_number: int) -> bool:
@@ -114,8 +115,9 @@ class Search:
         started = time.monotonic()
         row = self.measure(trial.candidate, steps, round_number)
         self._seconds_per_step.append((time.monotonic() - started) / steps)
-        if "failed" in row or "skipped" in row:
-            trial.status, trial.reason = "failed", row.get("failed") or row.get("skipped")
+        if "failed" in row or "skipped" in row:  # skipped: it cannot run here (e.g. DeepSpeed not installed)
+            trial.status = "failed" if "failed" in row else "not tried"
+            trial.reason = row.get("failed") or row.get("skipped")
             self.report(trial, round_number)
             return False
         trial.rounds.append({**row, "round": round_number, "steps": steps})
