@@ -168,3 +168,11 @@ def test_the_winner_is_checked_against_its_exact_root_after_its_last_round_and_t
     powersgd = search.trials["ddp-powersgd"]
     assert powersgd.status == "rejected" and "after 18 steps" in powersgd.reason
     assert winner is search.trials["ddp-bf16"] and winner.status == "winner"
+
+
+def test_a_candidate_is_planned_as_its_bench_row_trains_it():
+    setups = all_setups()
+    assert Candidate(setups["fsdp-zero3-ac"]).plan_key == ("zero3", "full", False)
+    assert Candidate(setups["fsdp-zero3-ac"], "selective").plan_key == ("zero3", "selective", False)
+    assert Candidate(setups["deepspeed-zero2-offload"]).plan_key == ("ds-zero2", "none", True)
+    assert Candidate(setups["ddp-bf16"], "full").plan_key == ("ddp", "full", False)

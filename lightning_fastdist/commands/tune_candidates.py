@@ -68,7 +68,8 @@ class Candidate:
 
     @property
     def plan_key(self) -> tuple[str, str, bool]:
-        """The simulation row that holds this candidate's memory: ``(setup, checkpointing, cpu_offload)``."""
+        """The simulation row that holds this candidate's memory: ``(setup, checkpointing, cpu_offload)``, as the
+        bench row sets them (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) unless the candidate does."""
         args = self.setup.strategy_args
         if self.setup.strategy_class == FAST_FSDP:
             mode = args.get("sharding", "zero3")
@@ -76,7 +77,10 @@ class Candidate:
             mode = f"ds-zero{args.get('stage', 2)}"
         else:
             mode = "ddp"
-        return mode, self.checkpointing, False
+        checkpointing = (
+            args.get("activation_checkpointing", "none") if self.checkpointing == "none" else self.checkpointing
+        )
+        return mode, checkpointing, bool(args.get("offload_optimizer") or args.get("cpu_offload"))
 
     def bench_setup(self) -> BenchSetup:
         """The setup bench's machinery trains: the strategy with this candidate's checkpointing and compile."""
