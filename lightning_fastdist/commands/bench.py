@@ -21,6 +21,7 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -152,7 +153,7 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
 
 
 def run_setup(
-    setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: list[str] = ()
+    setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: Sequence[str] = ()
 ) -> dict:
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
     ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
