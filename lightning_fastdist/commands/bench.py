@@ -152,6 +152,11 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
     return overlay
 
 
+def _modified_ns(path: Path) -> int | None:
+    """When ``path`` was last written (ns), or ``None`` when there is no such file."""
+    return path.stat().st_mtime_ns if path.is_file() else None
+
+
 def run_setup(
     setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: Sequence[str] = ()
 ) -> dict:
@@ -161,7 +166,7 @@ def run_setup(
     if unavailable:
         return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"
-    probe_output.unlink(missing_ok=True)  # an earlier run's numbers must not pass for this one's
+    earlier = _modified_ns(probe_output)  # an earlier run's numbers must not pass for this one's
     overlay = output / f"{setup.name}.yaml"
     overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name, args)))
     command = [
@@ -176,7 +181,7 @@ def run_setup(
     log = output / f"{setup.name}.log"
     with open(log, "w") as handle:
         finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
-    if finished.returncode != 0 or not probe_output.is_file():
+    if finished.returncode != 0 or _modified_ns(probe_output) in (None, earlier):
         tail = log.read_text()[-1500:]
         failure = {"failed": f"exit {finished.returncode}; see {log}", "log_tail": tail}
         return {"setup": setup.name, "engine": setup.engine, **failure}
