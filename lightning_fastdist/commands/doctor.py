@@ -26,6 +26,7 @@ import yaml
 
 from lightning_fastdist.commands import doctor_simulate
 from lightning_fastdist.commands.simulate import NotTraceable, import_class, recipe_run, simulate
+from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json
 from lightning_fastdist.diagnostics.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
@@ -298,14 +299,11 @@ def check_output_is_ours(output: Path) -> None:
     """Refuse an ``--output`` that is a folder or a file doctor did not write (it is never replaced)."""
     if output.is_dir():
         raise DoctorError(f"--output: {output} is a folder; give a file path such as {output / 'doctor-recipe.yaml'}.")
-    if output.exists():
-        with output.open("rb") as file:
-            first_line = file.readline().decode(errors="replace")
-        if not first_line.startswith(HEADER_START):
-            raise DoctorError(
-                f"--output: {output} exists and was not written by doctor, so it is kept; "
-                "give another --output or move that file."
-            )
+    if output.exists() and not first_line_starts_with(output, HEADER_START):
+        raise DoctorError(
+            f"--output: {output} exists and was not written by doctor, so it is kept; "
+            "give another --output or move that file."
+        )
 
 
 def _recipe_header(recommendation: Recommendation, target: Target, argv: list[str]) -> str:
@@ -410,7 +408,7 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
     if not fits:
         print("  WARNING: no simulated setup fits; the recipe is the most frugal one.")
     if json_path is not None:
-        doctor_simulate.write_json(json_path, doctor_simulate.simulation_json(simulation, usable, memory, chosen))
+        write_json(json_path, doctor_simulate.simulation_json(simulation, usable, memory, chosen))
         print(f"Wrote {json_path}.")
     recipe = doctor_simulate.tailored_recipe(config, chosen, gpus_per_node, world_size // gpus_per_node, run.precision)
     header = [" ".join([HEADER_START, *argv]), *doctor_simulate.recipe_comments(chosen, fits, usable, world_size)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 from pathlib import Path
 
 from lightning_fastdist.commands.bench_setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.simulate import SimulatedSetup, Simulation, import_class
+from lightning_fastdist.commands.written_marks import json_written_by
 from lightning_fastdist.diagnostics.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
@@ -35,13 +35,7 @@ def check_json_is_ours(path: Path) -> None:
     """Refuse a ``--json`` path that is a folder, or a file without doctor's ``written_by`` key (it is kept)."""
     if path.is_dir():
         raise JsonNotOurs(f"--json: {path} is a folder; give a file path such as {path / 'simulation.json'}.")
-    if not path.exists():
-        return
-    try:
-        written_by = json.loads(path.read_text()).get("written_by")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        written_by = None
-    if written_by != JSON_MARKER["written_by"]:
+    if path.exists() and json_written_by(path) != JSON_MARKER["written_by"]:
         raise JsonNotOurs(
             f"--json: {path} exists and was not written by doctor --simulate, so it is kept; give another --json path."
         )
@@ -101,11 +95,6 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
             "cpu_offload": chosen.cpu_offload,
         },
     }
-
-
-def write_json(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def _as_estimate(row: SimulatedSetup) -> MemoryEstimate:

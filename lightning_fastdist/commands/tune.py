@@ -41,6 +41,7 @@ from lightning_fastdist.commands.tune_candidates import (
     smaller_micro_batch,
 )
 from lightning_fastdist.commands.tune_search import Search, Trial
+from lightning_fastdist.commands.written_marks import write_json
 from lightning_fastdist.diagnostics.advisor import HEADROOM
 from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"tune took {elapsed / 60:.1f} min{stopped}")
     tune_output.write_plot(trials, workdir / "tune.png")
     if args.json:
-        tune_output.write_json(Path(args.json), tune_output.json_document(args, plan, trials, winner, elapsed))
+        write_json(Path(args.json), tune_output.json_document(args, plan, trials, winner, elapsed))
         print(f"wrote {args.json}")
     if winner is None:
         print("tune: no candidate trained and passed; no recipe written (the lines above say why)", file=sys.stderr)

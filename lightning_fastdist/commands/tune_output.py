@@ -8,7 +8,6 @@ with its mark: anything else at those paths is refused before a trial starts.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import yaml
@@ -18,6 +17,7 @@ from lightning_fastdist.commands.doctor_simulate import replace_strategy
 from lightning_fastdist.commands.simulate import recipe_precision
 from lightning_fastdist.commands.tune_candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune_search import Trial
+from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by
 
 WRITTEN_BY = "lightning-fastdist tune"
 RECIPE_HEADER = f"# Written by: {WRITTEN_BY}"
@@ -29,26 +29,18 @@ def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> lis
     problems = []
     if output.is_dir():
         problems.append(f"--output: {output} is a folder; give a file path such as {output / 'tuned.yaml'}")
-    elif output.exists() and not output.read_bytes().startswith(RECIPE_HEADER.encode()):
+    elif output.exists() and not first_line_starts_with(output, RECIPE_HEADER):
         problems.append(f"--output: {output} exists and was not written by tune, so it is kept; give another path")
     if json_path is not None:
         if json_path.is_dir():
             problems.append(f"--json: {json_path} is a folder; give a file path such as {json_path / 'tune.json'}")
-        elif json_path.exists() and _json_writer(json_path) != WRITTEN_BY:
+        elif json_path.exists() and json_written_by(json_path) != WRITTEN_BY:
             problems.append(f"--json: {json_path} exists and was not written by tune, so it is kept; give another path")
     if workdir.exists() and not workdir.is_dir():
         problems.append(f"--workdir: {workdir} is a file; give a folder")
     elif workdir.is_dir() and any(workdir.iterdir()) and not (workdir / WORKDIR_MARK).exists():
         problems.append(f"--workdir: {workdir} holds files tune did not write; give a new or empty folder")
     return problems
-
-
-def _json_writer(path: Path) -> str | None:
-    try:
-        document = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return document.get("written_by") if isinstance(document, dict) else None
 
 
 def claim_workdir(workdir: Path) -> None:
@@ -151,11 +143,6 @@ def json_document(
             for t in trials
         ],
     }
-
-
-def write_json(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def write_plot(trials: list[Trial], path: Path) -> None:

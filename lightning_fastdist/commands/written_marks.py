@@ -1,0 +1,28 @@
+"""How the commands recognise a file they wrote themselves (the only kind they replace): a recipe by its
+first line, a JSON document by its ``written_by`` key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def first_line_starts_with(path: Path, header: str) -> bool:
+    """Whether the file at ``path`` begins with ``header`` on its first line."""
+    with path.open("rb") as file:
+        return file.readline().decode(errors="replace").startswith(header)
+
+
+def write_json(path: Path, document: dict) -> None:
+    """Write ``document`` (carrying its ``written_by``) as indented JSON, making the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def json_written_by(path: Path) -> str | None:
+    """The ``written_by`` of the JSON object at ``path``, or ``None`` (not JSON, not an object, no such key)."""
+    try:
+        document = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return document.get("written_by") if isinstance(document, dict) else None
