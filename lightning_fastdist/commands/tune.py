@@ -132,8 +132,8 @@ def base_candidates(args: argparse.Namespace, plan: MemoryPlan, split: tuple[int
     """The named setups, each with the least checkpointing that fits, exact ones first; a compressed one is
     compared with ``ddp`` at the same checkpointing (added when not named)."""
     setups = all_setups()
-    nodes = args.nodes or (args.recipe.get("trainer") or {}).get("num_nodes") or 1
-    names = [n for n in args.setup_list if n != "fsdp-hsdp" or nodes > 1]
+    across_nodes = plan.world_size > plan.gpus_per_node  # as the simulation decides whether to plan hsdp
+    names = [n for n in args.setup_list if n != "fsdp-hsdp" or across_nodes]
     axes = {"micro_batch": split[0], "accumulation": split[1]} if split else {}
     exact, compressed = [], []
     for name in names:
