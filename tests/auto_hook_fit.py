@@ -28,7 +28,8 @@ def main() -> None:
     losses = LossRecorder()
     checkpoint = ModelCheckpoint(dirpath=args.root, save_last=True, save_top_k=0)
     trainer = make_trainer(
-        FastDDPStrategy(comm_hook_window=args.window), devices=args.devices, num_nodes=args.nodes,
+        # rank 4: tiny_gpt's 32-wide matrices would not compress at the default rank, and auto would stay at bf16
+        FastDDPStrategy(comm_hook_window=args.window, powersgd_rank=4), devices=args.devices, num_nodes=args.nodes,
         max_steps=args.steps, callbacks=[losses, checkpoint], enable_checkpointing=True, log_every_n_steps=1,
     )  # fmt: skip
     trainer.fit(tiny_gpt(), repeated_batches(), ckpt_path=str(args.root / "last.ckpt") if args.resume else None)

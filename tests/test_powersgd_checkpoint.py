@@ -111,7 +111,7 @@ def train_and_keep_one_checkpoint(corpus: str, folder: str) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, max_steps=6, logger=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[checkpoints],
-        strategy=FastDDPStrategy(comm_hook="powersgd", powersgd_start_iter=2, timeout=120),
+        strategy=FastDDPStrategy(comm_hook="powersgd", powersgd_rank=4, powersgd_start_iter=2, timeout=120),
     )  # fmt: skip
     model = TinyGPT(n_layer=2, n_embd=32, n_head=2, block_size=16)
     trainer.fit(model, TextDataModule(batch_size=2, block_size=16, corpus_path=corpus, val_fraction=0.1))

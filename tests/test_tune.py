@@ -29,7 +29,12 @@ def write_recipe(path, accumulation: int = 1) -> dict:
         "trainer": {
             "accelerator": "cpu",
             "devices": 2,
-            "strategy": {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}},
+            # The user's own options reach every candidate that takes them: rank 4 makes the tiny model's
+            # 32-wide matrices compressible (at the default rank 16 PowerSGD would send them exactly).
+            "strategy": {
+                "class_path": "lightning_fastdist.FastDDPStrategy",
+                "init_args": {"timeout": 60, "powersgd_rank": 4},
+            },
             "accumulate_grad_batches": accumulation,
             "max_steps": 4,
             "logger": False,
@@ -120,7 +125,7 @@ def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains
     assert tuned["model"] == recipe["model"] and tuned["data"]["class_path"] == recipe["data"]["class_path"]
     assert tuned["trainer"]["strategy"] == {
         "class_path": trials[winner]["strategy"]["class_path"],
-        "init_args": {**trials[winner]["strategy"]["init_args"], "timeout": 60},  # the user's option kept
+        "init_args": {**trials[winner]["strategy"]["init_args"], "timeout": 60, "powersgd_rank": 4},  # kept
     }
     assert (in_tmp_dir / "tuned.yaml").read_text().startswith("# Written by: lightning-fastdist tune")
     fit = run_launcher(cli_command("fit", "--config", "tuned.yaml", "--trainer.max_steps", "2"), timeout=180, env=env)

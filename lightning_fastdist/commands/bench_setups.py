@@ -135,13 +135,8 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         BenchSetup("ddp-auto", "DDP", FAST_DDP, {"comm_hook": "auto"}, exact=False),  # the default: may compress
         BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
         BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
-        BenchSetup(
-            "ddp-powersgd",
-            "DDP",
-            FAST_DDP,
-            {"comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
-            exact=False,
-        ),  # fmt: skip
+        # PowerSGD at its default rank, compressing from step 2: a few steps show its steady state.
+        BenchSetup("ddp-powersgd", "DDP", FAST_DDP, {"comm_hook": "powersgd", "powersgd_start_iter": 2}, exact=False),
         BenchSetup("ddp-compile", "DDP", FAST_DDP, {"compile": {"backend": compile_backend}}),
         BenchSetup("fsdp-zero2", "FSDP2", FAST_FSDP, {"sharding": "zero2"}),
         BenchSetup("fsdp-zero3", "FSDP2", FAST_FSDP, {"sharding": "zero3"}),

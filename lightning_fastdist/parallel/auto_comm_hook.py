@@ -65,7 +65,7 @@ class AutoPolicy:
     window: int = 20
     bf16_share: float = 0.20
     powersgd_share: float = 0.25
-    min_powersgd_ratio: float = 8.0
+    min_powersgd_ratio: float = 4.0
     min_exposed_ms: float = 10.0
 
     def __post_init__(self) -> None:
