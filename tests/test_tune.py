@@ -159,7 +159,7 @@ def test_the_winner_is_checked_against_its_exact_root_after_its_last_round_and_t
     def measure(candidate, steps, round_number):
         trained.append((candidate.name, steps))
         loss = 2.0 * (1 + drift[candidate.name] * steps)
-        return {"step_time_s": 1.0, "tokens_per_s": speeds[candidate.name], "samples_per_s": 1.0, "final_loss": loss}
+        return {"step_time_s": 1.0, "tokens_per_s": speeds[candidate.name], "samples_per_s": 1.0, "tail_loss": loss}
 
     plan = MemoryPlan({}, world_size=2, gpus_per_node=2, usable_bytes=None)
     search = Search(measure, plan, 6, 3600.0, 0.01, None, report=lambda trial, round_number: None)
@@ -171,7 +171,7 @@ def test_the_winner_is_checked_against_its_exact_root_after_its_last_round_and_t
     # steps; then DDP, left behind in round 1, trains 18 steps as the root of PowerSGD's comparison: 1.8%.
     assert trained == [*[(name, 6) for name in speeds], ("ddp-powersgd", 18), ("ddp-bf16", 18), ("ddp", 18)]
     powersgd = search.trials["ddp-powersgd"]
-    assert powersgd.status == "rejected" and "after 18 steps" in powersgd.reason
+    assert powersgd.status == "rejected" and "over 18 steps" in powersgd.reason
     assert winner is search.trials["ddp-bf16"] and winner.status == "winner"
 
 

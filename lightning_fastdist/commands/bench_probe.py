@@ -11,8 +11,10 @@ step waited for after its compute (exposed communication: the strategy's
 time is: the part of ``step_time_s`` spent waiting for communication), host
 syncs per step (counted from the start of the third-to-last step to the start
 of the last, after the timing window because counting slows dispatch, and
-before the end-of-training flush), and the last loss. Rank 0 writes the
-results as JSON.
+before the end-of-training flush), the last loss, and the mean loss over the
+last quarter of the steps (``tail_loss``: one batch's loss moves by about half a
+percent from step to step, so comparing two setups' mean over the same batches
+is steadier than comparing their last). Rank 0 writes the results as JSON.
 
 Lightning's own strategies time and count nothing, so the probe attaches the
 same measurement ours use (:mod:`lightning_fastdist.parallel.exposed_comm`),
@@ -46,6 +48,7 @@ from lightning_fastdist.parallel.exposed_comm import ExposedCommClock, watch_ddp
 from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
 
 SYNC_COUNT_STEPS = 2
+TAIL_FRACTION = 4  # tail_loss averages the last 1/TAIL_FRACTION of the optimizer steps (at least one)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -78,6 +81,9 @@ class BenchProbe(L.Callback):
         self._syncs: HostSyncCounter | None = None
         self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
         self._last_loss: torch.Tensor | None = None
+        self._in_tail = False  # whether the current optimizer step is in tail_loss's last quarter
+        self._tail_sum: torch.Tensor | None = None  # on the device: summed without a host sync
+        self._tail_batches = 0
         self._clock: ExposedCommClock | None = None
         # What the probe measures itself, for a Lightning strategy (it closes their steps).
         self._own_clock: ExposedCommClock | None = None
@@ -119,6 +125,7 @@ class BenchProbe(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        self._in_tail = step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION)
         if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
             self._syncs.__exit__(None, None, None)
             self._sync_count = self._syncs.count
@@ -146,6 +153,10 @@ class BenchProbe(L.Callback):
                 if own is not None:
                     own.end_step()
         self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
+        if self._in_tail:
+            loss = self._last_loss.float()
+            self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
+            self._tail_batches += 1
 
     def _per_second(self, unit: str) -> float | None:
         count = self._units_per_step.get(unit)
@@ -168,6 +179,7 @@ class BenchProbe(L.Callback):
             "exposed_comm_s": self._exposed_per_step,
             "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
             "final_loss": self._last_loss.item() if self._last_loss is not None else None,
+            "tail_loss": (self._tail_sum / self._tail_batches).item() if self._tail_sum is not None else None,
         }
         per_rank = trainer.strategy.all_gather(torch.tensor(float(peak), device=pl_module.device))
         result["peak_memory_bytes_max_rank"] = int(per_rank.max().item()) if per_rank.dim() else peak

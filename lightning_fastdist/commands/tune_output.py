@@ -65,13 +65,13 @@ def numbers(row: dict) -> str:
     return (
         f"{row['steps']} steps  {throughput(row):,.0f} {unit}/s  "
         f"exposed {'n/a' if exposed is None else f'{1000 * exposed:.1f} ms'}  "
-        f"peak {row['peak_memory_bytes_max_rank'] / 2**20:.0f} MiB  loss {row['final_loss']:.4f}"
+        f"peak {row['peak_memory_bytes_max_rank'] / 2**20:.0f} MiB  tail loss {row['tail_loss']:.4f}"
     )
 
 
 def table(trials: list[Trial]) -> list[str]:
     """The candidates, round 1 and last round, as the recipe's comment lines."""
-    lines = [f"{'candidate':<32} {'status':<9} {'round 1':>12} {'last round':>17} {'loss':>8}  why"]
+    lines = [f"{'candidate':<32} {'status':<9} {'round 1':>12} {'last round':>17} {'tail loss':>9}  why"]
     for trial in trials:
         first = trial.rounds[0] if trial.rounds else None
         last = trial.rounds[-1] if len(trial.rounds) > 1 else None
@@ -80,7 +80,7 @@ def table(trials: list[Trial]) -> list[str]:
             f"{trial.status:<9}",
             f"{throughput(first):>12,.0f}" if first else f"{'':>12}",
             f"{throughput(last):>9,.0f} (r{last['round']})" if last else f"{'':>17}",
-            f"{first['final_loss']:>8.4f}" if first else f"{'':>8}",
+            f"{first['tail_loss']:>9.4f}" if first else f"{'':>9}",
             f" {trial.reason}" if trial.reason else "",
         ]
         lines.append(" ".join(cells).rstrip())

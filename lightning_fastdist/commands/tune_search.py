@@ -5,9 +5,10 @@ in this order: the exact setups; then the compressed ones, each after the exact
 setup it is compared with; then per-block compile of the two fastest accepted
 DDP or FSDP2 setups, each after its uncompiled self; then larger micro-batches
 (less accumulation, the same global batch) of the fastest. A candidate compared
-with another is accepted only if its last loss lies within ``loss_tolerance``
-(relative) of that one's, trained on the same batches for the same steps; checked
-again in each later round where both trained on.
+with another is accepted only if its loss lies within ``loss_tolerance``
+(relative) of that one's, trained on the same batches for the same steps (the loss:
+bench's ``tail_loss``, the mean over the last quarter of the steps); checked again
+in each later round where both trained on.
 
 Then successive halving: the fastest third of the accepted candidates (rounded
 up, at least two) trains again for three times the steps, and again, until two
@@ -140,13 +141,13 @@ class Search:
         reference_row = next((r for r in reference.rounds if r["steps"] == steps), None)
         if reference_row is None:
             return
-        loss, expected, name = trial.rounds[-1]["final_loss"], reference_row["final_loss"], reference.candidate.name
+        loss, expected, name = trial.rounds[-1]["tail_loss"], reference_row["tail_loss"], reference.candidate.name
         if loss is None or expected is None or not math.isfinite(loss):
             trial.status, trial.reason = "rejected", f"no finite loss to compare with {name}'s"
         elif abs(loss - expected) > self.loss_tolerance * abs(expected):
             trial.status = "rejected"
             trial.reason = (
-                f"loss {loss:.4f} vs {name}'s {expected:.4f} after {steps} steps: "
+                f"tail loss {loss:.4f} vs {name}'s {expected:.4f} over {steps} steps: "
                 f"{100 * abs(loss - expected) / abs(expected):.3g}% apart, tolerance {100 * self.loss_tolerance:g}%"
             )
 
