@@ -88,8 +88,9 @@ def report(results: dict[str, dict]) -> None:
             print(
                 f"{name}: ddp-auto / lightning-ddp = {auto['tokens_per_s'] / lightning['tokens_per_s']:.2f}x, "
                 f"tuned recipe / lightning-ddp = {recipe['tokens_per_s'] / lightning['tokens_per_s']:.2f}x "
-                f"tokens/s; final losses {lightning['final_loss']:.4f} (lightning-ddp), "
-                f"{auto['final_loss']:.4f} (ddp-auto), {recipe['final_loss']:.4f} (recipe)"
+                f"tokens/s; tail losses (mean of the last quarter) {lightning['tail_loss']:.4f} (lightning-ddp), "
+                f"{auto['tail_loss']:.4f} (ddp-auto), {recipe['tail_loss']:.4f} (recipe: "
+                f"{100 * (recipe['tail_loss'] / lightning['tail_loss'] - 1):+.2f}%)"
             )
         measured = [row for row in rows if row.get("tokens_per_s") and row["setup"] != "recipe"]
         if recipe and measured:
