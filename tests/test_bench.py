@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_fastdist.commands.bench import _overlay, add_baseline_ratio, loss_spread, main, parse_args
+from lightning_fastdist.commands.bench_probe import BenchProbe
 from lightning_fastdist.commands.bench_setups import all_setups, recipe_setup
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import gradient_bytes
 from tests.harness import cli_command, run_launcher
+from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
 
 @pytest.mark.parametrize(
@@ -40,8 +44,11 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
     model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
                   "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
     setups = "lightning-deepspeed,ddp,fsdp-zero3,deepspeed-zero2"
-    # --launcher runs each setup's fit (here through a shell that first leaves a mark); --nodes 1 is one node.
-    launcher = ["--launcher", "sh -c 'touch bench_results/launched && exec \"$@\"' sh", "--nodes", "1"]
+    # --launcher runs each setup's fit (here through a shell that first leaves a mark, then torchrun, which starts
+    # both ranks at once: half the start-up time of Lightning starting rank 1 after rank 0); --nodes 1 is one node.
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    shell = "sh -c 'touch bench_results/launched && exec \"$@\"' sh"
+    launcher = ["--launcher", f"{shell} {torchrun} --standalone --nproc-per-node 2 --no-python", "--nodes", "1"]
     command = cli_command("bench", "--steps", "7", "--setups", setups, *launcher, "--", *model_args)
     result = run_launcher(command, timeout=400)
     assert (in_tmp_dir / "bench_results" / "launched").is_file()
@@ -61,6 +68,7 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
         assert rows[name]["tokens_per_s"] == pytest.approx(32 * rows[name]["samples_per_s"])  # 32-token sequences
         # The same seed and data: every engine computes the same fp32 training, to rounding.
         assert rows[name]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=1e-4)
+        assert rows[name]["tail_loss"] == pytest.approx(rows["ddp"]["tail_loss"], abs=1e-4)
         assert 0 <= rows[name]["exposed_comm_s"] < rows[name]["step_time_s"]  # Lightning's rows: test_exposed_comm
     for name in ("ddp", "fsdp-zero3"):
         assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
@@ -121,3 +129,15 @@ def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
     assert rows["ddp-compile"].strategy_config(2)["init_args"]["activation_checkpointing"] == "none"
     named = recipe_setup({"trainer": {"strategy": "ddp"}})
     assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)
+
+
+def test_the_tail_loss_is_the_mean_of_the_last_quarter_of_the_optimizer_steps(tmp_path):
+    """8 optimizer steps of 2 micro-batches: the tail is the last 2 steps, 4 micro-batches (tune's guard reads it)."""
+    losses, output = LossRecorder(), tmp_path / "row.json"
+    trainer = make_trainer("auto", devices=1, max_steps=8, accumulate_grad_batches=2)
+    trainer.callbacks.extend([BenchProbe(str(output)), losses])
+    trainer.fit(tiny_gpt(), repeated_batches())
+    row = json.loads(output.read_text())
+    assert len(losses.losses) == 16 and row["final_loss"] == pytest.approx(losses.losses[-1])
+    assert row["tail_loss"] == pytest.approx(sum(losses.losses[-4:]) / 4)
+    assert row["tail_loss"] != pytest.approx(row["final_loss"])  # the loss moves: a mean, not the last one

@@ -14,7 +14,7 @@ import yaml
 from lightning_fastdist.commands.doctor import main as doctor
 from lightning_fastdist.commands.simulate import RecipeRun, first_batch, measure_setup, simulate
 from lightning_fastdist.diagnostics.comm_model import comm_per_step
-from tests.harness import cli_command, run_function, run_launcher
+from tests.harness import cli_command, run_cli, run_function, run_launcher
 
 TINY_GPT = {"class_path": "lightning_fastdist.demo.TinyGPT", "init_args": {"n_layer": 2, "n_embd": 64, "n_head": 4}}
 TEXT = {"class_path": "lightning_fastdist.demo.TextDataModule", "init_args": {"batch_size": 4, "num_workers": 0}}
@@ -131,7 +131,9 @@ def test_a_model_in_the_working_directory_is_simulated_and_the_recipe_it_gets_tr
         "init_args": {"bucket_cap_mb": "auto", "activation_checkpointing": "none", "timeout": 60},
     }
     assert (plan["trainer"]["devices"], plan["trainer"]["num_nodes"]) == (2, 1)
-    run_launcher([*cli_command("fit", "--config", "doctor-recipe.yaml")], cwd=tmp_path, timeout=180)
+    # Its 2 ranks started at once, as torchrun would: half the start-up time of Lightning starting rank 1 after
+    # rank 0 (that launch is held by test_cli.py).
+    run_cli(["fit", "--config", "doctor-recipe.yaml"], world_size=2, cwd=tmp_path, timeout=180)
 
 
 def test_a_step_that_reads_a_value_falls_back_to_the_formula_with_one_line(tmp_path, monkeypatch, capsys):
