@@ -46,8 +46,8 @@ class PowerSGDSettings:
 
     Attributes:
         rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more. 16: on the demo
-            model (128-wide matrices) its loss stayed within 0.3-0.6% of exact DDP's over 72 steps where rank 4
-            lagged 2.6-4.4% (docs/ddp.md); a 4096-wide matrix still travels 128x smaller.
+            model (128-wide matrices) its mean loss stayed within 0.7% of exact DDP's over 72 steps where rank 4
+            lagged 2.7-4.4% (docs/tune.md); a 4096-wide matrix still travels 128x smaller.
         start_iter: optimizer steps averaged exactly before compression starts (>= 2): the first
             synchronisations are exact while DDP settles its buckets, and early training is
             sensitive to compression, so start after the learning-rate warm-up.
