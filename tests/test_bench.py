@@ -13,7 +13,7 @@ from lightning_fastdist.commands.bench_probe import BenchProbe
 from lightning_fastdist.commands.bench_setups import all_setups, recipe_setup
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import gradient_bytes
-from tests.harness import cli_command, run_launcher
+from tests.harness import cli_command, run_function, run_launcher
 from tests.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
 
@@ -131,13 +131,24 @@ def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
     assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)
 
 
-def test_the_tail_loss_is_the_mean_of_the_last_quarter_of_the_optimizer_steps(tmp_path):
-    """8 optimizer steps of 2 micro-batches: the tail is the last 2 steps, 4 micro-batches (tune's guard reads it)."""
-    losses, output = LossRecorder(), tmp_path / "row.json"
+def train_with_the_probe(output: str) -> list[float]:
+    """One rank, 8 optimizer steps of 2 micro-batches under the probe; every micro-batch's loss."""
+    losses = LossRecorder()
     trainer = make_trainer("auto", devices=1, max_steps=8, accumulate_grad_batches=2)
-    trainer.callbacks.extend([BenchProbe(str(output)), losses])
+    trainer.callbacks.extend([BenchProbe(output), losses])
     trainer.fit(tiny_gpt(), repeated_batches())
+    return losses.losses
+
+
+def test_under_accumulation_the_probe_measures_optimizer_steps_and_the_tail_is_their_last_quarter(tmp_path):
+    """tune's guard reads the tail loss; step time, tokens and syncs are per optimizer step, not per micro-batch.
+    In a process of its own: a probe that left its sync counter entered would show in the next test there."""
+    output = tmp_path / "row.json"
+    (losses,) = run_function(train_with_the_probe, 1, args=(str(output),), init_process_group=False)
     row = json.loads(output.read_text())
-    assert len(losses.losses) == 16 and row["final_loss"] == pytest.approx(losses.losses[-1])
-    assert row["tail_loss"] == pytest.approx(sum(losses.losses[-4:]) / 4)
+    assert len(losses) == 16 and row["final_loss"] == pytest.approx(losses[-1])
+    assert row["tail_loss"] == pytest.approx(sum(losses[-4:]) / 4)  # the last 2 steps' 4 micro-batches
     assert row["tail_loss"] != pytest.approx(row["final_loss"])  # the loss moves: a mean, not the last one
+    # 2 micro-batches of 4 sequences of 16 tokens per optimizer step, on one rank.
+    assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(2 * 4 * 16)
+    assert row["host_syncs_per_step"] is not None

@@ -1,9 +1,10 @@
 """BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
 
-Per rank it measures, with no per-step device sync: the mean step time over a
-window after warm-up (the clock is read at the window's two ends, with one
-device synchronisation each), samples and tokens per second (tokens for batches
-of token ids, as :class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
+Per rank it measures, with no per-step device sync: the mean optimizer step time
+(all its micro-batches under gradient accumulation) over a window after warm-up
+(the clock is read at the window's two ends, with one device synchronisation
+each), samples and tokens per second (tokens for batches of token ids, as
+:class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
 the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
 FastFSDPStrategy's all-gathers and reduce-scatters), the communication each
 step waited for after its compute (exposed communication: the strategy's
@@ -90,6 +91,7 @@ class BenchProbe(L.Callback):
         self._own_stats: CommStats | None = None
         self._stop_measuring: Callable[[], None] | None = None
         self._global_step = 0
+        self._started_step: int | None = None  # the optimizer step whose first micro-batch started last
         self._exposed_at_start: float | None = None
         self._exposed_per_step: float | None = None
 
@@ -126,6 +128,9 @@ class BenchProbe(L.Callback):
     ) -> None:
         step = trainer.global_step
         self._in_tail = step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION)
+        if step == self._started_step:  # a later micro-batch of the same optimizer step (accumulation)
+            return
+        self._started_step = step
         if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
             self._syncs.__exit__(None, None, None)
             self._sync_count = self._syncs.count
@@ -144,11 +149,12 @@ class BenchProbe(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._window_start is not None and self._step_time is None:
-            self._window_steps += 1
-        self._units_per_step = {unit: count * trainer.world_size for unit, count in default_units(batch).items()}
+        ranks_and_micro_batches = trainer.world_size * trainer.accumulate_grad_batches
+        self._units_per_step = {unit: n * ranks_and_micro_batches for unit, n in default_units(batch).items()}
         if trainer.global_step != self._global_step:  # an optimizer step closed
             self._global_step = trainer.global_step
+            if self._window_start is not None and self._step_time is None:
+                self._window_steps += 1
             for own in (self._own_stats, self._own_clock):
                 if own is not None:
                     own.end_step()
