@@ -82,7 +82,6 @@ class BenchProbe(L.Callback):
         self._syncs: HostSyncCounter | None = None
         self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
         self._last_loss: torch.Tensor | None = None
-        self._in_tail = False  # whether the current optimizer step is in tail_loss's last quarter
         self._tail_sum: torch.Tensor | None = None  # on the device: summed without a host sync
         self._tail_batches = 0
         self._clock: ExposedCommClock | None = None
@@ -90,8 +89,7 @@ class BenchProbe(L.Callback):
         self._own_clock: ExposedCommClock | None = None
         self._own_stats: CommStats | None = None
         self._stop_measuring: Callable[[], None] | None = None
-        self._global_step = 0
-        self._started_step: int | None = None  # the optimizer step whose first micro-batch started last
+        self._started_step: int | None = None  # the optimizer step the current micro-batch belongs to
         self._exposed_at_start: float | None = None
         self._exposed_per_step: float | None = None
 
@@ -127,7 +125,6 @@ class BenchProbe(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        self._in_tail = step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION)
         if step == self._started_step:  # a later micro-batch of the same optimizer step (accumulation)
             return
         self._started_step = step
@@ -151,15 +148,14 @@ class BenchProbe(L.Callback):
     ) -> None:
         ranks_and_micro_batches = trainer.world_size * trainer.accumulate_grad_batches
         self._units_per_step = {unit: n * ranks_and_micro_batches for unit, n in default_units(batch).items()}
-        if trainer.global_step != self._global_step:  # an optimizer step closed
-            self._global_step = trainer.global_step
+        if trainer.global_step != self._started_step:  # this micro-batch closed its optimizer step
             if self._window_start is not None and self._step_time is None:
                 self._window_steps += 1
             for own in (self._own_stats, self._own_clock):
                 if own is not None:
                     own.end_step()
         self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
-        if self._in_tail:
+        if self._started_step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION):  # the last quarter
             loss = self._last_loss.float()
             self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
             self._tail_batches += 1
