@@ -2,7 +2,8 @@
 
 Two real gloo ranks. The reference below is the hook as it was before its rounds were chained through
 futures: it waits for the P and then the Q all-reduce inside the hook, and draws Q's first values on a
-CPU generator. Both hooks average the same gradients; they must agree bit for bit, step for step.
+CPU generator, bucket by bucket. Both hooks average the same gradients; they must agree bit for bit, step
+for step, with the same bytes, though the hook batches buckets into fewer all-reduces.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, Traffic
 from lightning_fastdist.parallel.comm_hooks import launch_mean_all_reduce
 from lightning_fastdist.parallel.powersgd import (
+    BATCHES_PER_STEP,
     PowerSGDSettings,
     PowerSGDState,
     _bucket_views,
@@ -80,35 +83,41 @@ def compare_with_the_blocking_hook() -> dict:
     settings = PowerSGDSettings(rank=2, start_iter=START_ITER)
     model = tiny_model()
     reference_model = copy.deepcopy(model)
-    blocking = DistributedDataParallel(reference_model, bucket_cap_mb=0.05)  # several buckets
+    blocking = DistributedDataParallel(reference_model, bucket_cap_mb=0.01)  # more buckets than batches
     reference = PowerSGDState(settings=settings)
     reference.index_parameters(reference_model)
     blocking.register_comm_hook(reference, blocking_powersgd_hook)
 
     returned_done: list[bool] = []
+    buckets_per_step: list[int] = [0] * STEPS
 
     def recording_hook(hook_state, bucket):  # powersgd_hook, noting whether its future was done when it returned
+        buckets_per_step[hook_state.iteration] += 1
         future = powersgd_hook(hook_state, bucket)
         if hook_state.iteration >= START_ITER:
             returned_done.append(future.done())
         return future
 
-    chained = DistributedDataParallel(model, bucket_cap_mb=0.05)
+    chained = DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = PowerSGDState(settings=settings)  # as CommHookSpec("powersgd").register builds it
     state.index_parameters(model)
     chained.register_comm_hook(state, recording_hook)
 
-    identical, bytes_chained, bytes_blocking = [], [], []
+    identical, bytes_chained, bytes_blocking, calls_chained, calls_blocking = [], [], [], [], []
     for step in range(STEPS):
         tokens = local_batch(step)
-        before = reference.stats.total_bytes
+        before = reference.stats.totals.get(ALL_REDUCE, Traffic())
         backward(blocking, tokens)
-        bytes_blocking.append(reference.stats.total_bytes - before)
+        sent = reference.stats.totals[ALL_REDUCE] - before
+        bytes_blocking.append(sent.bytes)
+        calls_blocking.append(sent.calls)
         if step >= START_ITER and dist.get_rank() == 1:
             time.sleep(LATE_RANK_SLEEP_S)  # rank 0's all-reduces cannot finish before rank 1 joins them
-        before = state.stats.total_bytes
+        before = state.stats.totals.get(ALL_REDUCE, Traffic())
         backward(chained, tokens)
-        bytes_chained.append(state.stats.total_bytes - before)
+        sent = state.stats.totals[ALL_REDUCE] - before
+        bytes_chained.append(sent.bytes)
+        calls_chained.append(sent.calls)
         pairs = zip(model.parameters(), reference_model.parameters())
         identical.append(all(torch.equal(a.grad, b.grad) for a, b in pairs))
     errors_identical = state.errors.keys() == reference.errors.keys() and all(
@@ -118,6 +127,8 @@ def compare_with_the_blocking_hook() -> dict:
         "identical": identical,
         "errors_identical": errors_identical and bool(state.errors),
         "bytes": (bytes_chained, bytes_blocking),
+        "calls": (calls_chained, calls_blocking),
+        "buckets_per_step": buckets_per_step,
         "returned_done": returned_done,
         "rounds": (state.stats.rounds, reference.stats.rounds),
     }
@@ -131,6 +142,14 @@ def test_chained_rounds_match_the_blocking_hook_and_return_before_the_all_reduce
         chained, blocking = result["bytes"]
         assert chained == blocking and chained[START_ITER] < chained[0]  # compression ran, same bytes
         assert result["rounds"] == (STEPS, STEPS)
+        # Batched: fewer all-reduces than the bucket-by-bucket reference (the exact part, P, Q per bucket), two per
+        # batch (the exact part travels with P in fp32), at most BATCHES_PER_STEP batches, more buckets than that.
+        chained, blocking = result["calls"]
+        buckets = result["buckets_per_step"]
+        assert chained[:START_ITER] == blocking[:START_ITER] == buckets[:START_ITER]  # exact: one per bucket
+        for step in range(START_ITER, STEPS):  # DDP has rebuilt its buckets (one on the first step)
+            assert buckets[step] > BATCHES_PER_STEP, buckets
+            assert chained[step] % 2 == 0 and 2 <= chained[step] <= 2 * BATCHES_PER_STEP < blocking[step], result
         assert result["returned_done"] and len(result["returned_done"]) >= STEPS - START_ITER
         if rank == 0:  # waiting for the late rank: every future was still pending when the hook returned
             assert not any(result["returned_done"]), result["returned_done"]
