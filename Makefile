@@ -30,9 +30,11 @@ lint: install
 
 # Bytecode first: where PYTHONDONTWRITEBYTECODE is set (as on this machine), every process the suite starts would
 # otherwise compile the package again (about 1 s of each start-up here); pip compiled the dependencies.
+# Two workers: a multi-process test spends much of its time starting processes one after another (Lightning
+# starts rank 1 once rank 0 has imported everything) and waiting for them, which leaves a core idle.
 test: lint
 	$(BIN)/python -m compileall -q lightning_fastdist tests
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

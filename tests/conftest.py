@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("POSSIBLE_USER_WARNINGS", "off")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked slow first (in file order otherwise): with ``make test``'s two workers, the longest
+    tests then start early instead of one of them running alone while the other worker has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def in_tmp_dir(tmp_path, monkeypatch):
     """Run the test with the working directory set to a fresh temporary folder."""
