@@ -3,7 +3,8 @@
 Each setup (our DDP with and without compression or compile, FSDP2 ZeRO-2/3 with
 and without activation checkpointing, DeepSpeed ZeRO-1/2/3 with and without
 offload, and Lightning's own DDP, FSDP2 and DeepSpeed strategies as baselines)
-trains the same recipe for ``--steps`` steps in fresh processes, measured by
+trains the same recipe for ``--steps`` steps in fresh processes (a one-node run's
+ranks started together, :mod:`~lightning_fastdist.commands.local_ranks`), measured by
 :class:`~lightning_fastdist.commands.bench_probe.BenchProbe`. The command
 prints a table as rows finish (each row's throughput also as a ratio to its
 engine's Lightning baseline, when that ran first), then how far apart the final
@@ -23,10 +24,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import yaml
 
 from lightning_fastdist.commands.bench_setups import ENGINES, BenchSetup, all_setups, recipe_setup
+from lightning_fastdist.commands.local_ranks import run_local_ranks
 from lightning_fastdist.recipes import find_recipe
 
 DEFAULT_SETUPS = (
@@ -118,12 +121,16 @@ def _deepspeed_precision(recipe: dict) -> dict:
 def world_size(args: argparse.Namespace) -> int | None:
     """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``--nodes`` (else its
     ``trainer.num_nodes``), or ``None``."""
-    trainer = args.recipe.get("trainer") or {}
-    devices, nodes = args.devices or trainer.get("devices"), args.nodes or trainer.get("num_nodes", 1)
+    devices = args.devices or (args.recipe.get("trainer") or {}).get("devices")
     try:
-        return int(devices) * int(nodes)
+        return int(devices) * int(node_count(args))
     except (TypeError, ValueError):
         return None
+
+
+def node_count(args: argparse.Namespace) -> object:
+    """Nodes per run: ``--nodes``, else the recipe's ``trainer.num_nodes`` (as written there), else 1."""
+    return args.nodes or (args.recipe.get("trainer") or {}).get("num_nodes", 1)
 
 
 def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argparse.Namespace) -> dict:
@@ -180,12 +187,21 @@ def run_setup(
     command = [*shlex.split(args.launcher), *command, *args.passthrough]
     log = output / f"{setup.name}.log"
     with open(log, "w") as handle:
-        finished = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT)
-    if finished.returncode != 0 or _modified_ns(probe_output) in (None, earlier):
+        returncode = _run_training(command, args, handle)
+    if returncode != 0 or _modified_ns(probe_output) in (None, earlier):
         tail = log.read_text()[-1500:]
-        failure = {"failed": f"exit {finished.returncode}; see {log}", "log_tail": tail}
+        failure = {"failed": f"exit {returncode}; see {log}", "log_tail": tail}
         return {"setup": setup.name, "engine": setup.engine, **failure}
     return {"setup": setup.name, "engine": setup.engine, "exact": setup.exact, **json.loads(probe_output.read_text())}
+
+
+def _run_training(command: list[str], args: argparse.Namespace, log: IO) -> int:
+    """Run one setup's training; its exit status. Without a launcher, a one-node run's ranks start together
+    (:mod:`~lightning_fastdist.commands.local_ranks`); otherwise the launcher or Lightning starts them."""
+    ranks = world_size(args)
+    if not args.launcher and ranks and ranks > 1 and node_count(args) == 1:
+        return run_local_ranks(command, ranks, log)
+    return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
 def throughput(row: dict) -> float | None:
