@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from lightning_fastdist.parallel.auto_comm_hook import AutoCommState, AutoPolicy, Decision, powersgd_compression_ratio
+from lightning_fastdist.parallel.auto_comm_hook import AutoCommState, AutoPolicy, Decision
+from lightning_fastdist.parallel.powersgd import compression_ratio
 from tests.emulated_cluster import EmulatedCluster, cannot_emulate
 from tests.harness import run_function
 from tests.workloads import tiny_gpt
@@ -28,9 +29,9 @@ def test_the_policy_refuses_a_window_of_no_steps_in_one_line():
 
 
 def test_powersgd_pays_only_for_models_whose_matrices_compress():
-    assert powersgd_compression_ratio(tiny_gpt(), rank=2) > AutoPolicy.min_powersgd_ratio
+    assert compression_ratio(tiny_gpt(), rank=2) > AutoPolicy.min_powersgd_ratio
     vectors = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.LayerNorm(64))
-    assert powersgd_compression_ratio(vectors, rank=2) == 1.0  # nothing to factor: PowerSGD would only cost
+    assert compression_ratio(vectors, rank=2) == 1.0  # nothing to factor: PowerSGD would only cost
 
 
 def test_a_decision_reads_as_one_line_and_a_saved_level_comes_back_with_powersgd_ready():

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb, gradient_bytes
 from lightning_fastdist.parallel.comm_hook_spec import CommHookSpec
-from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, _is_compressible
+from lightning_fastdist.parallel.powersgd import PowerSGDSettings, PowerSGDState, _factor_columns
 from tests.harness import run_function
 
 # Relative error of one averaged gradient, by hook: fp16 keeps 11 significant
@@ -123,7 +123,7 @@ def test_powersgd_sends_low_rank_updates_and_error_feedback_loses_nothing():
     fp32, fp16 = (run_function(check_powersgd, world_size=2, args=(2, 6, dtype)) for dtype in ("fp32", "fp16"))
     full = gradient_bytes(tiny_model())
     # Averaged exactly, in fp32, whatever the factors travel in: vectors and matrices too small to gain.
-    exact = sum(p.numel() * 4 for p in tiny_model().parameters() if not _is_compressible(p, rank=2))
+    exact = sum(p.numel() * 4 for p in tiny_model().parameters() if not _factor_columns(p, rank=2))
     for result, half in zip(fp32, fp16):
         for run in (result, half):
             assert run["iteration"] == 6

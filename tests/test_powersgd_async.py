@@ -24,8 +24,8 @@ from lightning_fastdist.parallel.powersgd import (
     PowerSGDSettings,
     PowerSGDState,
     _bucket_views,
+    _factor_columns,
     _flatten,
-    _is_compressible,
     _orthonormalise_columns,
     _unflatten_into,
     powersgd_hook,
@@ -44,7 +44,7 @@ def blocking_powersgd_hook(state, bucket):  # no annotations: DDP checks them ag
     if is_last:
         state.stats.finish_round()
     views = _bucket_views(bucket)
-    compress = [_is_compressible(view, state.settings.rank) for view in views]
+    compress = [_factor_columns(view, state.settings.rank) > 0 for view in views]
     if state.iteration < state.settings.start_iter or not any(compress):
         state.iteration += is_last
         return launch_mean_all_reduce(state, bucket.buffer())

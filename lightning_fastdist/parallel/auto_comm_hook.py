@@ -36,9 +36,9 @@ from torch.futures import Future
 
 from lightning_fastdist.parallel.comm_hooks import HookState, allreduce_hook, bf16_compress_hook
 from lightning_fastdist.parallel.powersgd import (
-    MIN_COMPRESSION_RATE,
     PowerSGDSettings,
     PowerSGDState,
+    compression_ratio,
     powersgd_hook,
 )
 
@@ -94,23 +94,6 @@ class Decision:
             f"its {1000 * self.step_s:.0f} ms for gradient communication at {self.level_from} "
             f"(thresholds: bf16 from {100 * policy.bf16_share:.0f}%, powersgd from {100 * policy.powersgd_share:.0f}%)."
         )
-
-
-def powersgd_compression_ratio(module: nn.Module, rank: int) -> float:
-    """fp32 gradient bytes over the bytes PowerSGD at ``rank`` would send for ``module`` (matrices as factors)."""
-    total = sent = 0
-    for parameter in module.parameters():
-        if not parameter.requires_grad:
-            continue
-        numel = parameter.numel()
-        total += numel
-        if parameter.dim() >= 2:
-            rows, columns = parameter.shape[0], numel // parameter.shape[0]
-            factors = rank * (rows + columns)
-            sent += factors if numel >= MIN_COMPRESSION_RATE * factors else numel
-        else:
-            sent += numel
-    return total / sent if sent else 1.0
 
 
 @dataclass
@@ -182,7 +165,7 @@ class AutoCommState(HookState):
             bandwidth_bound
             and level == "bf16"
             and share >= policy.powersgd_share
-            and powersgd_compression_ratio(self.module, self.powersgd_settings.rank) >= policy.min_powersgd_ratio
+            and compression_ratio(self.module, self.powersgd_settings.rank) >= policy.min_powersgd_ratio
         ):
             target = "powersgd"
         decision = Decision(self.steps, level, target, share, step_s)

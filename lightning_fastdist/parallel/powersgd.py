@@ -134,7 +134,10 @@ class PowerSGDState(HookState):
         """Key the memories by each parameter's position in ``module.parameters()``; size the batches by its shapes."""
         self.parameter_index = {id(p): i for i, p in enumerate(module.parameters())}
         trained = [p for p in module.parameters() if p.requires_grad]
-        self.batch_elements = sum(_first_round_elements(p, self.settings.rank) for p in trained) // BATCHES_PER_STEP
+        rank = self.settings.rank
+        self.batch_elements = (
+            sum(_first_round_elements(p, _factor_columns(p, rank)) for p in trained) // BATCHES_PER_STEP
+        )
 
     def state_dict(self) -> dict:
         """This rank's position and memories as CPU tensors (error feedback differs per rank)."""
@@ -189,14 +192,20 @@ def _factor_columns(gradient: Tensor, rank: int) -> int:
     return factor_columns if rows * columns > MIN_COMPRESSION_RATE * (rows + columns) * factor_columns else 0
 
 
-def _is_compressible(view: Tensor, rank: int) -> bool:
-    return _factor_columns(view, rank) > 0
-
-
-def _first_round_elements(gradient: Tensor, rank: int) -> int:
+def _first_round_elements(gradient: Tensor, factor_columns: int) -> int:
     """What ``gradient`` sends in a batch's first all-reduce: its ``P`` factor, or itself if not compressed."""
-    factor_columns = _factor_columns(gradient, rank)
     return gradient.shape[0] * factor_columns if factor_columns else gradient.numel()
+
+
+def compression_ratio(module: nn.Module, rank: int) -> float:
+    """fp32 gradient bytes over the bytes PowerSGD at ``rank`` sends for ``module`` (matrices as P and Q)."""
+    total = sent = 0
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            columns = _factor_columns(parameter, rank)
+            total += parameter.numel()
+            sent += columns * (parameter.shape[0] + parameter.numel() // parameter.shape[0]) or parameter.numel()
+    return total / sent if sent else 1.0
 
 
 def _orthonormalise_columns(matrix: Tensor) -> None:
@@ -258,12 +267,13 @@ class _BucketBatch:
         """Take ``bucket``'s gradients into the batch; the future DDP waits for, done when the batch is."""
         rank, parameters = self.state.settings.rank, bucket.parameters()
         for view, parameter in zip(_bucket_views(bucket), parameters):
-            if _is_compressible(view, rank):
+            columns = _factor_columns(view, rank)
+            if columns:
                 self.keys.append(self.state.parameter_index[id(parameter)])
                 self.matrices.append(view.view(view.shape[0], -1))
             else:
                 self.exact.append(view)
-            self.first_round_elements += _first_round_elements(view, rank)
+            self.first_round_elements += _first_round_elements(view, columns)
         self.buffers.append(bucket.buffer())
         self.results.append(_result_future(bucket.buffer().device))
         return self.results[-1]
