@@ -16,7 +16,7 @@ from lightning_fastdist.diagnostics.advisor import Target, build_recipe, recomme
 from lightning_fastdist.diagnostics.comm_model import estimate_comm
 from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.diagnostics.memory_model import GiB, TrainingShape
-from tests.harness import cli_command, run_cli, run_launcher
+from tests.harness import run_cli
 
 
 def recipe_at(path: Path) -> dict:
@@ -168,13 +168,11 @@ def test_gpus_without_memory_on_a_machine_without_gpus_is_refused(in_tmp_dir, ca
 
 
 @pytest.mark.slow
-def test_the_written_recipe_trains_with_lightning_fastdist_fit(tmp_path):
-    doctor = run_launcher(
-        cli_command("doctor", "--params", "200K", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "3",
-                    "--output", "doctor.yaml"),
-        cwd=tmp_path, timeout=120,
-    )  # fmt: skip
-    assert "Wrote doctor.yaml" in doctor.stdout
+def test_the_written_recipe_trains_with_lightning_fastdist_fit(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--params", "200K", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "3", "--output", "doctor.yaml"]
+    assert main(argv) == 0
+    assert "Wrote doctor.yaml" in capsys.readouterr().out
     recipe = recipe_at(tmp_path / "doctor.yaml")
     assert recipe["trainer"]["accelerator"] == "cpu" and recipe["trainer"]["max_steps"] == 3
     # 2 ranks (the recipe's devices on this CPU machine), started at once as torchrun would: half the start-up
