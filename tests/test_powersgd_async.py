@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_fastdist.parallel import powersgd
 from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, Traffic
 from lightning_fastdist.parallel.comm_hooks import launch_mean_all_reduce
 from lightning_fastdist.parallel.powersgd import (
@@ -153,6 +154,34 @@ def test_chained_rounds_match_the_blocking_hook_and_return_before_the_all_reduce
         assert result["returned_done"] and len(result["returned_done"]) >= STEPS - START_ITER
         if rank == 0:  # waiting for the late rank: every future was still pending when the hook returned
             assert not any(result["returned_done"]), result["returned_done"]
+
+
+def destroy_the_groups_while_a_callback_still_holds_its_batch() -> str:
+    finish = powersgd._BucketBatch._finish
+
+    def finish_then_linger(batch, q_average):  # as a thread descheduled right after waking DDP up
+        finish(batch, q_average)
+        time.sleep(1.0)
+
+    powersgd._BucketBatch._finish = finish_then_linger  # this rank's process only
+    model = tiny_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = PowerSGDState(settings=PowerSGDSettings(rank=2, start_iter=START_ITER))
+    state.index_parameters(model)
+    ddp.register_comm_hook(state, powersgd_hook)
+    for step in range(START_ITER + 1):
+        backward(ddp, local_batch(step))
+    del ddp, state
+    dist.destroy_process_group()  # what a finished training run may do while the last callback lingers
+    time.sleep(2.0)
+    return "alive"
+
+
+@pytest.mark.slow
+def test_a_callback_that_outlives_the_process_group_does_not_abort_the_process():
+    # Once CI's rank died here with "Resource deadlock avoided": the lingering callback held the last reference
+    # to the Q rounds' group, which was then freed in that group's own thread.
+    assert run_function(destroy_the_groups_while_a_callback_still_holds_its_batch, world_size=2) == ["alive"] * 2
 
 
 def test_q_starts_from_a_generator_on_the_matrix_device_with_the_cpu_numbers():

@@ -28,6 +28,7 @@ resume, while parameter positions are.
 # No "from __future__ import annotations": DDP compares the hooks' annotations
 # with dist.GradBucket and Future[Tensor] at registration, so they must be real objects.
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -246,10 +247,15 @@ class _BucketBatch:
     own just before); the Q all-reduces start from callbacks, so they go to their own group
     (:meth:`PowerSGDState.factor_group`), one after another in batch order: each waits for the previous
     batch's Q to have started (``previous_q_started``), never for its result.
+
+    A batch holds its state weakly. Its callbacks run in the groups' own threads (gloo), and a thread
+    releases a callback, with what the callback holds, only after the futures it completed woke DDP up:
+    had the batch held the state (and through it the groups), a group destroyed meanwhile could be freed
+    in its own thread, whose destructor then joins that thread and aborts the process.
     """
 
     def __init__(self, state: PowerSGDState) -> None:
-        self.state = state
+        self._state = weakref.ref(state)
         self.buffers: list[Tensor] = []
         self.results: list[Future] = []
         self.keys: list[int] = []
@@ -262,6 +268,13 @@ class _BucketBatch:
         self.compensated: list[Tensor] = []  # the matrices with error feedback added, before compression
         self.ps: list[Tensor] = []
         self.qs: list[Tensor] = []
+
+    @property
+    def state(self) -> PowerSGDState:
+        state = self._state()
+        if state is None:
+            raise RuntimeError("The PowerSGD hook's state was released while its buckets were still being averaged.")
+        return state
 
     def add(self, bucket: dist.GradBucket) -> Future:
         """Take ``bucket``'s gradients into the batch; the future DDP waits for, done when the batch is."""
