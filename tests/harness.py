@@ -9,6 +9,8 @@ the test failure:
   initialised (or left to Lightning).
 - :func:`run_command` / :func:`run_cli`: a command in N processes with the
   environment ``torchrun`` would give them (``RANK``, ``WORLD_SIZE``, ...).
+- :func:`run_cli_forked`: ``lightning-fastdist`` in N processes with that environment,
+  forked from the same server as :func:`run_function` (no start-up of their own).
 - :func:`run_launcher`: one command that launches its own ranks (Lightning's
   ``devices=2``), killed as a group on timeout.
 - :func:`run_processes`: different commands at once, e.g. one ``torchrun`` per "node".
@@ -16,6 +18,8 @@ the test failure:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing
 import os
 import pickle
@@ -303,6 +307,43 @@ def run_cli(
 ) -> list[RankOutput]:
     """Run ``lightning-fastdist ARGS`` as ``world_size`` externally launched ranks (as under torchrun)."""
     return run_command(cli_command(*args), world_size=world_size, timeout=timeout, cwd=cwd)
+
+
+def _cli_in(folder: str, argv: list[str]) -> tuple[int, str, str]:
+    """``lightning-fastdist ARGV`` run from ``folder`` in this process: its exit status, stdout and stderr."""
+    from lightning_fastdist.cli import main
+
+    os.chdir(folder)
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(argv)
+        except SystemExit as done:
+            code = 0 if done.code is None else done.code
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def run_cli_forked(
+    args: Sequence[str],
+    world_size: int = 2,
+    timeout: float = 180.0,
+    cwd: str | Path | None = None,
+    check: bool = True,
+) -> list[RankOutput]:
+    """Run ``lightning-fastdist ARGS`` as ``world_size`` ranks, like :func:`run_cli`, each forked from the server
+    that imported torch, Lightning and this package once: about 8 s of start-up less per rank, for runs whose
+    start-up is not what a test checks (a resume after a fresh fit, a refusal).
+
+    ``check``: raise :class:`DistributedRunError` if a rank exits non-zero (else its status is in its output).
+    """
+    folder = str(cwd or os.getcwd())
+    results = run_function(_cli_in, world_size, (folder, list(args)), timeout=timeout, init_process_group=False)
+    outputs = [RankOutput(rank, code, stdout, stderr) for rank, (code, stdout, stderr) in enumerate(results)]
+    failed = [o for o in outputs if o.returncode != 0] if check else []
+    if failed:
+        parts = [f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed]
+        raise DistributedRunError(f"lightning-fastdist {' '.join(args)} failed:\n" + "\n".join(parts))
+    return outputs
 
 
 def run_launcher(

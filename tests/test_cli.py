@@ -14,7 +14,7 @@ import yaml
 from lightning_fastdist.cli import QUIET_VARIABLE, main
 from lightning_fastdist.cli_config import MARKER
 from lightning_fastdist.recipes import available_recipes, find_recipe, recipes_dir
-from tests.harness import cli_command, run_cli, run_launcher
+from tests.harness import cli_command, run_cli, run_cli_forked, run_launcher
 
 
 def run_main_expecting_usage_error(capsys, *argv: str) -> str:
@@ -290,8 +290,8 @@ def test_externally_launched_ranks_fit_then_validate_test_and_predict_from_the_c
     run_cli(["fit", *common, *SHORT_RUN], world_size=2, timeout=240)
     checkpoint = in_tmp_dir / "checkpoints" / "cpu_smoke" / "last.ckpt"
     assert checkpoint.is_file()
-    for subcommand in ("validate", "test", "predict"):
-        outputs = run_cli(
+    for subcommand in ("validate", "test", "predict"):  # the launch itself was checked by fit: forked, no start-up
+        outputs = run_cli_forked(
             [subcommand, *common, "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2",
              "--trainer.limit_predict_batches", "2", "--ckpt_path", str(checkpoint)],
             world_size=2, timeout=240,

@@ -12,7 +12,7 @@ import yaml
 from lightning_fastdist.cli import main
 from lightning_fastdist.recipes import available_recipes, recipes_dir
 from tests.fault_runs import saved_step
-from tests.harness import cli_command, free_port, run_cli, run_processes
+from tests.harness import cli_command, free_port, run_cli, run_cli_forked, run_processes
 
 # A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
 TINY = [
@@ -93,7 +93,8 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
     assert [int(r["step"]) for r in first if r["val_loss"]] == [0, 1]  # validated after each optimizer step
     if name not in RESUMED:
         return
-    run_cli(["fit", "--config", name, *overrides, "--trainer.max_steps", "4", "--ckpt_path", "last"], timeout=240)
+    resume = ["fit", "--config", name, *overrides, "--trainer.max_steps", "4", "--ckpt_path", "last"]
+    run_cli_forked(resume, timeout=240)  # launched as the first run was, without its start-up
     assert saved_step(last) == 4
     second = metrics(in_tmp_dir / "lightning_logs", "version_1")
     assert sorted({int(r["step"]) for r in second if r["train_loss"]}) == [2, 3]  # continued at step 2

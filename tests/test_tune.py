@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lightning_fastdist.cli import main as cli_main
 from lightning_fastdist.commands.bench_setups import all_setups
 from lightning_fastdist.commands.tune import main
 from lightning_fastdist.commands.tune_candidates import Candidate, MemoryPlan
@@ -19,7 +15,7 @@ from lightning_fastdist.commands.tune_search import Search
 from lightning_fastdist.diagnostics.advisor import HEADROOM
 from lightning_fastdist.diagnostics.memory_model import GiB
 from tests.emulated_cluster import REPO_ROOT
-from tests.harness import cli_command, run_function, run_launcher
+from tests.harness import cli_command, run_cli_forked, run_launcher
 
 LLAMA = {"class_path": "tests.model_zoo.HFLlama", "init_args": {}}  # HuggingFace LlamaForCausalLM, tiny random config
 TOKENS = {"class_path": "tests.model_zoo.RandomTokens", "init_args": {"batch_size": 2, "samples": 16}}
@@ -74,25 +70,11 @@ def test_bad_arguments_name_the_flag_and_nothing_of_the_users_is_touched(argv, m
     assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["users", "users.yaml"]  # no work folder was made
 
 
-def _cli_in(folder: str, argv: list[str]) -> tuple[int, str, str]:
-    """``lightning-fastdist ARGV`` run from ``folder``: its exit status, stdout and stderr. Called through
-    :func:`run_function`: a process of its own, whose process group a simulation makes, forked from the harness's
-    server, which has imported torch and Lightning (no start-up of its own)."""
-    os.chdir(folder)
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as done:
-        cli_main(argv)
-    return done.value.code, stdout.getvalue(), stderr.getvalue()
-
-
 def _usable_between(fits: str, does_not: str) -> float:
     """A --gpu-memory (GiB) whose usable part holds the ``fits`` setup's simulated peak but not ``does_not``'s,
     from ``doctor --simulate`` on ``recipe.yaml``."""
     argv = ["doctor", "--config", "recipe.yaml", "--simulate", "--world-size", "2", "--json", "plan.json"]
-    [(code, stdout, stderr)] = run_function(
-        _cli_in, world_size=1, args=(os.getcwd(), [*argv, "--output", "doctor.yaml"]), init_process_group=False
-    )
-    assert code == 0, stdout + stderr
+    run_cli_forked([*argv, "--output", "doctor.yaml"], world_size=1)  # a simulation makes its own process group
     rows = json.loads(Path("plan.json").read_text())["setups"]
     peaks = {(r["setup"], r["activation_checkpointing"]): r["per_rank"]["peak"] for r in rows if not r["cpu_offload"]}
     low, high = peaks[(fits, "none")], min(peaks[(does_not, mode)] for mode in ("none", "selective", "full"))
@@ -152,10 +134,9 @@ def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains
 def test_a_device_too_small_for_everything_starts_no_trial_and_writes_no_recipe(in_tmp_dir):
     write_recipe(in_tmp_dir / "recipe.yaml")
     argv = ["tune", "--config", "recipe.yaml", "--setups", "ddp,ddp-bf16,fsdp-zero3", "--gpu-memory", "0.0001"]
-    [(code, stdout, stderr)] = run_function(
-        _cli_in, world_size=1, args=(str(in_tmp_dir), [*argv, "--json", "tune.json"]), init_process_group=False
-    )
-    assert code == 1, stdout + stderr
+    [output] = run_cli_forked([*argv, "--json", "tune.json"], world_size=1, check=False)
+    stdout, stderr = output.stdout, output.stderr
+    assert output.returncode == 1, stdout + stderr
     # Planned at the recipe's micro-batch 2, then at 1 with twice the accumulation: nothing fits either.
     assert "nothing fits: the same global batch as micro-batch 1 x 2 accumulated" in stdout
     assert "no candidate trained and passed; no recipe written" in stderr
