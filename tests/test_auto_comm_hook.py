@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_fastdist.parallel.auto_comm_hook import AutoCommState, AutoPolicy, Decision
 from lightning_fastdist.parallel.powersgd import compression_ratio
@@ -45,6 +47,26 @@ def test_a_decision_reads_as_one_line_and_a_saved_level_comes_back_with_powersgd
     state.load_state_dict(saved)
     assert state.level == "powersgd" and not state.measuring and state.powersgd is not None
     assert state.state_dict() == saved
+
+
+def decide_after_one_rank_waited_for_the_other() -> tuple[str, float, float]:
+    state = AutoCommState(module=tiny_gpt(), policy=AutoPolicy(warmup=1, window=1))
+    waited_s = [0.0]  # the exposed-communication clock this rank reads
+    state.on_optimizer_step(lambda: waited_s[0], lambda: None)  # the window starts
+    time.sleep(0.1)
+    # Rank 0 computed faster and waited 90 ms for rank 1's gradients; rank 1, the slower, waited 15 ms for the link.
+    waited_s[0] = 0.09 if dist.get_rank() == 0 else 0.015
+    decision = state.on_optimizer_step(lambda: waited_s[0], lambda: None)
+    return decision.level_to, decision.exposed_share, decision.step_s
+
+
+def test_a_wait_for_a_slower_peer_is_not_counted_as_communication():
+    # Summed over ranks, the step waited about half its time, which would switch to bf16: the slowest rank's 15 ms
+    # of a 100 ms step is the communication, under the 20% from which bf16 pays.
+    decisions = run_function(decide_after_one_rank_waited_for_the_other, 2)
+    assert decisions[0] == decisions[1]  # the same numbers everywhere
+    level, share, step_s = decisions[0]
+    assert level == "none" and step_s >= 0.1 and share == pytest.approx(0.015 / step_s)
 
 
 def exact_on_loopback() -> dict:

@@ -7,8 +7,10 @@ it. So the choice is measured, on the user's own model and machines, while train
 1. The first ``warmup`` optimizer steps are not measured (allocations, connections, a compile).
 2. Over the next ``window`` steps, each rank measures its wall time and its exposed communication (the
    time its steps waited for communication the backward did not hide, ``comm/exposed_s``'s clock).
-3. All ranks add their numbers up in one all-reduce on a CPU (gloo) group, so every rank reaches the same
-   decision from the same sums, with no device sync; on a GPU the wall clock is read after a device
+3. The ranks combine their numbers in one all-reduce on a CPU (gloo) group: the longest window and the
+   shortest wait. A rank that waited for a slower peer's compute did not wait for the network; the slowest
+   rank's wait is the communication alone. Every rank reaches the same decision from the same numbers,
+   with no device sync; on a GPU the wall clock is read after a device
    synchronisation at the window's two ends only.
 4. The exposed share of the step decides (:class:`AutoPolicy`): at ``none`` (fp32, exact: the losses of
    Lightning's DDP, bit for bit), a share of at least ``bf16_share`` switches to ``bf16`` (half the bytes);
@@ -146,13 +148,14 @@ class AutoCommState(HookState):
         elif self._steps_at_level == policy.warmup + policy.window and self._window_start is not None:
             synchronize()
             started, exposed_before = self._window_start
+            # The maximum of (wall, -exposed): the longest wall time and the shortest wait, the same everywhere.
             measured = torch.tensor(
-                [time.perf_counter() - started, exposed_total_s() - exposed_before], dtype=torch.float64
+                [time.perf_counter() - started, exposed_before - exposed_total_s()], dtype=torch.float64
             )
-            dist.all_reduce(measured, group=self.decision_group)  # the same sums, so the same decision, everywhere
-            wall, exposed = measured.tolist()
-            steps = policy.window * self.world_size
-            return self._decide(exposed / wall if wall > 0 else 0.0, wall / steps, exposed / steps)
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.decision_group)
+            wall, exposed = measured[0].item(), -measured[1].item()
+            share = exposed / wall if wall > 0 else 0.0
+            return self._decide(share, wall / policy.window, exposed / policy.window)
         return None
 
     def _decide(self, share: float, step_s: float, exposed_s: float) -> Decision:
