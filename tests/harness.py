@@ -57,6 +57,8 @@ class RankOutput:
     stderr: str
 
 
+# free_port and rank_environment repeat lightning_fastdist.commands.local_ranks' on purpose: importing anything
+# from the package imports Lightning (about 8 s), and `python -m tests.emulated_cluster` imports this module.
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
