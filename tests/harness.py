@@ -275,12 +275,16 @@ def run_processes(
     failed = [o for o in outputs if o.returncode != 0]
     if timed_out or failed:
         reason = f"timed out after {timeout:.0f} s" if timed_out else "failed"
-        parts = [f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed]
         label = " ".join(commands[0]) + (
             f" (and {len(commands) - 1} more)" if len(set(map(tuple, commands))) > 1 else ""
         )
-        raise DistributedRunError(f"{label} {reason} on {len(commands)} processes:\n" + "\n".join(parts))
+        raise DistributedRunError(f"{label} {reason} on {len(commands)} processes:\n" + _failures(failed))
     return outputs
+
+
+def _failures(failed: list[RankOutput]) -> str:
+    """Each failed rank's exit status and the tail of its output, for a :class:`DistributedRunError`."""
+    return "\n".join(f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed)
 
 
 def _wait_all(processes: list[subprocess.Popen], timeout: float) -> bool:
@@ -343,8 +347,7 @@ def run_cli_forked(
     outputs = [RankOutput(rank, code, stdout, stderr) for rank, (code, stdout, stderr) in enumerate(results)]
     failed = [o for o in outputs if o.returncode != 0] if check else []
     if failed:
-        parts = [f"--- rank {o.rank} (exit {o.returncode}):\n{_tail(o.stdout + o.stderr)}" for o in failed]
-        raise DistributedRunError(f"lightning-fastdist {' '.join(args)} failed:\n" + "\n".join(parts))
+        raise DistributedRunError(f"lightning-fastdist {' '.join(args)} failed:\n" + _failures(failed))
     return outputs
 
 
