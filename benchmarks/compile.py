@@ -45,7 +45,7 @@ def measure(setup: str, layers: int, steps: int) -> dict:
     import torch
 
     from lightning_fastdist.demo import Block, TinyGPT
-    from lightning_fastdist.parallel.compile import apply_compile
+    from lightning_fastdist.parallel.plan.compile import apply_compile
 
     start_up = start_inductor() if setup != "eager" else 0.0
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_fastdist import FastDDPStrategy
 from lightning_fastdist.demo import TextDataModule, TinyGPT
-from lightning_fastdist.parallel.buckets import gradient_bytes
+from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
 
 SETUPS = [
     ("lightning DDPStrategy", lambda: DDPStrategy()),

@@ -1,7 +1,7 @@
 """`lightning-fastdist bench` in the emulated cluster: one table per link rate and topology.
 
 Each case runs the same ``bench`` command with ``--launcher`` set to the emulated cluster's
-(``python -m tests.emulated_cluster --nodes N --ranks-per-node R --link-mbit M --``), so every setup
+(``python -m tests.support.emulated_cluster --nodes N --ranks-per-node R --link-mbit M --``), so every setup
 trains in fresh processes, one command per emulated node, across a link of that rate (or an
 unshaped one). It prints bench's own table per case, then the ratios the emulated-cluster issue
 asks for, each measured within one case (side by side, same link, same run):
@@ -13,7 +13,7 @@ asks for, each measured within one case (side by side, same link, same run):
 - ``hsdp / fsdp-zero3`` with 2 nodes x 2 ranks;
 - ``ddp-auto / lightning-ddp``: FastDDPStrategy's defaults (``comm_hook: auto``), timed after its decisions.
 
-Needs root, ``ip`` and ``tc`` (``tests/emulated_cluster.py`` says why it cannot otherwise). Usage::
+Needs root, ``ip`` and ``tc`` (``tests/support/emulated_cluster.py`` says why it cannot otherwise). Usage::
 
     python benchmarks/emulated_bench.py                      # the cases below, 10 steps each
     python benchmarks/emulated_bench.py --cases ddp-50 ddp-unshaped --steps 12
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.emulated_cluster
+sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 
-from tests.emulated_cluster import cannot_emulate  # noqa: E402
+from tests.support.emulated_cluster import cannot_emulate  # noqa: E402
 
 DDP_SETUPS = "lightning-ddp,ddp,ddp-bf16,ddp-powersgd"
 FSDP_SETUPS = "lightning-fsdp2,fsdp-zero2,fsdp-zero3"
@@ -76,7 +76,7 @@ CASES = {
 
 def run_case(name: str, case: Case, steps: int, output: Path) -> list[dict]:
     """Run bench for ``case``; print its table; return its rows (bench.json)."""
-    launcher = [sys.executable, "-m", "tests.emulated_cluster", "--nodes", str(case.nodes)]
+    launcher = [sys.executable, "-m", "tests.support.emulated_cluster", "--nodes", str(case.nodes)]
     launcher += ["--ranks-per-node", str(case.ranks_per_node)]
     if case.link_mbit is not None:
         launcher += ["--link-mbit", str(case.link_mbit)]

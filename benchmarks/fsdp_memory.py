@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.demo import Block, TinyGPT
-from lightning_fastdist.diagnostics.activation_memory import ActivationMemory
-from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_fastdist.parallel.fsdp import FSDPSharding
+from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding
+from lightning_fastdist.parallel.plan.activation_checkpointing import apply_activation_checkpointing
+from lightning_fastdist.planning.activation_memory import ActivationMemory
 
 SIZES = {  # name: TinyGPT options
     "small": dict(n_layer=4, n_embd=128, n_head=4, block_size=128),

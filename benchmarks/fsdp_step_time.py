@@ -1,7 +1,7 @@
 """Step time of FastFSDPStrategy ZeRO-3 against Lightning's ModelParallelStrategy with hand-written fully_shard.
 
 Lightning's row is ``ModelParallelStrategy`` (every rank data-parallel) training ``HandShardedTinyGPT``,
-whose ``configure_model`` calls ``fully_shard`` per block and on the module (``commands/bench_baselines.py``,
+whose ``configure_model`` calls ``fully_shard`` per block and on the module (``commands/bench/baselines.py``,
 the ``lightning-fsdp2`` row of ``bench``); ours is ``FastFSDPStrategy(sharding="zero3")`` on the unchanged
 TinyGPT. The model and batch are the cpu_smoke recipe's (4 layers, width 128, 16 x 128 tokens per rank),
 in fp32 on 2 CPU processes over gloo.
@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_fastdist import FastFSDPStrategy
-from lightning_fastdist.commands.bench_baselines import HandShardedTinyGPT
+from lightning_fastdist.commands.bench.baselines import HandShardedTinyGPT
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}

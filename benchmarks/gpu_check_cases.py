@@ -419,8 +419,8 @@ def cuda_graph_modes(ctx: Context) -> Outcome:
 
 def _probe_cuda_graphs(ctx: Context, checkpointing: str) -> str:
     """Plain torch: per-block reduce-overhead (our refusal bypassed) vs eager, 6 steps; what happened, in words."""
-    from lightning_fastdist.parallel.activation_checkpointing import apply_activation_checkpointing
-    from lightning_fastdist.parallel.compile import apply_compile
+    from lightning_fastdist.parallel.plan.activation_checkpointing import apply_activation_checkpointing
+    from lightning_fastdist.parallel.plan.compile import apply_compile
 
     def losses(graphs: bool) -> list[float]:
         torch.manual_seed(0)

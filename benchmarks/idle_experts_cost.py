@@ -1,4 +1,4 @@
-"""What giving idle experts zero gradients costs a mixture of experts (parallel/idle_experts.py).
+"""What giving idle experts zero gradients costs a mixture of experts (parallel/plan/idle_experts.py).
 
 One process, the model matrix's SwitchTransformers (16 experts per sparse layer), a forward and backward per
 step: with the hooks of ``IdleExperts`` (expert calls recorded, idle experts tied to their layer's output) and
@@ -17,14 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.model_zoo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.model_zoo
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_fastdist.parallel.blocks import block_modules, find_blocks  # noqa: E402
-from lightning_fastdist.parallel.idle_experts import IdleExperts  # noqa: E402
-from tests.model_zoo import MODELS  # noqa: E402
+from lightning_fastdist.parallel.plan.blocks import block_modules, find_blocks  # noqa: E402
+from lightning_fastdist.parallel.plan.idle_experts import IdleExperts  # noqa: E402
+from tests.support.model_zoo import MODELS  # noqa: E402
 
 
 def step_ms(model: torch.nn.Module, batch: dict, steps: int) -> float:

@@ -1,8 +1,8 @@
 """How fast the emulated cluster's link really is: a gloo all-reduce timed against bytes / rate.
 
 For each topology (2 nodes x 1 rank: the uniform link; 2 nodes x 2 ranks) and each link rate, plus the
-unshaped link, it runs ``tests.emulated_cluster.allreduce_command`` (the demo model's 3.37 MB of fp32
-gradients by default) in a fresh :class:`~tests.emulated_cluster.EmulatedCluster` and prints one row:
+unshaped link, it runs ``tests.support.emulated_cluster.allreduce_command`` (the demo model's 3.37 MB of fp32
+gradients by default) in a fresh :class:`~tests.support.emulated_cluster.EmulatedCluster` and prints one row:
 
 - all-reduce ms: median over the timed all-reduces, on node 0's first rank;
 - link B/op: bytes the busiest node sent over its link per all-reduce (its NIC counter: what the algorithm
@@ -25,9 +25,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.emulated_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.emulated_cluster
 
-from tests.emulated_cluster import EmulatedCluster, allreduce_command, allreduce_results, cannot_emulate  # noqa: E402
+from tests.support.emulated_cluster import EmulatedCluster, allreduce_command, allreduce_results, cannot_emulate  # noqa: E402
 
 TOPOLOGIES = ((2, 1), (2, 2))
 HEADER = (

@@ -20,22 +20,22 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.harness, tests.model_zoo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.harness, tests.support.model_zoo
 
-from lightning_fastdist.commands.simulate import RecipeRun, simulate  # noqa: E402
-from tests.harness import run_function  # noqa: E402
-from tests.test_doctor_simulate import LLAMA, MEASURED, TEXT, TINY_GPT, TOKENS, real_memory  # noqa: E402
+from lightning_fastdist.planning.simulate import RecipeRun, simulate  # noqa: E402
+from tests.commands.test_doctor_simulate import LLAMA, MEASURED, TEXT, TINY_GPT, TOKENS, real_memory  # noqa: E402
+from tests.support.harness import run_function  # noqa: E402
 
 GiB = 2**30
 LLAMA_7B = {
-    "class_path": "tests.model_zoo.HFLlama",
+    "class_path": "tests.support.model_zoo.HFLlama",
     "init_args": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
     },
 }  # fmt: skip
 TOKENS_7B = {
-    "class_path": "tests.model_zoo.RandomTokens",
+    "class_path": "tests.support.model_zoo.RandomTokens",
     "init_args": {"vocab_size": 32000, "seq_len": 4096, "batch_size": 1, "samples": 1},
 }
 

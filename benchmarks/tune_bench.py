@@ -10,7 +10,7 @@ the rows tune chose between, and prints the ratios the issue asks for:
   losses side by side;
 - ``loopback``: one node, unshaped: tune takes <= 10 minutes, and its pick is within 5% of the best row.
 
-The emulated case needs root, ``ip`` and ``tc`` (``tests/emulated_cluster.py``). Usage::
+The emulated case needs root, ``ip`` and ``tc`` (``tests/support/emulated_cluster.py``). Usage::
 
     python benchmarks/tune_bench.py                   # both cases
     python benchmarks/tune_bench.py --cases loopback
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.emulated_cluster
+sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 
-from tests.emulated_cluster import cannot_emulate  # noqa: E402
+from tests.support.emulated_cluster import cannot_emulate  # noqa: E402
 
 CLI = [sys.executable, "-m", "lightning_fastdist.cli"]
 # comm_hook auto decides at steps 23 and 46 (AutoPolicy's warm-up and window): on the link ddp-auto is timed
@@ -40,7 +40,16 @@ ALTERNATIVES = "lightning-ddp,ddp-auto,ddp,ddp-bf16,ddp-powersgd,fsdp-zero2,fsdp
 
 
 def emulated_launcher(link_mbit: float) -> list[str]:
-    cluster = [sys.executable, "-m", "tests.emulated_cluster", "--nodes", "2", "--link-mbit", str(link_mbit), "--"]
+    cluster = [
+        sys.executable,
+        "-m",
+        "tests.support.emulated_cluster",
+        "--nodes",
+        "2",
+        "--link-mbit",
+        str(link_mbit),
+        "--",
+    ]
     return ["--nodes", "2", "--devices", "1", "--launcher", shlex.join(cluster)]
 
 

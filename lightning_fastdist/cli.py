@@ -46,8 +46,8 @@ from lightning_fastdist.cli_config import OwnConfigSaver
 from lightning_fastdist.cli_errors import UsageError, condense_parser_error
 from lightning_fastdist.cli_report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
-from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
-from lightning_fastdist.parallel.job_identity import JobIdentityError
+from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
+from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
 from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError, is_last_checkpoint
 
 PROGRAM = "lightning-fastdist"
@@ -62,7 +62,7 @@ EXPLAINED_FAILURES = (
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
-EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench", "doctor": "doctor", "tune": "tune"}
+EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench.command", "doctor": "doctor.command", "tune": "tune.command"}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 QUIET_VARIABLE = "LIGHTNING_FASTDIST_QUIET"
 HELP = f"""usage: {PROGRAM} COMMAND [options]

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_fastdist.cli_config import OwnConfigSaver
-from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 
 
 def _shown(path: str) -> str:

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run on CPU only; multi-process tests use gloo through tests/harness.py."""
+"""Shared fixtures. Tests run on CPU only; multi-process tests use gloo through tests/support/harness.py."""
 
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ from lightning_fastdist.diagnostics.dataloader_audit import workers_for
 from lightning_fastdist.diagnostics.environment import bf16_available, cpu_cores, host_memory_bytes
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
-from lightning_fastdist.parallel.buckets import gradient_bytes
-from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, CommStats, Traffic
+from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, CommStats, Traffic
+from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
 
 KIB = 1024
 

@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_fastdist.callbacks.data_wait import DataWaitClock
-from lightning_fastdist.callbacks.lightning_internals import InstancePatches
 from lightning_fastdist.diagnostics.dataloader_audit import DataLoaderFinding, audit_dataloader, tuned_settings
 from lightning_fastdist.diagnostics.environment import cpu_cores
+from lightning_fastdist.trainer.internals import InstancePatches
 
 MODES = ("audit", "auto")
 LOADER_HOOKS = {"train": "train_dataloader", "val": "val_dataloader"}

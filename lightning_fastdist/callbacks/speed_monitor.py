@@ -27,9 +27,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_fastdist.callbacks.lightning_internals import require_internals
 from lightning_fastdist.callbacks.step_clock import CudaEventClock, WallClock, clock_for
 from lightning_fastdist.diagnostics.peak_flops import TERA, matmul_dtype, peak_flops
+from lightning_fastdist.trainer.internals import require_internals
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:

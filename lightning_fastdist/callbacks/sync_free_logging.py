@@ -19,12 +19,12 @@ With this callback:
   values as without the callback; the progress bar shows the values of the
   last such transfer.
 - Lightning's per-batch SIGTERM broadcast (a host sync every batch) is replaced
-  by :class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler`, which
+  by :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, which
   every strategy of this package installs anyway; the callback installs it
   under other strategies (Lightning's own ``DDPStrategy``, for example).
 
 It relies on private Lightning internals listed in
-:mod:`lightning_fastdist.callbacks.lightning_internals`, checked at ``setup``.
+:mod:`lightning_fastdist.trainer.internals`, checked at ``setup``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_fastdist.callbacks.host_transfer import scalars_to_host
-from lightning_fastdist.callbacks.lightning_internals import InstancePatches, require_internals
-from lightning_fastdist.callbacks.preemption import PreemptionHandler
+from lightning_fastdist.trainer.internals import InstancePatches, require_internals
+from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 # Lightning's suffixes: a metric logged with on_step=True and on_epoch=True appears as NAME_step / NAME_epoch,
 # and one logged from an evaluation loop with several dataloaders carries /dataloader_idx_N.
@@ -55,7 +55,7 @@ class SyncFreeLogging(Callback):
 
     Args:
         sigterm_check_every_n_steps: deprecated and ignored: signals are now agreed on at
-            every optimizer step without a host sync (see :mod:`~lightning_fastdist.callbacks.preemption`).
+            every optimizer step without a host sync (see :mod:`~lightning_fastdist.trainer.preemption`).
     """
 
     def __init__(self, sigterm_check_every_n_steps: int | None = None) -> None:

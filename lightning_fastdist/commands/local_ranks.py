@@ -6,7 +6,7 @@ a CPU machine). ``bench`` and ``tune`` train every setup in fresh processes, so 
 together instead: each process gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT``, and Lightning, seeing ranks launched from outside, starts none itself. They also share a fresh
 ``LIGHTNING_FASTDIST_RUN_ID``, so our strategies refuse to mix them with another job's ranks on the same port
-(:mod:`~lightning_fastdist.parallel.job_identity`).
+(:mod:`~lightning_fastdist.parallel.faults.job_identity`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from lightning_fastdist.parallel.job_identity import OWN_RUN_ID_VARIABLE, new_run_id
+from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, new_run_id
 
 # Seconds the other ranks get to exit by themselves (and print why) once one rank failed, before they are killed:
 # a rank waiting in a collective for a peer that died would otherwise wait for the whole collective timeout.

@@ -33,7 +33,7 @@ does not make the next epoch skip anything. With a sampler that has no
 Skipping by index goes through ``DataLoader._index_sampler``, the (private,
 stable since torch 1.x) property every DataLoader iterator reads its batch
 indices from; if an iterator stops reading it, resuming raises instead of
-skipping nothing (and ``tests/test_resumable_loader.py`` fails).
+skipping nothing (and ``tests/checkpoint/test_resumable_loader.py`` fails).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from lightning_fastdist.parallel.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB
+from lightning_fastdist.parallel.ddp.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB
 
 DATA_WAIT_WARN = 0.20
 COMM_WARN = 0.30

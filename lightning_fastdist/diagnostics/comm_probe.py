@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Traffic
+from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Traffic
 
 FLOAT_BYTES = 4
 
@@ -51,7 +51,7 @@ def time_collectives(
 
     Args:
         step_traffic: calls and bytes per collective name in one optimizer step (see
-            :class:`~lightning_fastdist.parallel.comm_accounting.CommStats`).
+            :class:`~lightning_fastdist.parallel.comm.accounting.CommStats`).
         device: where the buffers live (the training device: NCCL needs CUDA tensors).
         repeats: runs to take the fastest of.
         group: the process group; ``None`` is the default group. (HSDP runs its collectives

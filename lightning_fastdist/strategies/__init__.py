@@ -6,7 +6,7 @@ order (``FastFSDPStrategy`` is the fullest example)::
     class FastXStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, LightningXStrategy): ...
 
 - :class:`~.shared_setup.SharedSetup`: ``timeout``, the
-  :class:`~lightning_fastdist.parallel.plan.ParallelPlan` (blocks, activation checkpointing,
+  :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan` (blocks, activation checkpointing,
   compile), the recompile watcher, an atomic one-file save, registration. Its docstring says
   which calls the strategy makes, and where.
 - :class:`~.fault_tolerance.FaultTolerance`: job identity, preemption, lost peers; route
@@ -19,7 +19,7 @@ order (``FastFSDPStrategy`` is the fullest example)::
 
 What is done to the model lives in :mod:`lightning_fastdist.parallel` (torch only); the strategy
 applies ``self.plan`` with its own wrapper where Lightning hands over the model, and ends with
-``FastXStrategy.register_once()``. ``tests/test_layering.py`` holds the import direction.
+``FastXStrategy.register_once()``. ``tests/project/test_layering.py`` holds the import direction.
 """
 
 from lightning_fastdist.strategies.ddp import FastDDPStrategy

@@ -1,6 +1,6 @@
 """The old spellings of the ``blocks`` option, kept for one release with a one-line deprecation message.
 
-``blocks`` (described in :class:`~lightning_fastdist.parallel.plan.ParallelPlan`) names a
+``blocks`` (described in :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`) names a
 model's repeated blocks. ``FastFSDPStrategy`` called it ``shard_modules`` and
 ``FastDDPStrategy`` ``block_modules``.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
-from lightning_fastdist.parallel.blocks import check_blocks_value
+from lightning_fastdist.parallel.plan.blocks import check_blocks_value
 
 
 def blocks_option(strategy: str, blocks: Any, old_name: str, old_value: Any) -> Any:

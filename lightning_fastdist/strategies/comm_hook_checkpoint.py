@@ -28,9 +28,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fastdist.parallel.atomic_checkpoint import is_local_path, save_file_atomically
-from lightning_fastdist.parallel.comm_hooks import HookState
-from lightning_fastdist.parallel.powersgd import PowerSGDState
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path, save_file_atomically
+from lightning_fastdist.parallel.ddp.comm_hooks import HookState
+from lightning_fastdist.parallel.ddp.powersgd import PowerSGDState
 
 SHARDS_SUFFIX = ".powersgd"  # the folder beside a checkpoint that holds each rank's error feedback
 _SHARD_NAME = re.compile(r"rank(\d{5})\.pt")

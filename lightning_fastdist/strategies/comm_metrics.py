@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from lightning_fastdist.parallel.comm_accounting import CommStats, Traffic, metric_name
-from lightning_fastdist.parallel.exposed_comm import BackwardTail, ExposedCommClock, watch_ddp
+from lightning_fastdist.parallel.comm.accounting import CommStats, Traffic, metric_name
+from lightning_fastdist.parallel.comm.exposed import BackwardTail, ExposedCommClock, watch_ddp
 
 EXPOSED_METRIC = "comm/exposed_s"
 
@@ -25,7 +25,7 @@ class CommBytesLogging:
     accelerator step would feel on every step.
 
     It also closes the step of ``exposed_comm`` (an
-    :class:`~lightning_fastdist.parallel.exposed_comm.ExposedCommClock`: the time the step waited for
+    :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`: the time the step waited for
     communication its compute did not hide) and logs the last step's seconds as ``comm/exposed_s``, on
     logging steps only: the value changes every step, and on CUDA reading it waits for that step's events.
     The strategy provides:

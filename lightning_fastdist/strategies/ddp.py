@@ -5,7 +5,7 @@ Lightning's ``DDPStrategy`` takes a comm hook only as a Python callable and
 registers it only on CUDA (on CPU/gloo it is silently dropped). This subclass
 registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and
 backend (by default ``"auto"``: exact until it has measured that the network
-makes compression pay, :mod:`~lightning_fastdist.parallel.auto_comm_hook`),
+makes compression pay, :mod:`~lightning_fastdist.parallel.ddp.auto_comm_hook`),
 saves the hook's state in checkpoints (auto's level; PowerSGD's step count and
 ``Q`` factors in the checkpoint, each rank's error feedback in its own file
 beside it: :mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`) and
@@ -15,7 +15,7 @@ rank all-reduced in the last optimizer step as ``comm/allreduce_bytes_per_step``
 
 Gradient accumulation needs nothing extra: Lightning runs non-final
 micro-batches under DDP's ``no_sync()``, which the byte and round counters
-confirm (``tests/test_fast_ddp.py``).
+confirm (``tests/ddp/test_fast_ddp.py``).
 
 Lightning's contract is kept: other keyword arguments go to
 ``DistributedDataParallel`` (``broadcast_buffers=False``, ``init_sync=False``, ...),
@@ -39,13 +39,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastdist.parallel.atomic_checkpoint import is_local_path
-from lightning_fastdist.parallel.auto_comm_hook import AUTO_LEVELS, AutoCommState, AutoPolicy
-from lightning_fastdist.parallel.buckets import auto_bucket_cap_mb
-from lightning_fastdist.parallel.comm_accounting import ALL_REDUCE, CommStats
-from lightning_fastdist.parallel.comm_hook_spec import CommHookName, CommHookSpec
-from lightning_fastdist.parallel.comm_hooks import HookState
-from lightning_fastdist.parallel.plan import (
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
+from lightning_fastdist.parallel.comm.accounting import ALL_REDUCE, CommStats
+from lightning_fastdist.parallel.ddp.auto_comm_hook import AUTO_LEVELS, AutoCommState, AutoPolicy
+from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
+from lightning_fastdist.parallel.ddp.comm_hook_spec import CommHookName, CommHookSpec
+from lightning_fastdist.parallel.ddp.comm_hooks import HookState
+from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
+from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
     CheckpointingOption,
     CompileOption,
@@ -53,7 +54,6 @@ from lightning_fastdist.parallel.plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.parallel.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_hook_checkpoint import (
     remember_location,
@@ -77,32 +77,32 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
 
     Args:
         comm_hook: how gradients are averaged: ``"auto"`` (the default), ``"none"``, ``"fp16"``, ``"bf16"``
-            or ``"powersgd"`` (:class:`~lightning_fastdist.parallel.comm_hook_spec.CommHookSpec`'s ``name``).
+            or ``"powersgd"`` (:class:`~lightning_fastdist.parallel.ddp.comm_hook_spec.CommHookSpec`'s ``name``).
         comm_hook_window: optimizer steps ``"auto"`` measures per decision
-            (:class:`~lightning_fastdist.parallel.auto_comm_hook.AutoPolicy`'s ``window``).
+            (:class:`~lightning_fastdist.parallel.ddp.auto_comm_hook.AutoPolicy`'s ``window``).
         powersgd_rank: PowerSGD's ``rank``; PowerSGD's settings are described (and defaulted) once, in
-            :class:`~lightning_fastdist.parallel.powersgd.PowerSGDSettings`.
+            :class:`~lightning_fastdist.parallel.ddp.powersgd.PowerSGDSettings`.
         powersgd_start_iter: PowerSGD's ``start_iter``.
         powersgd_error_feedback: PowerSGD's ``error_feedback``.
         powersgd_warm_start: PowerSGD's ``warm_start``.
         powersgd_factor_dtype: PowerSGD's ``factor_dtype``.
         bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to
             [0.25, 100] MB, so communication overlaps the backward in several buckets without
-            paying per-message latency on tiny ones (see ``parallel/buckets.py``).
+            paying per-message latency on tiny ones (see ``parallel/ddp/buckets.py``).
         gradient_as_bucket_view: let gradients live in DDP's buckets (saves one copy and memory).
         static_graph: promise DDP the set of used parameters never changes (enables optimisations).
         find_unused_parameters: search for parameters without gradients every step; costs a
             traversal of the graph, so only enable it for models that need it.
         log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync) and the
             time the last step waited for the all-reduces after its backward, ``comm/exposed_s``.
-        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`),
+        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`),
             applied before DDP wraps the model.
         blocks: the plan's: the blocks that activation checkpointing and per-block compile act on.
         compile: the plan's.
         compile_scope: the plan's.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
+            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
         start_method: how Lightning starts the other processes.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -197,7 +197,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
     def configure_ddp(self) -> None:
         """Apply the plan to the model in place with DDP as its wrapper.
 
-        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
+        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
         """
         _, self.prepared = self.plan.apply(self.model, self._wrap_in_ddp, log=rank_zero_info)
 

@@ -1,5 +1,5 @@
 """FastDDPStrategy's checks of DDP's own options (the comm hook checks itself:
-:class:`~lightning_fastdist.parallel.comm_hook_spec.CommHookSpec`); each bad value is refused at
+:class:`~lightning_fastdist.parallel.ddp.comm_hook_spec.CommHookSpec`); each bad value is refused at
 construction with one clear message."""
 
 from __future__ import annotations

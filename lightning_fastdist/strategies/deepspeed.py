@@ -5,7 +5,7 @@ DeepSpeed trains ZeRO stage 1, 2 and 3 on CPU processes over gloo. This
 subclass makes three changes for a CPU device (accept the accelerator, skip the
 CUDA device-index check, give DeepSpeed the local rank where Lightning passes
 the device index, which a CPU device does not have), keeps DeepSpeed from
-compiling anything on CPU (see :mod:`lightning_fastdist.parallel.deepspeed_runtime`;
+compiling anything on CPU (see :mod:`lightning_fastdist.parallel.deepspeed.runtime`;
 on a CUDA run, ZeRO-Offload's step uses DeepSpeed's compiled CPU Adam where it builds),
 and adds what the other strategies of this package do: activation checkpointing
 of the blocks, the collective ``timeout``, job identity and preemption, bytes
@@ -31,11 +31,11 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_fastdist.parallel.atomic_checkpoint import save_folder_atomically
-from lightning_fastdist.parallel.blocks import block_modules, resolve_blocks
-from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
-from lightning_fastdist.parallel.deepspeed_comm_accounting import count_deepspeed_communication
-from lightning_fastdist.parallel.deepspeed_runtime import (
+from lightning_fastdist.parallel.checkpoint.atomic import save_folder_atomically
+from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspeed_communication
+from lightning_fastdist.parallel.deepspeed.runtime import (
     MAX_AUTO_BUCKET,
     auto_bucket_size,
     check_deepspeed_device,
@@ -43,10 +43,10 @@ from lightning_fastdist.parallel.deepspeed_runtime import (
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
-from lightning_fastdist.parallel.deepspeed_zero3_trace import start_zero3_steps_at_the_outer_forward
-from lightning_fastdist.parallel.exposed_comm import ExposedCommClock
-from lightning_fastdist.parallel.idle_experts import IdleExperts
-from lightning_fastdist.parallel.plan import BlocksOption, CheckpointingOption, ParallelPlan
+from lightning_fastdist.parallel.deepspeed.zero3_trace import start_zero3_steps_at_the_outer_forward
+from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
+from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
+from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption, CheckpointingOption, ParallelPlan
 from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
 from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
@@ -81,12 +81,12 @@ class FastDeepSpeedStrategy(
         offload_optimizer: keep the optimizer state and run its step in host memory
             (ZeRO-Offload); every stage.
         offload_parameters: keep the partitioned parameters in host memory (ZeRO-Infinity); stage 3 only.
-        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`),
+        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`),
             applied before ``deepspeed.initialize``.
         blocks: the plan's: the blocks activation checkpointing acts on.
         allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
             ``"auto"``: the trainable parameters, at most 2e8
-            (:func:`~lightning_fastdist.parallel.deepspeed_runtime.auto_bucket_size`).
+            (:func:`~lightning_fastdist.parallel.deepspeed.runtime.auto_bucket_size`).
         reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
         load_full_weights: at stage 3, ``ckpt_path`` is one file of full weights (e.g. from
             :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
@@ -96,7 +96,7 @@ class FastDeepSpeedStrategy(
             waited for them as ``comm/exposed_s``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
+            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -204,7 +204,8 @@ class FastDeepSpeedStrategy(
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model, and the plan
-        # applied (the order: parallel/plan.py) with no wrapper of ours, deepspeed.initialize being the wrapper.
+        # applied (the order: parallel/plan/parallel_plan.py) with no wrapper of ours, deepspeed.initialize being
+        # the wrapper.
         for option, value in self.buckets.items():
             if value == "auto":
                 self.config["zero_optimization"][option] = auto_bucket_size(model)
@@ -214,7 +215,7 @@ class FastDeepSpeedStrategy(
         return model
 
     def _give_idle_experts_zero_gradients(self, model: torch.nn.Module) -> None:
-        """Stages 1-2: experts idle on a rank get zero gradients there (parallel/idle_experts.py), so every rank
+        """Stages 1-2: experts idle on a rank get zero gradients there (parallel/plan/idle_experts.py), so every rank
         reduces the same buffers; stage 3 gathers a module's parameters only when it is called: refused."""
         units = [model, *block_modules(model, resolve_blocks(model, self.plan.blocks))]
         idle_experts = IdleExperts(model, units)

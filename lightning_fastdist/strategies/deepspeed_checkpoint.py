@@ -20,8 +20,8 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_fastdist.parallel.atomic_checkpoint import save_file_atomically
-from lightning_fastdist.parallel.deepspeed_runtime import import_deepspeed
+from lightning_fastdist.parallel.checkpoint.atomic import save_file_atomically
+from lightning_fastdist.parallel.deepspeed.runtime import import_deepspeed
 
 
 def consolidate_checkpoint(folder: _PATH, output: _PATH) -> dict[str, Any]:

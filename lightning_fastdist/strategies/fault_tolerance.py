@@ -1,20 +1,21 @@
 """FaultTolerance: what every strategy of this package does when a job is stopped, mixed up, or fed bad state.
 
 - **Job identity.** The process group is joined through
-  :func:`~lightning_fastdist.parallel.job_identity.join_process_group`: ranks of
+  :func:`~lightning_fastdist.parallel.faults.job_identity.join_process_group`: ranks of
   another launch on the same port are refused, a port in use is named as such.
   When Lightning starts the processes itself on one node, the launch gets a fresh run id
   (:meth:`FaultTolerance.launch_identity`, in the environment of the launch only).
 - **Preemption.** SIGTERM / SIGUSR1 on any subset of ranks stop every rank at the
   same optimizer step, with that step saved and exit status ``128 + signal``
-  (:class:`~lightning_fastdist.callbacks.preemption.PreemptionHandler`).
-- **A lost peer** is named in one line (:func:`~lightning_fastdist.parallel.collective_timeout.explain_lost_peer`).
+  (:class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`).
+- **A lost peer** is named in one line
+  (:func:`~lightning_fastdist.parallel.faults.collective_timeout.explain_lost_peer`).
 - **No non-finite checkpoint.** A save whose weights or optimizer state hold NaN
   or inf (on any rank) is refused before anything is written, so the previous
   checkpoints stay as they were and a restart never resumes garbage.
 - **Unusable checkpoints** (truncated, a missing shard, not a checkpoint at all)
   end in one line naming the file
-  (:func:`~lightning_fastdist.parallel.checkpoint_problems.describe_unloadable`);
+  (:func:`~lightning_fastdist.parallel.checkpoint.problems.describe_unloadable`);
   a ``last*.ckpt`` checkpoint (what ``ckpt_path="last"`` finds) that does not
   load is replaced by the newest checkpoint of the same folder that does, with a
   warning saying so.
@@ -42,11 +43,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_fastdist.callbacks.preemption import PreemptionHandler
-from lightning_fastdist.parallel.checkpoint_problems import UnusableCheckpointError, describe_unloadable
-from lightning_fastdist.parallel.collective_timeout import explain_lost_peer
-from lightning_fastdist.parallel.finite_state import non_finite_entry
-from lightning_fastdist.parallel.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
+from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
+from lightning_fastdist.parallel.faults.collective_timeout import explain_lost_peer
+from lightning_fastdist.parallel.faults.finite_state import non_finite_entry
+from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
+from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_SUFFIX = ModelCheckpoint.FILE_EXTENSION
 TRAINING_STATE_KEYS = ("state_dict", "optimizer_states")  # the checkpoint entries that must be finite

@@ -4,7 +4,7 @@ Lightning's ``ModelParallelStrategy`` runs FSDP2 but asks the user to call
 ``fully_shard`` in ``configure_model`` and reduce-scatters gradients on every
 accumulation micro-batch. This strategy shards the unchanged model itself
 (see :meth:`FastFSDPStrategy.parallelize` for the order) inside a root unit
-around the LightningModule (:class:`~lightning_fastdist.parallel.fsdp.RootUnit`),
+around the LightningModule (:class:`~lightning_fastdist.parallel.fsdp.sharding.RootUnit`),
 so that a step may call ``self(...)``, ``self.model(...)`` or any submodule,
 skips gradient communication on non-final micro-batches,
 counts the bytes of every all-gather and reduce-scatter, and writes checkpoints
@@ -35,13 +35,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
-from lightning_fastdist.parallel.atomic_checkpoint import ShardedCheckpointWriter
-from lightning_fastdist.parallel.comm_accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
-from lightning_fastdist.parallel.exposed_comm import ExposedCommClock
-from lightning_fastdist.parallel.fsdp import FSDPSharding, RootUnit, ShardingMode, shard_model
-from lightning_fastdist.parallel.fsdp_comm_accounting import count_fsdp_communication
-from lightning_fastdist.parallel.idle_experts import IdleExperts
-from lightning_fastdist.parallel.plan import (
+from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
+from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
+from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, RootUnit, ShardingMode, shard_model
+from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
+from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
     CheckpointingOption,
     CompileOption,
@@ -63,16 +63,16 @@ class FastFSDPStrategy(
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
-        blocks: the plan's (:class:`~lightning_fastdist.parallel.plan.ParallelPlan`): each block is an
+        blocks: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`): each block is an
             FSDP unit; parameters outside every block belong to the root, sharded last; a model
             without blocks is one unit.
         sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``
-            (:class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``mode``).
+            (:class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``mode``).
         hsdp_group_size: ranks per shard group under ``"hsdp"``; must divide the
             world size. ``None`` means the devices of one node.
-        cpu_offload: :class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``cpu_offload``.
-        keep_fp32: :class:`~lightning_fastdist.parallel.fsdp.FSDPSharding`'s ``keep_fp32``: class names of modules
-            that keep float32 parameters under mixed precision, each a unit of its own.
+        cpu_offload: :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``cpu_offload``.
+        keep_fp32: :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``keep_fp32``: class names of
+            modules that keep float32 parameters under mixed precision, each a unit of its own.
         activation_checkpointing: the plan's.
         compile: the plan's.
         compile_scope: the plan's.
@@ -82,7 +82,7 @@ class FastFSDPStrategy(
             (training continues once the state is copied to host memory).
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.collective_timeout`); ``None`` keeps torch's 30 minutes.
+            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
         log_comm_bytes: log the bytes of the last optimizer step's parameter all-gathers and
             gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
             ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
@@ -209,7 +209,7 @@ class FastFSDPStrategy(
     def parallelize(self, model: nn.Module) -> RootUnit:
         """Apply the plan to ``model`` in place with FSDP as its wrapper; return the root unit.
 
-        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan`.
+        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
         """
         precision = self.precision_plugin.precision
         root, units, self.prepared, self._idle_experts = shard_model(
@@ -236,7 +236,8 @@ class FastFSDPStrategy(
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """A non-final accumulation micro-batch: :meth:`~lightning_fastdist.parallel.fsdp.FSDPSharding.accumulating`."""
+        """A non-final accumulation micro-batch:
+        :meth:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding.accumulating`."""
         if not isinstance(self.model, FSDPModule):
             yield
             return

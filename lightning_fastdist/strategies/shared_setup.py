@@ -1,5 +1,5 @@
 """What every strategy of this package sets up alike, written once: the collective ``timeout``,
-the :class:`~lightning_fastdist.parallel.plan.ParallelPlan` (blocks, activation checkpointing,
+the :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan` (blocks, activation checkpointing,
 compile) and its recompile watcher, the launch (class names checked against the model before any
 process starts, the run id in the launch's environment only), a one-file checkpoint published
 atomically, and registration under ``strategy_name``.
@@ -25,10 +25,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
-from lightning_fastdist.parallel.atomic_checkpoint import check_save_target, save_file_atomically
-from lightning_fastdist.parallel.blocks import resolve_blocks
-from lightning_fastdist.parallel.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.plan import ParallelPlan, PreparedBlocks
+from lightning_fastdist.parallel.checkpoint.atomic import check_save_target, save_file_atomically
+from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.plan.blocks import resolve_blocks
+from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan, PreparedBlocks
 
 
 class SharedSetup:

@@ -1,0 +1,189 @@
+"""BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
+
+Per rank it measures, with no per-step device sync: the mean optimizer step time
+(all its micro-batches under gradient accumulation) over a window after warm-up
+(the clock is read at the window's two ends, with one device synchronisation
+each), samples and tokens per second (tokens for batches of token ids, as
+:class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
+the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
+FastFSDPStrategy's all-gathers and reduce-scatters), the communication each
+step waited for after its compute (exposed communication: the strategy's
+``exposed_comm`` clock, summed over the timing window and divided as the step
+time is: the part of ``step_time_s`` spent waiting for communication), host
+syncs per step (counted from the start of the third-to-last step to the start
+of the last, after the timing window because counting slows dispatch, and
+before the end-of-training flush), the last loss, and the mean loss over the
+last quarter of the steps (``tail_loss``: one batch's loss moves by about half a
+percent from step to step, so comparing two setups' mean over the same batches
+is steadier than comparing their last). Rank 0 writes the results as JSON.
+
+Lightning's own strategies time and count nothing, so the probe attaches the
+same measurement ours use (:mod:`lightning_fastdist.parallel.comm.exposed`),
+without changing what they compute: on ``DDPStrategy``'s DDP module gradient
+hooks that only read the clock; on the FSDP2 units of ``ModelParallelStrategy``
+the counting collectives, which do what FSDP2's own do; on ``DeepSpeedStrategy``
+the counting communication backend. Their rows then have bytes (but DDP's) and
+exposed communication like ours.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_fastdist.callbacks.speed_monitor import default_units
+from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
+from lightning_fastdist.parallel.comm.accounting import CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, watch_ddp
+from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspeed_communication
+from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
+
+SYNC_COUNT_STEPS = 2
+TAIL_FRACTION = 4  # tail_loss averages the last 1/TAIL_FRACTION of the optimizer steps (at least one)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this rank and what it measures (CUDA allocator peak, or peak process RSS on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+class BenchProbe(L.Callback):
+    """Measure one benchmark setup and write its numbers to ``output`` (rank 0).
+
+    Args:
+        output: JSON file to write.
+        warmup_steps: steps left out of the timing window (compilation, allocator warm-up).
+    """
+
+    def __init__(self, output: str, warmup_steps: int = 2) -> None:
+        self.output = Path(output)
+        self.warmup_steps = warmup_steps
+        self._window_start: float | None = None
+        self._window_steps = 0
+        self._step_time: float | None = None
+        self._units_per_step: dict[str, int] = {}
+        self._syncs: HostSyncCounter | None = None
+        self._sync_count: int | None = None  # syncs over SYNC_COUNT_STEPS whole steps
+        self._last_loss: torch.Tensor | None = None
+        self._tail_sum: torch.Tensor | None = None  # on the device: summed without a host sync
+        self._tail_batches = 0
+        self._clock: ExposedCommClock | None = None
+        # What the probe measures itself, for a Lightning strategy (it closes their steps).
+        self._own_clock: ExposedCommClock | None = None
+        self._own_stats: CommStats | None = None
+        self._stop_measuring: Callable[[], None] | None = None
+        self._started_step: int | None = None  # the optimizer step the current micro-batch belongs to
+        self._exposed_at_start: float | None = None
+        self._exposed_per_step: float | None = None
+
+    @property
+    def exposed_comm(self) -> ExposedCommClock | None:
+        """The clock this probe reads: the strategy's ``exposed_comm``, or its own on one of Lightning's strategies."""
+        return self._clock
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock = getattr(trainer.strategy, "exposed_comm", None)
+        if self._clock is None:
+            self._measure_lightnings_own(trainer, pl_module)
+
+    def _measure_lightnings_own(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Attach this package's measurement to one of Lightning's strategies (see the module docstring)."""
+        strategy, clock, stats = trainer.strategy, ExposedCommClock(pl_module.device), CommStats()
+        units = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
+        if isinstance(strategy.model, DistributedDataParallel):  # its bytes stay uncounted: no hook of ours sees them
+            self._stop_measuring = watch_ddp(strategy.model, clock).remove
+        elif units and count_fsdp_communication(units, stats, replicated=False, clock=clock):
+            self._own_stats = stats
+        elif isinstance(strategy, DeepSpeedStrategy):
+            self._stop_measuring = count_deepspeed_communication(stats, clock)
+            self._own_stats = stats
+        else:
+            return
+        self._clock = self._own_clock = clock
+
+    def _timing_ends_at(self, trainer: L.Trainer) -> int:
+        return max(trainer.max_steps - SYNC_COUNT_STEPS - 1, self.warmup_steps + 1)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._started_step:  # a later micro-batch of the same optimizer step (accumulation)
+            return
+        self._started_step = step
+        if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
+            self._syncs.__exit__(None, None, None)
+            self._sync_count = self._syncs.count
+        if step == self.warmup_steps:
+            _synchronize(pl_module.device)
+            self._window_start = time.perf_counter()
+            self._exposed_at_start = self._clock.total_s if self._clock is not None else None  # the events are done
+        elif step == self._timing_ends_at(trainer) and self._window_start is not None:
+            _synchronize(pl_module.device)
+            self._step_time = (time.perf_counter() - self._window_start) / self._window_steps
+            if self._exposed_at_start is not None:
+                self._exposed_per_step = (self._clock.total_s - self._exposed_at_start) / self._window_steps
+            self._syncs = count_host_syncs()
+            self._syncs.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ranks_and_micro_batches = trainer.world_size * trainer.accumulate_grad_batches
+        self._units_per_step = {unit: n * ranks_and_micro_batches for unit, n in default_units(batch).items()}
+        if trainer.global_step != self._started_step:  # this micro-batch closed its optimizer step
+            if self._window_start is not None and self._step_time is None:
+                self._window_steps += 1
+            for own in (self._own_stats, self._own_clock):
+                if own is not None:
+                    own.end_step()
+        self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
+        if self._started_step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION):  # the last quarter
+            loss = self._last_loss.float()
+            self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
+            self._tail_batches += 1
+
+    def _per_second(self, unit: str) -> float | None:
+        count = self._units_per_step.get(unit)
+        return count / self._step_time if count and self._step_time else None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        peak, peak_kind = peak_memory_bytes(pl_module.device)
+        comm = getattr(trainer.strategy, "comm_stats", None) or self._own_stats
+        if self._stop_measuring is not None:
+            self._stop_measuring()
+        result = {
+            "steps": trainer.global_step,
+            "step_time_s": self._step_time,
+            "samples_per_s": self._per_second("samples"),
+            "tokens_per_s": self._per_second("tokens"),
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": peak_kind,
+            "comm_bytes_per_step": comm.last_step_bytes if comm is not None else None,
+            "comm_bytes_by_collective": {k: t.bytes for k, t in comm.last_step.items()} if comm is not None else None,
+            "exposed_comm_s": self._exposed_per_step,
+            "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
+            "final_loss": self._last_loss.item() if self._last_loss is not None else None,
+            "tail_loss": (self._tail_sum / self._tail_batches).item() if self._tail_sum is not None else None,
+        }
+        per_rank = trainer.strategy.all_gather(torch.tensor(float(peak), device=pl_module.device))
+        result["peak_memory_bytes_max_rank"] = int(per_rank.max().item()) if per_rank.dim() else peak
+        if trainer.is_global_zero:
+            self.output.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,163 @@
+"""The setups ``lightning-fastdist bench`` compares, as strategy overrides of one recipe.
+
+Three engines (DDP, FSDP2, DeepSpeed ZeRO), each as our strategy in several
+configurations and as Lightning's own strategy unchanged (the ``lightning-*``
+baselines: what a user has without this package). Every row of an engine is
+compared with that engine's baseline (:attr:`BenchSetup.baseline`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
+
+FAST_DDP = "lightning_fastdist.FastDDPStrategy"
+FAST_FSDP = "lightning_fastdist.FastFSDPStrategy"
+FAST_DEEPSPEED = "lightning_fastdist.FastDeepSpeedStrategy"
+LIGHTNING_DDP = "lightning.pytorch.strategies.DDPStrategy"
+LIGHTNING_FSDP2 = "lightning.pytorch.strategies.ModelParallelStrategy"
+LIGHTNING_DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
+DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
+HAND_SHARDED_MODEL = "lightning_fastdist.commands.bench.baselines.HandShardedTinyGPT"
+ENGINES = ("DDP", "FSDP2", "DeepSpeed")
+# The options the rows of our strategies compare, at their defaults where a row does not set them: a recipe's
+# own values (e.g. a tuned recipe's comm_hook: bf16) would otherwise reach every row of the same class.
+COMPARED_OPTIONS = {
+    FAST_DDP: {"comm_hook": "none", "activation_checkpointing": "none", "compile": False},
+    FAST_FSDP: {"activation_checkpointing": "none", "compile": False},
+    FAST_DEEPSPEED: {"activation_checkpointing": "none", "offload_optimizer": False, "offload_parameters": False},
+}
+BASELINES = {"DDP": "lightning-ddp", "FSDP2": "lightning-fsdp2", "DeepSpeed": "lightning-deepspeed"}
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    """One row of the comparison.
+
+    Args:
+        name: the row's name, as given to ``--setups``.
+        engine: one of :data:`ENGINES`.
+        strategy_class: import path of the strategy.
+        strategy_args: its ``init_args``.
+        model_class: a model class to train instead of the recipe's (keeping its ``init_args``), or ``None``.
+        exact: computes what plain fp32 data parallelism computes (no gradient compression), so its loss
+            must match the other exact rows' (bench's loss-parity line).
+        all_ranks_data_parallel: Lightning's ``ModelParallelStrategy`` with every rank in its data-parallel
+            dimension (its default puts the ranks of a node in the tensor-parallel one, where a model sharded
+            over ``device_mesh["data_parallel"]`` is not sharded at all and every rank reads the same batch).
+        needs: a reason this setup cannot run here, or ``None`` if it can.
+        keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise the options
+            in :data:`COMPARED_OPTIONS` are the row's own or their defaults (the recipe's others, such as
+            ``timeout`` or ``blocks``, are kept either way).
+    """
+
+    name: str
+    engine: str
+    strategy_class: str
+    strategy_args: dict[str, Any] = field(default_factory=dict)
+    model_class: str | None = None
+    exact: bool = True
+    all_ranks_data_parallel: bool = False
+    needs: str | None = None
+    keeps_recipe_options: bool = False
+
+    @property
+    def baseline(self) -> str:
+        """The row of Lightning's own strategy for this engine."""
+        return BASELINES[self.engine]
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.engine == "DeepSpeed"
+
+    def strategy_config(self, world_size: int | None) -> dict[str, Any]:
+        """The ``trainer.strategy`` entry for a run of ``world_size`` ranks."""
+        init_args = dict(self.strategy_args)
+        if not self.keeps_recipe_options:
+            init_args = {**COMPARED_OPTIONS.get(self.strategy_class, {}), **init_args}
+        if self.all_ranks_data_parallel:
+            init_args.update(data_parallel_size=world_size, tensor_parallel_size=1)
+        return {"class_path": self.strategy_class, "init_args": init_args}
+
+    def unavailable(self, recipe: dict, world_size: int | None) -> str | None:
+        """Why this setup cannot train ``recipe`` (a loaded recipe) on ``world_size`` ranks, or ``None``."""
+        if self.needs:
+            return self.needs
+        if self.all_ranks_data_parallel and world_size is None:
+            return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
+        model = (recipe.get("model") or {}).get("class_path", DEMO_MODEL)
+        if self.model_class is not None and model != DEMO_MODEL:
+            return f"its configure_model is written for {DEMO_MODEL}, the recipe trains {model}"
+        accelerator = (recipe.get("trainer") or {}).get("accelerator", "auto")
+        on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+        if self.strategy_class == LIGHTNING_DEEPSPEED and on_cpu:
+            return "Lightning's DeepSpeedStrategy runs on CUDA only (it refuses the CPU accelerator)"
+        return None
+
+
+_ENGINE_OF_CLASS = {
+    FAST_DDP: "DDP",
+    LIGHTNING_DDP: "DDP",
+    FAST_FSDP: "FSDP2",
+    LIGHTNING_FSDP2: "FSDP2",
+    FAST_DEEPSPEED: "DeepSpeed",
+    LIGHTNING_DEEPSPEED: "DeepSpeed",
+}
+
+
+def recipe_setup(recipe: dict) -> BenchSetup:
+    """The ``recipe`` row: the recipe's own ``trainer.strategy``, unchanged (e.g. one ``tune`` wrote)."""
+    strategy = (recipe.get("trainer") or {}).get("strategy")
+    class_path = strategy.get("class_path") if isinstance(strategy, dict) else None
+    if class_path not in _ENGINE_OF_CLASS:
+        known = ", ".join(sorted(_ENGINE_OF_CLASS))
+        reason = f"the recipe's trainer.strategy is {strategy!r}; this row needs a class_path, one of {known}"
+        return BenchSetup("recipe", "DDP", str(class_path), exact=False, needs=reason)
+    init_args = dict(strategy.get("init_args") or {})
+    engine = _ENGINE_OF_CLASS[class_path]
+    return BenchSetup("recipe", engine, class_path, init_args, exact=False, keeps_recipe_options=True)
+
+
+def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
+    """Every setup bench knows, by name, in the order the table lists them."""
+    no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"
+    setups = [
+        BenchSetup("lightning-ddp", "DDP", LIGHTNING_DDP),
+        BenchSetup(
+            "lightning-fsdp2", "FSDP2", LIGHTNING_FSDP2, model_class=HAND_SHARDED_MODEL, all_ranks_data_parallel=True
+        ),
+        BenchSetup("lightning-deepspeed", "DeepSpeed", LIGHTNING_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
+        BenchSetup("ddp", "DDP", FAST_DDP, {"comm_hook": "none"}),  # exact: fp32 gradients always
+        BenchSetup("ddp-auto", "DDP", FAST_DDP, {"comm_hook": "auto"}, exact=False),  # the default: may compress
+        BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
+        BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
+        # PowerSGD at its default rank, compressing from step 2: a few steps show its steady state.
+        BenchSetup("ddp-powersgd", "DDP", FAST_DDP, {"comm_hook": "powersgd", "powersgd_start_iter": 2}, exact=False),
+        BenchSetup("ddp-compile", "DDP", FAST_DDP, {"compile": {"backend": compile_backend}}),
+        BenchSetup("fsdp-zero2", "FSDP2", FAST_FSDP, {"sharding": "zero2"}),
+        BenchSetup("fsdp-zero3", "FSDP2", FAST_FSDP, {"sharding": "zero3"}),
+        BenchSetup("fsdp-zero3-ac", "FSDP2", FAST_FSDP, {"sharding": "zero3", "activation_checkpointing": "full"}),
+        BenchSetup("fsdp-hsdp", "FSDP2", FAST_FSDP, {"sharding": "hsdp"}),  # shards within a node
+        BenchSetup("deepspeed-zero1", "DeepSpeed", FAST_DEEPSPEED, {"stage": 1}, needs=no_deepspeed),
+        BenchSetup("deepspeed-zero2", "DeepSpeed", FAST_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
+        BenchSetup("deepspeed-zero3", "DeepSpeed", FAST_DEEPSPEED, {"stage": 3}, needs=no_deepspeed),
+        BenchSetup(
+            "deepspeed-zero2-offload",
+            "DeepSpeed",
+            FAST_DEEPSPEED,
+            {"stage": 2, "offload_optimizer": True},
+            needs=no_deepspeed,
+        ),  # fmt: skip
+        BenchSetup(
+            "deepspeed-zero3-offload",
+            "DeepSpeed",
+            FAST_DEEPSPEED,
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+            needs=no_deepspeed,
+        ),  # fmt: skip
+    ]
+    return {setup.name: setup for setup in setups}

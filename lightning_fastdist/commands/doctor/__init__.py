@@ -1,0 +1,1 @@
+"""``lightning-fastdist doctor``: environment, memory plan and a recipe; ``--simulate`` (:mod:`.command`)."""

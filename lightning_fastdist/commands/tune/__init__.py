@@ -1,0 +1,1 @@
+"""``lightning-fastdist tune``: measure a recipe's candidate setups and write the fastest (:mod:`.command`)."""

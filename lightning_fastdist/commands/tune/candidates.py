@@ -1,0 +1,213 @@
+"""The setups ``lightning-fastdist tune`` may try, and the memory plan that prunes them before any starts.
+
+A :class:`Candidate` is one of bench's setups of our strategies (the strategy and
+its options) with the axes tune varies around it: activation checkpointing,
+per-block compile, and the split of the recipe's global batch into micro-batch x
+accumulation. A :class:`MemoryPlan` traces the recipe's own step with ``doctor
+--simulate``'s simulation at each micro-batch tune considers; :func:`memory_verdict`
+says whether a candidate fits one device.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+from lightning_fastdist.commands.bench.setups import FAST_DDP, FAST_DEEPSPEED, FAST_FSDP, BenchSetup
+from lightning_fastdist.commands.doctor.command import DEMO_DATA, DEMO_MODEL
+from lightning_fastdist.planning.memory_model import GiB
+from lightning_fastdist.planning.simulate import NotTraceable, Simulation, recipe_run, simulate
+
+# Bench's rows of our strategies that tune tries by default (hsdp only across nodes, DeepSpeed where installed).
+DEFAULT_SETUPS = (
+    "ddp",
+    "ddp-bf16",
+    "ddp-powersgd",
+    "fsdp-zero2",
+    "fsdp-zero3",
+    "fsdp-hsdp",
+    "deepspeed-zero1",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
+)
+TUNABLE_CLASSES = (FAST_DDP, FAST_FSDP, FAST_DEEPSPEED)
+CHECKPOINTING_ORDER = ("none", "selective", "full")  # least recompute first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setup tune may train.
+
+    Args:
+        setup: the bench row it starts from (strategy class and options, engine, exactness).
+        checkpointing: ``activation_checkpointing`` (``none``, ``selective`` or ``full``).
+        compile_backend: per-block ``torch.compile`` with this backend, or ``None``.
+        micro_batch: ``data.init_args.batch_size``, or ``None`` for the recipe's.
+        accumulation: ``trainer.accumulate_grad_batches``, or ``None`` for the recipe's.
+        compared_with: the name of the candidate whose loss guards this one's (a non-exact or compiled
+            candidate is accepted only if its loss stays within tolerance of it), or ``None``.
+    """
+
+    setup: BenchSetup
+    checkpointing: str = "none"
+    compile_backend: str | None = None
+    micro_batch: int | None = None
+    accumulation: int | None = None
+    compared_with: str | None = None
+
+    @property
+    def name(self) -> str:
+        parts = [self.setup.name]
+        if self.checkpointing != "none":
+            parts.append(f"ac-{self.checkpointing}")
+        if self.compile_backend:
+            parts.append("compile")
+        if self.micro_batch is not None:
+            parts.append(f"mb{self.micro_batch}x{self.accumulation}")
+        return "+".join(parts)
+
+    @property
+    def plan_key(self) -> tuple[str, str, bool]:
+        """The simulation row that holds this candidate's memory: ``(setup, checkpointing, cpu_offload)``, as the
+        bench row sets them (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) unless the candidate does."""
+        args = self.setup.strategy_args
+        if self.setup.strategy_class == FAST_FSDP:
+            mode = args.get("sharding", "zero3")
+        elif self.setup.strategy_class == FAST_DEEPSPEED:
+            mode = f"ds-zero{args.get('stage', 2)}"
+        else:
+            mode = "ddp"
+        checkpointing = (
+            args.get("activation_checkpointing", "none") if self.checkpointing == "none" else self.checkpointing
+        )
+        return mode, checkpointing, bool(args.get("offload_optimizer") or args.get("cpu_offload"))
+
+    def bench_setup(self) -> BenchSetup:
+        """The setup bench's machinery trains: the strategy with this candidate's checkpointing and compile."""
+        strategy_args = dict(self.setup.strategy_args)
+        if self.checkpointing != "none":
+            strategy_args["activation_checkpointing"] = self.checkpointing
+        if self.compile_backend:
+            strategy_args["compile"] = {"backend": self.compile_backend}
+        return replace(self.setup, name=self.name, strategy_args=strategy_args)
+
+    def fit_arguments(self) -> list[str]:
+        """What ``fit`` is given on top of the recipe for this candidate's batch split."""
+        if self.micro_batch is None:
+            return []
+        return [
+            "--trainer.accumulate_grad_batches", str(self.accumulation),
+            "--data.init_args.batch_size", str(self.micro_batch),
+        ]  # fmt: skip
+
+
+@dataclass
+class MemoryPlan:
+    """One device's memory and the recipe's step simulated at each micro-batch tune considers (traced once each).
+
+    Args:
+        recipe: the parsed recipe.
+        world_size: ranks of a run.
+        gpus_per_node: ranks per node.
+        usable_bytes: the device memory less headroom, or ``None``: nothing is planned, nothing pruned.
+    """
+
+    recipe: dict
+    world_size: int
+    gpus_per_node: int
+    usable_bytes: int | None
+    untraceable: str | None = None  # why the step could not be simulated (then nothing is pruned)
+    _simulations: dict[int | None, Simulation | None] = field(default_factory=dict)
+
+    def simulation(self, micro_batch: int | None) -> Simulation | None:
+        """The step at ``micro_batch`` (``None``: the recipe's), or ``None`` without a plan or a trace."""
+        if self.usable_bytes is None or self.untraceable is not None:
+            return None
+        if micro_batch not in self._simulations:
+            try:
+                self._simulations[micro_batch] = simulate_at(
+                    self.recipe, micro_batch, self.world_size, self.gpus_per_node
+                )
+            except NotTraceable as error:
+                self.untraceable = str(error)
+                self._simulations[micro_batch] = None
+        return self._simulations[micro_batch]
+
+
+def recipe_batch_split(recipe: dict) -> tuple[int | None, int]:
+    """``(micro_batch, accumulation)`` of a recipe: its data's ``batch_size`` (``None`` when it has none)."""
+    data_args = (recipe.get("data") or {}).get("init_args") or {}
+    micro_batch = data_args.get("batch_size")
+    accumulation = (recipe.get("trainer") or {}).get("accumulate_grad_batches") or 1
+    return (micro_batch if isinstance(micro_batch, int) else None), int(accumulation)
+
+
+def larger_micro_batches(micro_batch: int | None, accumulation: int, limit: int = 2) -> list[tuple[int, int]]:
+    """Up to ``limit`` splits of the same global batch into fewer, larger micro-batches (accumulation halved)."""
+    splits = []
+    while micro_batch is not None and accumulation % 2 == 0 and len(splits) < limit:
+        micro_batch, accumulation = micro_batch * 2, accumulation // 2
+        splits.append((micro_batch, accumulation))
+    return splits
+
+
+def smaller_micro_batch(micro_batch: int | None, accumulation: int) -> tuple[int, int] | None:
+    """The same global batch in micro-batches half as large (twice the accumulation), or ``None``."""
+    if micro_batch is None or micro_batch % 2:
+        return None
+    return micro_batch // 2, accumulation * 2
+
+
+def _section(recipe: dict, name: str, default_class: str) -> dict:
+    entry = recipe.get(name) or {"class_path": default_class}
+    return {"class_path": entry["class_path"], "init_args": dict(entry.get("init_args") or {})}
+
+
+def simulate_at(recipe: dict, micro_batch: int | None, world_size: int, gpus_per_node: int) -> Simulation:
+    """The recipe's step traced at ``micro_batch`` (``None``: as the recipe says); raises :class:`NotTraceable`."""
+    config = copy.deepcopy(recipe)
+    data = _section(config, "data", DEMO_DATA)
+    if micro_batch is not None:
+        data["init_args"]["batch_size"] = micro_batch
+    return simulate(recipe_run(config, _section(config, "model", DEMO_MODEL), data), world_size, gpus_per_node)
+
+
+def memory_verdict(candidate: Candidate, plan: MemoryPlan) -> tuple[int | None, str | None]:
+    """``(simulated peak bytes, why it cannot fit)``: ``(None, None)`` when there is no plan for it."""
+    simulation = plan.simulation(candidate.micro_batch)
+    if simulation is None:
+        return None, None
+    row = next(
+        (r for r in simulation.rows if (r.setup, r.activation_checkpointing, r.cpu_offload) == candidate.plan_key), None
+    )
+    if row is None:
+        traced = next(
+            (reason for s, mode, reason in simulation.not_traced if (s, mode) == candidate.plan_key[:2]), None
+        )
+        return None, (f"the memory plan could not trace it, as training would fail: {traced}" if traced else None)
+    if row.memory.peak > plan.usable_bytes:
+        return row.memory.peak, (
+            f"memory plan: peak {readable_bytes(row.memory.peak)} per rank > {readable_bytes(plan.usable_bytes)} usable"
+        )
+    return row.memory.peak, None
+
+
+def readable_bytes(count: int) -> str:
+    """``count`` in GiB, MiB or KiB, whichever keeps three significant digits."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count / 2**10:.3g} KiB"
+
+
+def least_checkpointing_that_fits(setup: BenchSetup, plan: MemoryPlan, **axes) -> tuple[Candidate, list[Candidate]]:
+    """The candidate of ``setup`` with the least recompute that fits (``none`` first), and the modes that did not
+    fit before it; with no plan, ``none``. When no mode fits, the ``none`` candidate is returned and pruned."""
+    too_large = []
+    for checkpointing in CHECKPOINTING_ORDER:
+        candidate = Candidate(setup, checkpointing, **axes)
+        _, reason = memory_verdict(candidate, plan)
+        if reason is None:
+            return candidate, too_large
+        too_large.append(candidate)
+    return too_large[0], too_large[1:]

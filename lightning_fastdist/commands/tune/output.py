@@ -1,0 +1,170 @@
+"""What ``lightning-fastdist tune`` writes: the winning recipe, the JSON of every candidate, the plot.
+
+Each file carries a mark of who wrote it (the recipe's first line, the JSON's
+``written_by``, a marker file in the work folder), and tune replaces only files
+with its mark: anything else at those paths is refused before a trial starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
+from lightning_fastdist.commands.doctor.simulate import replace_strategy
+from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
+from lightning_fastdist.commands.tune.search import Trial
+from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by
+from lightning_fastdist.planning.simulate import recipe_precision
+
+WRITTEN_BY = "lightning-fastdist tune"
+RECIPE_HEADER = f"# Written by: {WRITTEN_BY}"
+WORKDIR_MARK = ".written-by-lightning-fastdist-tune"
+
+
+def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> list[str]:
+    """One line per output path that holds something tune did not write (so it would not be replaced)."""
+    problems = []
+    if output.is_dir():
+        problems.append(f"--output: {output} is a folder; give a file path such as {output / 'tuned.yaml'}")
+    elif output.exists() and not first_line_starts_with(output, RECIPE_HEADER):
+        problems.append(f"--output: {output} exists and was not written by tune, so it is kept; give another path")
+    if json_path is not None:
+        if json_path.is_dir():
+            problems.append(f"--json: {json_path} is a folder; give a file path such as {json_path / 'tune.json'}")
+        elif json_path.exists() and json_written_by(json_path) != WRITTEN_BY:
+            problems.append(f"--json: {json_path} exists and was not written by tune, so it is kept; give another path")
+    if workdir.exists() and not workdir.is_dir():
+        problems.append(f"--workdir: {workdir} is a file; give a folder")
+    elif workdir.is_dir() and any(workdir.iterdir()) and not (workdir / WORKDIR_MARK).exists():
+        problems.append(f"--workdir: {workdir} holds files tune did not write; give a new or empty folder")
+    return problems
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Create the work folder (checked by :func:`outputs_not_ours`) and mark it as tune's."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / WORKDIR_MARK).write_text("This folder was written by lightning-fastdist tune; it may replace it.\n")
+
+
+def plan_line(plan: MemoryPlan) -> str:
+    if plan.usable_bytes is None:
+        return "memory plan: none (no GPU visible and no --gpu-memory): nothing is pruned"
+    return (
+        f"memory plan: {readable_bytes(plan.usable_bytes)} usable per device, world {plan.world_size} "
+        f"({plan.gpus_per_node} per node): candidates that do not fit are never started"
+    )
+
+
+def numbers(row: dict) -> str:
+    """A measured row in one line."""
+    unit = "tokens" if row.get("tokens_per_s") else "samples"
+    exposed = row.get("exposed_comm_s")
+    return (
+        f"{row['steps']} steps  {throughput(row):,.0f} {unit}/s  "
+        f"exposed {'n/a' if exposed is None else f'{1000 * exposed:.1f} ms'}  "
+        f"peak {row['peak_memory_bytes_max_rank'] / 2**20:.0f} MiB  tail loss {row['tail_loss']:.4f}"
+    )
+
+
+def table(trials: list[Trial]) -> list[str]:
+    """The candidates, round 1 and last round, as the recipe's comment lines."""
+    lines = [f"{'candidate':<32} {'status':<9} {'round 1':>12} {'last round':>17} {'tail loss':>9}  why"]
+    for trial in trials:
+        first = trial.rounds[0] if trial.rounds else None
+        last = trial.rounds[-1] if len(trial.rounds) > 1 else None
+        cells = [
+            f"{trial.candidate.name:<32}",
+            f"{trial.status:<9}",
+            f"{throughput(first):>12,.0f}" if first else f"{'':>12}",
+            f"{throughput(last):>9,.0f} (r{last['round']})" if last else f"{'':>17}",
+            f"{first['tail_loss']:>9.4f}" if first else f"{'':>9}",
+            f" {trial.reason}" if trial.reason else "",
+        ]
+        lines.append(" ".join(cells).rstrip())
+    return lines
+
+
+def tuned_recipe(recipe: dict, winner: Trial, devices: str | None = None, nodes: int | None = None) -> dict:
+    """The user's recipe with the winner's strategy and batch split, and the ``devices`` and ``nodes`` it was
+    tuned on where they were given; model and data otherwise unchanged."""
+    candidate = winner.candidate
+    strategy = candidate.bench_setup().strategy_config(world_size=None)
+    tuned = replace_strategy(recipe, strategy, recipe_precision(recipe.get("trainer") or {}))
+    if candidate.micro_batch is not None:
+        tuned["trainer"]["accumulate_grad_batches"] = candidate.accumulation
+        tuned.setdefault("data", {}).setdefault("init_args", {})["batch_size"] = candidate.micro_batch
+    if devices is not None:
+        tuned["trainer"]["devices"] = int(devices) if str(devices).isdigit() else devices
+    if nodes is not None:
+        tuned["trainer"]["num_nodes"] = nodes
+    return tuned
+
+
+def write_recipe(path: Path, args: argparse.Namespace, trials: list[Trial], winner: Trial, argv: list[str]) -> None:
+    unit = "tokens" if winner.rounds[-1].get("tokens_per_s") else "samples"
+    header = [
+        " ".join([RECIPE_HEADER, *argv]),
+        f"# Winner: {winner.candidate.name}, the fastest that passed the loss guard, of "
+        f"{sum(bool(t.rounds) for t in trials)} measured ({unit}/s over all ranks, per round):",
+        *(f"#   {line}" for line in table(trials)),
+        "# Run: lightning-fastdist fit --config THIS_FILE",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(tuned_recipe(args.recipe, winner, args.devices, args.nodes), sort_keys=False)
+    path.write_text("\n".join(header) + "\n" + body)
+
+
+def json_document(
+    args: argparse.Namespace, plan: MemoryPlan, trials: list[Trial], winner: Trial | None, elapsed_s: float
+) -> dict:
+    return {
+        "written_by": WRITTEN_BY,
+        "config": args.config,
+        "elapsed_s": elapsed_s,
+        "budget_s": args.budget_minutes * 60,
+        "loss_tolerance": args.loss_tolerance,
+        "memory_plan": {"usable_bytes": plan.usable_bytes, "untraceable": plan.untraceable},
+        "winner": winner.candidate.name if winner else None,
+        "candidates": [
+            {
+                "name": t.candidate.name,
+                "status": t.status,
+                "reason": t.reason,
+                "compared_with": t.candidate.compared_with,
+                "strategy": t.candidate.bench_setup().strategy_config(world_size=None),
+                "micro_batch": t.candidate.micro_batch,
+                "accumulation": t.candidate.accumulation,
+                "peak_plan_bytes": t.peak_plan_bytes,
+                "rounds": t.rounds,
+            }
+            for t in trials
+        ],
+    }
+
+
+def write_plot(trials: list[Trial], path: Path) -> None:
+    """Round-1 throughput per measured candidate, coloured by engine; the winner's bar outlined thick."""
+    import matplotlib  # noqa: PLC0415 - only the commands that plot need it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    measured = [t for t in trials if t.rounds]
+    figure, axis = plt.subplots(figsize=(9, 0.9 + 0.35 * max(len(measured), 4)))
+    axis.barh(
+        [t.candidate.name for t in measured],
+        [throughput(t.rounds[0]) for t in measured],
+        color=[ENGINE_COLOURS[t.candidate.setup.engine] for t in measured],
+        edgecolor="black",
+        linewidth=[3 if t.status == "winner" else 0.5 for t in measured],
+        hatch=["xx" if t.status == "rejected" else "" for t in measured],
+    )
+    unit = "tokens" if all(t.rounds[0].get("tokens_per_s") for t in measured) else "samples"
+    axis.set_xlabel(f"{unit} / s in round 1 (all ranks); thick edge: the winner; crossed: rejected by the loss guard")
+    axis.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,1 @@
+"""DeepSpeed without Lightning: its runtime on CPU and GPU, the ZeRO-3 trace, bytes per step."""

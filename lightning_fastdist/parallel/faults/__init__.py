@@ -1,0 +1,1 @@
+"""A job that fails as one: job identity, collective timeouts, the stop agreement, finite-state checks."""

@@ -1,0 +1,134 @@
+"""Count FSDP2's parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduces), and time their waits.
+
+FSDP2 lets each unit take its own all-gather and reduce-scatter objects
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch
+>= 2.9). The ones here do what FSDP2's defaults do, allocate with
+``torch.empty`` and call the ``torch.distributed`` collective (torch 2.13's
+``all_gather_single`` / ``reduce_scatter_single``, the older names before it),
+and record the tensor's bytes in a
+:class:`~lightning_fastdist.parallel.comm.accounting.CommStats` first. Under
+HSDP the all-reduce across replica groups is counted from FSDP2's all-reduce
+hook, which receives the reduced gradient shard.
+
+Given an :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`, they also time how long the
+training waits for each collective. On CPU every FSDP2 collective blocks the training thread: FSDP2 calls
+the all-gather with ``async_op=False`` unless told otherwise (``FSDPParamGroup.unshard`` passes
+``unshard_async_op``, default ``False``), calls the reduce-scatter without ``async_op`` (``foreach_reduce``
+in ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), and its streams and events are no-ops
+on CPU (``torch.cpu.Stream``). So a blocking call is timed whole, and an asynchronous one's ``Work`` gets
+a timed ``wait()`` (``foreach_all_gather_copy_out`` waits on a ``Work``). HSDP's all-reduce is called by
+FSDP2 itself (``dist.all_reduce`` in ``foreach_reduce``) between the reduce-scatter (with shard groups of
+one, the allocation of its output) and the all-reduce hook: that gap is timed. On CUDA FSDP2 runs these
+collectives on its own streams and the compute stream waits for them with ``wait_event``
+(``foreach_all_gather_copy_out``, ``FSDPParamGroup.post_backward`` and ``finalize_backward`` in
+``_fsdp_param_group.py``), where no hook of ours runs: there only waits issued on the compute stream count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, Mark, timed_collective
+
+# The torch.distributed functions called: torch 2.13 deprecates the "_tensor" names (a FutureWarning per call).
+ALL_GATHER_FUNCTION = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_FUNCTION = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+class _CountingComm:
+    """What FSDP2's communication interface needs besides the call: plain ``torch.empty`` buffers.
+
+    Args:
+        stats: where each call's bytes are recorded.
+        clock: where the time spent waiting for each call goes, or ``None``.
+    """
+
+    def __init__(self, stats: CommStats, clock: ExposedCommClock | None = None) -> None:
+        self.stats = stats
+        self.clock = clock
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(_CountingComm):
+    """FSDP2's all-gather of a unit's parameter shards (its ``AllGather`` interface), recording the gathered bytes."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        self.stats.record(output_tensor, ALL_GATHER)
+        gather = getattr(dist, ALL_GATHER_FUNCTION)
+        return timed_collective(
+            self.clock, lambda: gather(output_tensor, input_tensor, group=group, async_op=async_op), async_op
+        )
+
+
+class CountingReduceScatter(_CountingComm):
+    """FSDP2's reduce-scatter of a unit's gradients (its ``ReduceScatter`` interface), counting the full gradient.
+
+    With a clock, :attr:`done` marks when it last returned or allocated: where HSDP's all-reduce starts.
+    """
+
+    done: Mark | None = None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = super().allocate(size, dtype=dtype, device=device)
+        self._mark_done()
+        return buffer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        self.stats.record(input_tensor, REDUCE_SCATTER)
+        scatter = getattr(dist, REDUCE_SCATTER_FUNCTION)
+        work = timed_collective(
+            self.clock, lambda: scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op), async_op
+        )
+        self._mark_done()
+        return work
+
+    def _mark_done(self) -> None:
+        if self.clock is not None:
+            self.done = self.clock.mark()
+
+
+def _all_reduce_hook(stats: CommStats, reduce_scatter: CountingReduceScatter) -> Callable[[torch.Tensor], None]:
+    """HSDP's all-reduce hook: count the reduced shard's bytes and time the all-reduce that just returned."""
+    clock = reduce_scatter.clock
+
+    def hook(reduced_shard: torch.Tensor) -> None:
+        stats.record(reduced_shard, ALL_REDUCE)
+        if clock is not None and reduce_scatter.done is not None and clock.on_compute_stream():
+            clock.add(reduce_scatter.done)
+
+    return hook
+
+
+def count_fsdp_communication(
+    units: Sequence[nn.Module], stats: CommStats, replicated: bool, clock: ExposedCommClock | None = None
+) -> bool:
+    """Make every FSDP unit in ``units`` record its collectives in ``stats``.
+
+    Args:
+        units: modules that ``fully_shard`` was applied to.
+        stats: where the bytes go.
+        replicated: the mesh has a replicate dimension (HSDP): also count the
+            all-reduce of each gradient shard across replica groups.
+        clock: where the time spent waiting for them goes (the module docstring says what is timed), or ``None``.
+
+    Returns:
+        ``False`` when this torch has no FSDP2 communication interfaces (nothing is counted).
+    """
+    if not hasattr(FSDPModule, "set_custom_all_gather"):  # torch before 2.9
+        return False
+    for unit in units:
+        assert isinstance(unit, FSDPModule), f"{type(unit).__name__} is not sharded"
+        reduce_scatter = CountingReduceScatter(stats, clock)
+        unit.set_custom_all_gather(CountingAllGather(stats, clock))
+        unit.set_custom_reduce_scatter(reduce_scatter)
+        if replicated:
+            unit.set_all_reduce_hook(_all_reduce_hook(stats, reduce_scatter))
+    return True

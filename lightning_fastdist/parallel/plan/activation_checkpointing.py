@@ -1,0 +1,110 @@
+"""Activation checkpointing per block: trade recomputation in backward for activation memory.
+
+One implementation for every strategy (FSDP and DDP call the same function,
+before sharding / wrapping). It uses torch's composable, hook-based
+``checkpoint(module)``, so the model keeps its structure: parameter names,
+``state_dict`` keys and attribute access (``model.blocks[0].attn``) are the
+same with or without checkpointing, and checkpoints move freely between them.
+
+Modes:
+
+- ``"none"``: keep every activation (nothing changes).
+- ``"full"``: keep only each block's input; recompute the whole block in backward.
+- ``"selective"``: per-op, inside each block keep the outputs of the expensive
+  ops (matrix multiplies, attention) and recompute the cheap ones (norms,
+  activations, element-wise ops).
+- an integer ``n >= 1``: full checkpointing of every ``n``-th block (the
+  ``n``-th, ``2n``-th, ... in module order); ``1`` equals ``"full"``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_fastdist.parallel.plan.blocks import outermost_block_modules
+
+ACTIVATION_CHECKPOINTING_MODES = ("none", "full", "selective")
+
+# Ops whose outputs selective checkpointing keeps: they cost O(n^3)-like compute
+# to redo while the ops left out (norms, GELU, adds, dropout) are memory-bound and cheap.
+_EXPENSIVE_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+EXPENSIVE_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in _EXPENSIVE_OP_NAMES if hasattr(torch.ops.aten, name)
+)
+
+
+def validate_activation_checkpointing(mode: str | int) -> str | int:
+    """Return ``mode`` if it is a valid activation-checkpointing mode, else raise one clear ``ValueError``."""
+    valid_int = isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1
+    if mode in ACTIVATION_CHECKPOINTING_MODES or valid_int:
+        return mode
+    raise ValueError(
+        f"activation_checkpointing: got {mode!r}; use one of {', '.join(map(repr, ACTIVATION_CHECKPOINTING_MODES))} "
+        "or an integer n >= 1 (checkpoint every n-th block)."
+    )
+
+
+def _keep_expensive_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str | int, block_classes: Sequence[type[nn.Module]]
+) -> list[nn.Module]:
+    """Checkpoint the blocks of ``model`` in place; call it before sharding, compiling or DDP-wrapping.
+
+    Args:
+        model: the model; it is changed in place (hooks are added to its blocks).
+        mode: ``"none"``, ``"full"``, ``"selective"`` or an integer ``n >= 1``
+            (see the module docstring).
+        block_classes: the block classes (see
+            :func:`lightning_fastdist.parallel.plan.blocks.resolve_blocks`);
+            a block nested inside another block is not checkpointed twice.
+
+    Returns:
+        The block modules that were checkpointed, in module order.
+
+    Raises:
+        ValueError: an unknown ``mode``, a mode other than ``"none"`` with no block in ``model``, or an
+            integer ``mode`` larger than the number of blocks (nothing would be checkpointed).
+    """
+    validate_activation_checkpointing(mode)
+    if mode == "none":
+        return []
+    blocks = outermost_block_modules(model, block_classes)
+    if not blocks:
+        names = ", ".join(cls.__name__ for cls in block_classes) or "none found"
+        raise ValueError(
+            f"activation_checkpointing={mode!r} found no block to checkpoint in {type(model).__name__} "
+            f"(block classes: {names}); name its repeated layers with blocks=[...]."
+        )
+    if isinstance(mode, int):
+        if mode > len(blocks):
+            raise ValueError(
+                f"activation_checkpointing={mode}: {type(model).__name__} has {len(blocks)} block(s), so no block "
+                f"would be checkpointed; use an integer from 1 to {len(blocks)}, 'full' or 'selective'."
+            )
+        blocks = blocks[mode - 1 :: mode]
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
+    for block in blocks:
+        if mode == "selective":
+            checkpoint(block, use_reentrant=False, context_fn=context_fn)
+        else:
+            checkpoint(block, use_reentrant=False)
+    return blocks

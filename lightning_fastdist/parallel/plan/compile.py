@@ -1,0 +1,159 @@
+"""``torch.compile`` applied to the right region: each repeated block (default) or the model's forward.
+
+Compiling each block separately ("regional" compilation) traces one block and
+reuses that graph for every identical block, so compile time does not grow
+with depth, and it keeps distributed machinery out of the graph: FSDP's
+all-gather hooks and activation checkpointing's hooks run in eager code around
+each compiled ``forward``. Only ``forward`` is compiled (not the module's
+``__call__``), so hooks, parameter names and ``state_dict`` keys are unchanged.
+
+Order (the strategies follow it): activation checkpointing, then compile, then
+FSDP ``fully_shard`` / DDP wrapping.
+
+CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``, ``backend="cudagraphs"``,
+``options={"triton.cudagraphs": True}``) are refused when the strategy is built: a replayed graph
+reads and writes fixed addresses, and here those addresses move between replays. Each block's
+graph is shared by every block (each with its own parameters), activation checkpointing runs a
+block's forward again inside backward (a second replay that overwrites outputs the first one still
+needs), and FSDP frees and re-allocates each block's gathered weights every step. What to use
+instead: ``mode="max-autotune-no-cudagraphs"`` (inductor's autotuned kernels without graphs) or
+the default mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fastdist.parallel.plan.blocks import outermost_block_modules
+
+COMPILE_SCOPES = ("blocks", "model")
+COMPILE_OPTIONS = ("backend", "mode", "fullgraph", "dynamic", "options")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
+CUDA_GRAPH_BACKEND = "cudagraphs"
+# torch's debugging backends a user does pick (to tell a compiler problem from a graph-capture one).
+DEBUG_BACKENDS_OFFERED = ("eager", "aot_eager")
+
+
+def compile_backends() -> list[str]:
+    """Names ``torch.compile`` accepts as ``backend`` in this installation (its test-only ones too)."""
+    import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling
+
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
+
+
+def offered_backends() -> list[str]:
+    """The backends named in an error: torch's user-facing ones and ``eager``/``aot_eager``, without test-only
+    backends (``non_leaf_compile_error_TESTING_ONLY``, ``dynamo_minifier_backend``, ...) or CUDA graphs."""
+    import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling
+
+    offered = set(torch._dynamo.list_backends()) | {"inductor"} | set(DEBUG_BACKENDS_OFFERED)
+    return sorted((offered & set(compile_backends())) - {CUDA_GRAPH_BACKEND})
+
+
+def cuda_graph_setting(config: Mapping[str, Any]) -> str | None:
+    """The ``compile`` setting that would record CUDA graphs (``"mode='reduce-overhead'"``, ...), or ``None``."""
+    if config.get("mode") in CUDA_GRAPH_MODES:
+        return f"mode={config['mode']!r}"
+    if config.get("backend") == CUDA_GRAPH_BACKEND:
+        return f"backend={CUDA_GRAPH_BACKEND!r}"
+    options = config.get("options")
+    if isinstance(options, Mapping) and options.get("triton.cudagraphs"):
+        return "options={'triton.cudagraphs': True}"
+    return None
+
+
+def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Check a strategy's ``compile`` option; return ``torch.compile`` keyword arguments, or ``None`` for off.
+
+    Args:
+        compile: ``False``/``None`` (off), ``True`` (torch's defaults: inductor), or a
+            mapping with any of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
+
+    Raises:
+        ValueError: an unknown key, backend or mode, ``mode`` together with ``options``, or a setting that
+            records CUDA graphs (module docstring).
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, Mapping):
+        raise ValueError(
+            f"compile: expected true, false or a mapping of {', '.join(COMPILE_OPTIONS)}; got {compile!r}."
+        )
+    config = dict(compile)
+    unknown = sorted(set(config) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise ValueError(f"compile: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(COMPILE_OPTIONS)}.")
+    cuda_graphs = cuda_graph_setting(config)
+    if cuda_graphs is not None:
+        raise ValueError(
+            f"compile: {cuda_graphs} records CUDA graphs, which per-block compile, activation checkpointing and "
+            "FSDP's re-allocated weights break on replay; use mode='max-autotune-no-cudagraphs' (or the default mode)."
+        )
+    backend = config.get("backend")
+    if isinstance(backend, str) and backend not in compile_backends():
+        raise ValueError(
+            f"compile.backend: {backend!r} is not a torch.compile backend; accepted: {', '.join(offered_backends())}."
+        )
+    mode = config.get("mode")
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"compile.mode: {mode!r} is not a torch.compile mode; accepted: {', '.join(COMPILE_MODES)}.")
+    if mode is not None and config.get("options"):
+        raise ValueError("compile: set either mode or options, not both (torch.compile refuses the pair).")
+    dynamic = config.get("dynamic")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ValueError(f"compile.dynamic: expected true, false or null; got {dynamic!r}.")
+    fullgraph = config.get("fullgraph", False)
+    if not isinstance(fullgraph, bool):
+        raise ValueError(f"compile.fullgraph: expected true or false; got {fullgraph!r}.")
+    options = config.get("options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(f"compile.options: expected a mapping of inductor options; got {options!r}.")
+    return config
+
+
+def validate_compile_scope(scope: str) -> str:
+    """Return ``scope`` if it is ``"blocks"`` or ``"model"``, else raise one clear ``ValueError``."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope: got {scope!r}; accepted values: {', '.join(map(repr, COMPILE_SCOPES))}.")
+    return scope
+
+
+def apply_compile(
+    model: nn.Module, config: Mapping[str, Any], scope: str, block_classes: Sequence[type[nn.Module]]
+) -> list[nn.Module]:
+    """Compile the ``forward`` of each block of ``model`` (scope ``"blocks"``) or of ``model`` itself.
+
+    Args:
+        model: changed in place.
+        config: ``torch.compile`` keyword arguments (see :func:`normalize_compile_config`).
+        scope: ``"blocks"`` or ``"model"``.
+        block_classes: the block classes for scope ``"blocks"`` (see
+            :func:`lightning_fastdist.parallel.plan.blocks.resolve_blocks`).
+
+    Returns:
+        The modules whose ``forward`` is now compiled ("compiled regions").
+
+    Raises:
+        ValueError: scope ``"blocks"`` and no block found in ``model``.
+    """
+    validate_compile_scope(scope)
+    if scope == "model":
+        targets = [model]
+    else:
+        targets = outermost_block_modules(model, block_classes)
+        if not targets:
+            names = ", ".join(cls.__name__ for cls in block_classes) or "none found"
+            raise ValueError(
+                f"compile_scope='blocks' found no block to compile in {type(model).__name__} (block classes: {names}); "
+                "name its repeated layers with blocks=[...] or use compile_scope='model'."
+            )
+    for module in targets:
+        module.forward = torch.compile(module.forward, **config)
+    return targets

@@ -1,0 +1,2 @@
+"""Before a run: memory and communication models, the advisor behind ``doctor``, and the simulator that traces
+one step of a recipe's own model at any world size (``doctor --simulate``)."""

@@ -1,0 +1,287 @@
+"""Pick a strategy, checkpointing, offload, precision and batch split for a model on given devices; write the recipe.
+
+The rule: walk :data:`PREFERENCE` (fastest first) and take the first
+configuration whose estimated peak (:mod:`~lightning_fastdist.planning.memory_model`)
+fits in ``(1 - HEADROOM)`` of one device's memory. If none fits, halve the
+micro-batch (raising gradient accumulation so the global batch stays the same)
+and try again; at micro-batch 1 the most frugal configuration is recommended
+with a warning that it does not fit.
+
+Order and why: DDP puts no collective in front of any forward and overlaps its
+one all-reduce with backward; ZeRO-2 shards the state at the cost of one
+all-gather per block per step; ZeRO-3 gathers twice per micro-batch but holds
+only two blocks' weights (bytes per mode:
+:mod:`~lightning_fastdist.planning.comm_model`); activation checkpointing
+costs about one extra forward (~33% more compute); CPU offload moves the
+optimizer step to the host (slowest).
+
+Which engine: FSDP2 for every sharded configuration without offload (it holds
+less than DeepSpeed at the same sharding: no fp32 master copy in fp32 training,
+no gradient buckets, only two blocks' weights gathered under ZeRO-3; and its
+ZeRO-2 sends a reduce-scatter where DeepSpeed's all-reduces). DeepSpeed when
+only offloading fits: ZeRO-2 with optimizer offload (ZeRO-Offload) keeps the
+weights and gradients on the device and moves gradients out and weights back
+once per optimizer step, where FSDP2's offload moves every block's weights in
+for each forward and backward of each micro-batch. As the last resort, FSDP2
+ZeRO-3 with offload, which leaves the device the least (two blocks' weights).
+On one device sharding saves nothing, so only DDP (a plain single-device run),
+checkpointing and offload are considered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lightning_fastdist.diagnostics.dataloader_audit import workers_for
+from lightning_fastdist.planning.memory_model import DEEPSPEED_MODES, MemoryEstimate, TrainingShape, estimate_memory
+
+HEADROOM = 0.15  # CUDA context, allocator fragmentation, temporary buffers
+PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
+    ("ddp", "none", False),
+    ("zero2", "none", False),
+    ("zero3", "none", False),
+    ("zero2", "full", False),
+    ("zero3", "full", False),
+    ("ds-zero2", "none", True),
+    ("ds-zero2", "full", True),
+    ("zero3", "full", True),
+)
+SINGLE_DEVICE_PREFERENCE = (
+    ("ddp", "none", False),
+    ("ddp", "full", False),
+    ("ds-zero2", "full", True),
+    ("zero3", "full", True),
+)
+_MODE_NAMES = {
+    "ddp": "DDP",
+    "zero2": "FSDP ZeRO-2",
+    "zero3": "FSDP ZeRO-3",
+    "hsdp": "FSDP HSDP",
+    "ds-zero1": "DeepSpeed ZeRO-1",
+    "ds-zero2": "DeepSpeed ZeRO-2",
+    "ds-zero3": "DeepSpeed ZeRO-3",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The devices a recipe is for.
+
+    Args:
+        accelerator: ``"gpu"`` or ``"cpu"``.
+        devices: devices (processes) per node.
+        device_memory_bytes: memory of one device; on CPU, the host memory shared by the processes.
+        bf16: whether the devices compute in bfloat16.
+        cpu_cores: CPU cores of the node, shared by its processes (sizes the data-loader workers).
+        nodes: number of nodes.
+    """
+
+    accelerator: str
+    devices: int
+    device_memory_bytes: int
+    bf16: bool
+    cpu_cores: int
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+
+@dataclass
+class Recommendation:
+    """What :func:`recommend` chose and why.
+
+    Attributes:
+        estimate: the memory estimate of the chosen configuration (per device).
+        shape: the training shape it was estimated for (micro-batch and precision as chosen).
+        accumulate_grad_batches: micro-batches per optimizer step.
+        fits: whether the estimate fits in the usable memory.
+        usable_bytes: device memory minus :data:`HEADROOM`.
+        reasons: one line per decision.
+    """
+
+    estimate: MemoryEstimate
+    shape: TrainingShape
+    accumulate_grad_batches: int
+    fits: bool
+    usable_bytes: int
+    reasons: list[str] = field(default_factory=list)
+
+
+def choose_precision(target: Target) -> str:
+    """``bf16-mixed`` where bf16 is available; ``16-mixed`` on GPUs without it; ``32-true`` on CPUs without it."""
+    if target.bf16:
+        return "bf16-mixed"
+    return "16-mixed" if target.accelerator == "gpu" else "32-true"
+
+
+def workers_per_rank(cpu_cores: int, processes_per_node: int) -> int:
+    """Data-loader workers for one rank (the rule of
+    :func:`~lightning_fastdist.diagnostics.dataloader_audit.workers_for`)."""
+    return workers_for(max(1, cpu_cores // max(1, processes_per_node)))
+
+
+def recommend(shape: TrainingShape, target: Target, global_batch: int | None = None) -> Recommendation:
+    """Choose the fastest configuration that fits (see the module docstring).
+
+    Args:
+        shape: the model and batch; its ``world_size`` and ``precision`` are replaced by the target's.
+        target: the devices.
+        global_batch: samples per optimizer step over all ranks; ``None`` means
+            ``micro_batch x world_size`` (no accumulation).
+
+    Raises:
+        ValueError: ``global_batch`` is not a positive multiple of ``micro_batch x world_size``.
+    """
+    precision = choose_precision(target)
+    shape = replace(shape, world_size=target.world_size, precision=precision)
+    per_step = shape.micro_batch * target.world_size
+    if global_batch is None:
+        global_batch = per_step
+    if global_batch < 1 or global_batch % per_step:
+        raise ValueError(
+            f"global_batch must be a positive multiple of micro_batch x devices ({per_step}), got {global_batch}."
+        )
+    usable = int(target.device_memory_bytes * (1 - HEADROOM))
+    preference = SINGLE_DEVICE_PREFERENCE if target.world_size == 1 else PREFERENCE
+    reasons = [
+        f"precision {precision}: " + ("the devices compute in bf16" if target.bf16 else "no bf16 on these devices")
+    ]
+    micro_batch = shape.micro_batch
+    while True:
+        trial = replace(shape, micro_batch=micro_batch)
+        for mode, checkpointing, offload in preference:
+            estimate = estimate_memory(trial, mode, checkpointing, cpu_offload=offload)
+            if estimate.total <= usable:
+                reasons.append(
+                    f"{describe_setup(mode, checkpointing, offload)}: the fastest option whose estimated peak "
+                    f"({estimate.total / 2**30:.2f} GiB) fits in {usable / 2**30:.2f} GiB usable per device"
+                )
+                return _finish(estimate, trial, global_batch, target, True, usable, reasons)
+        if micro_batch == 1:
+            break
+        micro_batch = max(1, micro_batch // 2)
+        while global_batch % (micro_batch * target.world_size):
+            micro_batch -= 1
+        reasons.append(f"micro-batch lowered to {micro_batch}: nothing fitted with a larger one")
+    trial = replace(shape, micro_batch=1)
+    estimate = estimate_memory(trial, *preference[-1][:2], cpu_offload=preference[-1][2])
+    reasons.append(
+        f"does not fit: even {describe_setup(*preference[-1])} at micro-batch 1 needs an estimated "
+        f"{estimate.total / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB; use more or larger devices"
+    )
+    return _finish(estimate, trial, global_batch, target, False, usable, reasons)
+
+
+def _finish(
+    estimate: MemoryEstimate,
+    shape: TrainingShape,
+    global_batch: int,
+    target: Target,
+    fits: bool,
+    usable: int,
+    reasons: list[str],
+) -> Recommendation:
+    accumulate = global_batch // (shape.micro_batch * target.world_size)
+    if accumulate > 1:
+        reasons.append(f"accumulate_grad_batches {accumulate}: keeps the global batch at {global_batch}")
+    return Recommendation(estimate, shape, accumulate, fits, usable, reasons)
+
+
+def describe_setup(mode: str, checkpointing: str, offload: bool) -> str:
+    """``"FSDP ZeRO-3 + full activation checkpointing"``: a configuration in words."""
+    parts = [_MODE_NAMES[mode]]
+    if checkpointing != "none":
+        parts.append(f"{checkpointing} activation checkpointing")
+    if offload:
+        parts.append("optimizer offload" if mode in ("ds-zero1", "ds-zero2") else "CPU offload")
+    return " + ".join(parts)
+
+
+def uses_deepspeed(estimate: MemoryEstimate) -> bool:
+    return estimate.mode in DEEPSPEED_MODES
+
+
+def strategy_section(estimate: MemoryEstimate) -> dict:
+    """The ``trainer.strategy`` entry of a recipe for ``estimate``'s configuration."""
+    if uses_deepspeed(estimate):
+        stage = int(estimate.mode[-1])
+        return {
+            "class_path": "lightning_fastdist.FastDeepSpeedStrategy",
+            "init_args": {
+                "stage": stage,
+                "activation_checkpointing": estimate.activation_checkpointing,
+                "offload_optimizer": estimate.cpu_offload,
+                "offload_parameters": estimate.cpu_offload and stage == 3,
+            },
+        }
+    if estimate.mode == "ddp":
+        return {
+            "class_path": "lightning_fastdist.FastDDPStrategy",
+            "init_args": {"bucket_cap_mb": "auto", "activation_checkpointing": estimate.activation_checkpointing},
+        }
+    return {
+        "class_path": "lightning_fastdist.FastFSDPStrategy",
+        "init_args": {
+            "sharding": estimate.mode,
+            "activation_checkpointing": estimate.activation_checkpointing,
+            "cpu_offload": estimate.cpu_offload,
+        },
+    }
+
+
+def build_recipe(
+    recommendation: Recommendation,
+    target: Target,
+    model_section: dict,
+    data_section: dict,
+    max_steps: int,
+    log_dir: str = "lightning_logs",
+) -> dict:
+    """A LightningCLI config (as a dict) for ``lightning-fastdist fit``.
+
+    Args:
+        recommendation: from :func:`recommend`.
+        target: the devices it was made for.
+        model_section: the ``model:`` entry (``class_path`` and ``init_args``).
+        data_section: the ``data:`` entry; its ``batch_size`` is set to the chosen micro-batch
+            and a ``num_workers`` argument, if present, to :func:`workers_per_rank`.
+        max_steps: ``trainer.max_steps``.
+        log_dir: where the CSV logger, checkpoints and the bottleneck report go.
+    """
+    precision = recommendation.shape.precision
+    trainer: dict = {
+        "accelerator": target.accelerator,
+        "devices": target.devices,
+        "num_nodes": target.nodes,
+        "strategy": strategy_section(recommendation.estimate),
+        "max_steps": max_steps,
+        "accumulate_grad_batches": recommendation.accumulate_grad_batches,
+        "log_every_n_steps": 10,
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": log_dir, "name": "doctor"},
+        },
+        "callbacks": [
+            {"class_path": "lightning_fastdist.SyncFreeLogging"},
+            {"class_path": "lightning_fastdist.SpeedMonitor"},
+            {"class_path": "lightning_fastdist.DataLoaderTuner", "init_args": {"mode": "audit"}},
+            {"class_path": "lightning_fastdist.BottleneckReport"},
+        ],
+    }
+    if precision == "32-true" or uses_deepspeed(recommendation.estimate):  # DeepSpeed runs 16-bit itself
+        trainer["precision"] = precision
+    else:
+        device = "cuda" if target.accelerator == "gpu" else "cpu"
+        trainer["plugins"] = [
+            {
+                "class_path": "lightning_fastdist.FastMixedPrecision",
+                "init_args": {"precision": precision, "device": device},
+            }
+        ]
+    data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
+    data["init_args"]["batch_size"] = recommendation.shape.micro_batch
+    if "num_workers" in data["init_args"] or data["class_path"] == "lightning_fastdist.demo.TextDataModule":
+        data["init_args"]["num_workers"] = workers_per_rank(target.cpu_cores, target.devices)
+    return {"seed_everything": 1234, "trainer": trainer, "model": model_section, "data": data}

@@ -1,0 +1,498 @@
+"""``doctor --simulate``: trace one training step of the recipe's own model as rank 0 of a world of N ranks.
+
+For each setup (``ddp``, FSDP2's ``zero2``/``zero3``, ``hsdp`` when the world spans
+nodes, DeepSpeed's stages) and each activation checkpointing mode, the recipe's
+model is built on the meta device, changed as the strategies change it (the
+:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`, with FSDP as its wrapper through
+:func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors (shapes,
+no memory) and trained for two steps on one
+batch of the recipe's data with its own ``training_step`` and ``configure_optimizers``;
+the second step is measured (:func:`~lightning_fastdist.planning.step_memory.measure_step`).
+
+What each setup measures, per rank:
+
+- ``ddp``: the model as DDP trains it, whose gradients stay in its buckets between steps
+  (DDP's C++ reducer cannot run on fake tensors, so the buckets are the kept gradients).
+- ``zero2``, ``zero3``, ``hsdp``: FSDP2 itself, sharded over a fake process group.
+- ``ds-zero1/2/3``: DeepSpeed's engine cannot run on fake tensors either: its model state is
+  the formula's (:func:`~lightning_fastdist.planning.memory_model.deepspeed_state`, checked
+  against real DeepSpeed ranks), its activations are traced with the model in the dtype
+  DeepSpeed converts it to.
+- Offload rows (the advisor's last resorts): FSDP's ``zero3`` + ``full`` with the sharded
+  state moved to the host, and DeepSpeed's ``ds-zero2`` with the optimizer moved there,
+  derived from the traced rows.
+
+Communication per step comes from :mod:`~lightning_fastdist.planning.comm_model` with
+the model's counted parameters (``N``, and ``R`` outside the blocks).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib
+import multiprocessing
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
+from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, fsdp_dtypes, shard_model
+from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
+from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
+from lightning_fastdist.planning.comm_model import comm_per_step
+from lightning_fastdist.planning.memory_model import deepspeed_activation_precision, deepspeed_state
+from lightning_fastdist.planning.step_memory import (
+    StepMemory,
+    fake_world,
+    join_fake_world,
+    measure_step,
+    to_empty_keeping_ties,
+    tracing_unavailable,
+)
+
+CHECKPOINTING = ("none", "full", "selective")
+PARALLEL_FROM_PARAMETERS = 10**9
+FSDP_SETUPS = ("zero2", "zero3", "hsdp")
+DEEPSPEED_SETUPS = ("ds-zero1", "ds-zero2", "ds-zero3")
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+class NotTraceable(Exception):
+    """The model or its step cannot be traced with fake tensors; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class SimulatedSetup:
+    """One row of the simulation: a setup, its checkpointing, and one rank's bytes.
+
+    Attributes:
+        setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp`` or ``ds-zero1/2/3``.
+        activation_checkpointing: ``none``, ``full`` or ``selective``.
+        cpu_offload: state moved to host memory (derived rows).
+        memory: bytes per rank.
+        comm_bytes_per_step: bytes each rank sends per optimizer step on a ring.
+        method: ``traced``, ``formula state, traced activations`` (DeepSpeed) or ``derived`` (offload).
+    """
+
+    setup: str
+    activation_checkpointing: str
+    cpu_offload: bool
+    memory: StepMemory
+    comm_bytes_per_step: int
+    method: str = "traced"
+
+    def as_json(self, usable_bytes: int) -> dict[str, Any]:
+        m = self.memory
+        return {
+            "setup": self.setup,
+            "activation_checkpointing": self.activation_checkpointing,
+            "cpu_offload": self.cpu_offload,
+            "per_rank": {
+                "params": m.params,
+                "grads": m.grads,
+                "optimizer": m.optimizer,
+                "activations_peak": m.activations_peak,
+                "peak": m.peak,
+                "gathered_peak": m.gathered_peak,
+            },
+            "fits": m.peak <= usable_bytes,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "method": self.method,
+        }
+
+
+@dataclass(frozen=True)
+class RecipeRun:
+    """What the simulation takes from a recipe.
+
+    Attributes:
+        model: the ``model:`` section (``class_path``, ``init_args``).
+        data: the ``data:`` section.
+        precision: Lightning precision name (``trainer.precision`` or a precision plugin's).
+        accumulation: ``trainer.accumulate_grad_batches``.
+        blocks: the strategy's ``blocks`` option (``"auto"`` unless the recipe names them).
+    """
+
+    model: dict
+    data: dict
+    precision: str = "32-true"
+    accumulation: int = 1
+    blocks: str | list[str] = "auto"
+
+
+def recipe_precision(trainer: dict) -> str:
+    """The precision a recipe trains in: a precision plugin's ``precision``, else ``trainer.precision``."""
+    plugins = trainer.get("plugins") or []
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        if isinstance(plugin, dict) and "precision" in (plugin.get("init_args") or {}):
+            return str(plugin["init_args"]["precision"])
+    precision = str(trainer.get("precision") or "32-true")
+    return _PRECISION_ALIASES.get(precision, precision)
+
+
+def recipe_run(config: dict, model: dict, data: dict) -> RecipeRun:
+    """Read :class:`RecipeRun` from a recipe's parsed YAML and its (defaulted) model and data sections."""
+    trainer = config.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    blocks = init_args.get("blocks") or init_args.get("shard_modules") or init_args.get("block_modules") or "auto"
+    accumulation = trainer.get("accumulate_grad_batches") or 1
+    return RecipeRun(model, data, recipe_precision(trainer), int(accumulation), blocks)
+
+
+def import_class(class_path: str) -> type:
+    """``"package.module.Class"`` -> the class; ``ImportError`` when it cannot be imported."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ImportError(f"{class_path!r} cannot be imported") from error
+
+
+def instantiate(value: Any) -> Any:
+    """Build ``{"class_path": ..., "init_args": {...}}`` entries (nested ones too), as LightningCLI does."""
+    if isinstance(value, list):
+        return [instantiate(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if "class_path" not in value:
+        return {key: instantiate(item) for key, item in value.items()}
+    try:
+        cls = import_class(value["class_path"])
+    except ImportError as error:
+        raise NotTraceable(str(error)) from None
+    return cls(**{key: instantiate(item) for key, item in (value.get("init_args") or {}).items()})
+
+
+def first_batch(data_section: dict) -> Any:
+    """One training batch of the recipe's data module, as its ``train_dataloader`` gives it (real tensors, small)."""
+    data = instantiate(data_section)
+    if not isinstance(data, LightningDataModule):
+        raise NotTraceable(f"data {data_section['class_path']!r} is not a LightningDataModule")
+    data.prepare_data()
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _build(run: RecipeRun, fake: bool) -> LightningModule:
+    with torch.device("meta") if fake else nullcontext():
+        model = instantiate(run.model)
+    if not isinstance(model, LightningModule):
+        raise NotTraceable(f"model {run.model['class_path']!r} is not a LightningModule")
+    return model
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def _first_optimizer(model: LightningModule) -> torch.optim.Optimizer:
+    optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+    if not optimizers:
+        raise NotTraceable("configure_optimizers returned no optimizer")
+    return optimizers[0]
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One setup's measured step, and the model's parameter counts (``N``; ``R``, those outside the blocks)."""
+
+    memory: StepMemory
+    parameters: int
+    root_parameters: int
+
+
+def measure_setup(
+    run: RecipeRun,
+    batch: Any,
+    setup: str,
+    checkpointing: str,
+    gpus_per_node: int,
+    precision: str | None = None,
+    fake: bool = True,
+) -> TracedStep:
+    """Build the model, apply ``setup``'s plan, and measure its second training step on this rank.
+
+    With ``fake`` (inside :func:`fake_world`), the model is built on the meta device and runs
+    on fake tensors; without, it is built and trained for real in the current process group
+    (DDP then wraps it in a real ``DistributedDataParallel``): the reference a simulation is
+    checked against.
+
+    Args:
+        run: the recipe.
+        batch: one batch of its data (real tensors).
+        setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp``, or ``ds`` (the model in ``precision`` alone).
+        checkpointing: ``none``, ``full`` or ``selective``.
+        gpus_per_node: the shard group of ``hsdp``.
+        precision: overrides the recipe's (DeepSpeed's activations run in its own dtype).
+        fake: simulate (fake tensors, fake world) or measure for real.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 - private torch API
+
+    precision = precision or run.precision
+    world_size = dist.get_world_size()
+    module = _build(run, fake)
+    parameters = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    block_classes = resolve_blocks(module, run.blocks)
+    in_blocks = {id(p) for block in block_modules(module, block_classes) for p in block.parameters()}
+    root_parameters = sum(p.numel() for p in module.parameters() if p.requires_grad and id(p) not in in_blocks)
+    if precision in _TRUE_DTYPES:
+        module = module.to(_TRUE_DTYPES[precision])
+    plan = ParallelPlan(run.blocks, checkpointing)
+    if setup in FSDP_SETUPS:
+        sharding = FSDPSharding(setup).for_world(world_size, devices_per_node=gpus_per_node)
+        trained = shard_model(module, sharding.mesh("cpu", world_size), plan, sharding, precision).root
+    else:
+        trained, _ = plan.apply(module)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext() as fake_mode:
+        if not fake:
+            if setup == "ddp":  # as FastDDPStrategy wraps it
+                trained = DistributedDataParallel(
+                    module, gradient_as_bucket_view=True, bucket_cap_mb=auto_bucket_cap_mb(module)
+                )
+        elif trained is module:
+            to_empty_keeping_ties(module, "cpu")
+        else:
+            trained.to_empty(device="cpu")  # FSDP2's own, which keeps ties
+        optimizer = None if setup == "ds" else _first_optimizer(module)  # DeepSpeed's state is the formula's
+        if fake:
+            batch = tree_map_only(torch.Tensor, fake_mode.from_tensor, batch)
+        if precision in _TRUE_DTYPES:
+            batch = tree_map_only(torch.Tensor, _to_dtype(_TRUE_DTYPES[precision]), batch)
+        step = _forward_backward(trained, module, batch, _autocast(precision))
+        inputs = tuple(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+        memory = measure_step(
+            trained,
+            optimizer,
+            step,
+            inputs,
+            keep_gradients=setup == "ddp",
+            warm_up_on_zero_gradients=fake,
+        )
+    return TracedStep(memory, parameters, root_parameters)
+
+
+def _to_dtype(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype) if t.is_floating_point() else t
+
+
+def _autocast(precision: str) -> Callable[[], AbstractContextManager]:
+    dtype, _ = fsdp_dtypes(precision)  # what a mixed precision computes in (None: no autocast)
+    if dtype is None:
+        return nullcontext
+    return lambda: torch.autocast("cpu", dtype=dtype, cache_enabled=False)
+
+
+def _forward_backward(
+    trained: nn.Module, module: LightningModule, batch: Any, autocast: Callable[[], AbstractContextManager]
+) -> Callable[[], None]:
+    """One ``training_step`` and its backward, run the way the strategy runs it (through the root unit under FSDP)."""
+    redirect = _ForwardRedirection()
+
+    def forward_backward() -> None:
+        with autocast():
+            if trained is module:
+                output = module.training_step(batch, 0)
+            else:
+                output = redirect(trained, module, "training_step", batch, 0)
+        loss = _loss_of(output)
+        if not isinstance(loss, torch.Tensor):
+            raise NotTraceable("training_step returned no loss tensor (manual optimization is not simulated)")
+        loss.backward()
+
+    return forward_backward
+
+
+def _offload_rows(rows: list[SimulatedSetup]) -> list[SimulatedSetup]:
+    """The advisor's offload setups, derived from traced rows (see the module docstring)."""
+    derived = []
+    for row in rows:
+        m = row.memory
+        if row.setup == "zero3" and row.activation_checkpointing == "full":
+            # FSDP's offload keeps the sharded parameters, gradients and optimizer state on the host.
+            on_device = replace(m, params=0, grads=0, optimizer=0, peak=m.peak - m.state)
+            derived.append(replace(row, cpu_offload=True, memory=on_device, method="derived"))
+        if row.setup == "ds-zero2" and row.activation_checkpointing in ("none", "full"):
+            # ZeRO-Offload: the optimizer state (and its step) on the host, weights and gradients stay.
+            on_device = replace(m, optimizer=0, peak=m.peak - m.optimizer)
+            derived.append(replace(row, cpu_offload=True, memory=on_device, method="derived"))
+    return derived
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What :func:`simulate` found.
+
+    Attributes:
+        world_size: ranks simulated.
+        gpus_per_node: ranks per node (the shard group of ``hsdp``).
+        parameters: the model's trainable parameters.
+        rows: one per setup and checkpointing mode that traced.
+        not_traced: ``(setup, checkpointing, reason)`` for each that failed (it would fail in training too).
+    """
+
+    world_size: int
+    gpus_per_node: int
+    parameters: int
+    rows: list[SimulatedSetup]
+    not_traced: list[tuple[str, str, str]]
+
+
+_Task = tuple[str, str, "str | None"]  # (setup or "ds", checkpointing, precision override)
+
+
+def _start_worker(world_size: int) -> None:
+    """A worker process is rank 0 of its own fake world for its whole life."""
+    warnings.simplefilter("ignore")
+    join_fake_world(world_size)
+
+
+def _run_task(run: RecipeRun, batch: Any, task: _Task, *, gpus_per_node: int) -> TracedStep | str:
+    """One trace, or the one-line reason it failed."""
+    setup, checkpointing, precision = task
+    try:
+        return measure_setup(run, batch, setup, checkpointing, gpus_per_node, precision)
+    except NotTraceable as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 - whatever fake tensors met (data-dependent shapes, custom kernels)
+        lines = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+
+
+def _run_tasks(run: RecipeRun, batch: Any, tasks: list[_Task], world_size: int, gpus_per_node: int, processes: int):
+    """Run the traces in this process and ``processes - 1`` spawned workers, each taking the next one when free.
+
+    This process traces from the start while the workers boot (a worker imports for seconds).
+    """
+    trace = functools.partial(_run_task, run, batch, gpus_per_node=gpus_per_node)
+    waiting = collections.deque(sorted(enumerate(tasks), key=lambda item: item[1][1] == "none"))  # recomputing first
+    results: list[TracedStep | str | None] = [None] * len(tasks)
+    failures: list[BaseException] = []
+
+    def take_in_turn(run_one: Callable[[_Task], TracedStep | str]) -> None:
+        while not failures:
+            try:
+                index, task = waiting.popleft()
+            except IndexError:  # none left
+                return
+            try:
+                results[index] = run_one(task)
+            except BaseException as error:  # a worker died (or Ctrl-C): everyone stops, it is raised below
+                failures.append(error)
+
+    workers = processes - 1
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no process group, no threads inherited
+    pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(world_size,)) if workers else None
+    with pool or nullcontext():
+        feeders = [
+            threading.Thread(target=take_in_turn, args=(lambda task: pool.submit(trace, task).result(),))
+            for _ in range(workers)
+        ]
+        for feeder in feeders:
+            feeder.start()
+        with warnings.catch_warnings(), fake_world(world_size):
+            warnings.simplefilter("ignore")  # self.log without a Trainer, FSDP's notes on fake tensors
+            take_in_turn(trace)
+        for feeder in feeders:
+            feeder.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def simulate(
+    run: RecipeRun,
+    world_size: int,
+    gpus_per_node: int,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+    processes: int | None = None,
+) -> Simulation:
+    """Trace every setup at ``world_size`` ranks (``gpus_per_node`` per node), one row per setup and mode.
+
+    Args:
+        run: the recipe.
+        world_size: ranks to simulate.
+        gpus_per_node: ranks per node; ``hsdp`` is simulated when the world spans more than one node.
+        checkpointing: the activation checkpointing modes to trace.
+        processes: processes sharing the traces, this one and spawned workers (each a fake world of its
+            own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
+            where a trace takes seconds, else this one alone (a worker's start-up costs more than a small
+            model's traces).
+
+    Raises:
+        NotTraceable: torch lacks the tools, the recipe's model or data cannot be built, or no setup traced.
+    """
+    missing = tracing_unavailable()
+    if missing is not None:
+        raise NotTraceable(missing)
+    batch = first_batch(run.data)
+    if processes is None:
+        large = sum(p.numel() for p in _build(run, fake=True).parameters()) >= PARALLEL_FROM_PARAMETERS
+        processes = min(2, os.cpu_count() or 1) if large else 1
+    setups = ["ddp", "zero2", "zero3", *(["hsdp"] if world_size > gpus_per_node else [])]
+    ds_precision = deepspeed_activation_precision(run.precision)
+    tasks: list[_Task] = [(s, mode, None) for mode in checkpointing for s in setups]
+    tasks += [("ds", mode, ds_precision) for mode in checkpointing]
+    results = _run_tasks(run, batch, tasks, world_size, gpus_per_node, processes)
+    rows: list[SimulatedSetup] = []
+    not_traced: list[tuple[str, str, str]] = []
+    parameters = 0
+    for (setup, mode, _), result in zip(tasks, results):
+        if isinstance(result, str):
+            for name in DEEPSPEED_SETUPS if setup == "ds" else (setup,):
+                not_traced.append((name, mode, result))
+            continue
+        parameters = result.parameters
+        if setup == "ds":
+            rows += _deepspeed_rows(run, result, mode, world_size)
+            continue
+        comm = comm_per_step(
+            setup, world_size, result.parameters, result.root_parameters, run.precision, run.accumulation,
+            shard_group=gpus_per_node if setup == "hsdp" else None,
+        )  # fmt: skip
+        rows.append(SimulatedSetup(setup, mode, False, result.memory, comm.sent_per_device))
+    if not rows:
+        setup, mode, reason = not_traced[0]
+        raise NotTraceable(f"{setup} with activation_checkpointing={mode}: {reason}")
+    return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows), not_traced)
+
+
+def _deepspeed_rows(run: RecipeRun, traced: TracedStep, checkpointing: str, world_size: int) -> list[SimulatedSetup]:
+    """DeepSpeed's stages: the formula's state around activations traced in DeepSpeed's dtype."""
+    rows = []
+    for setup in DEEPSPEED_SETUPS:
+        state = deepspeed_state(traced.parameters, world_size, run.precision, int(setup[-1]), cpu_offload=False)
+        memory = StepMemory(
+            params=state.weights,
+            grads=state.gradients,
+            optimizer=state.optimizer,
+            gathered_peak=state.gathered_weights,
+            activations_peak=traced.memory.activations_peak,
+            peak=state.weights + state.gradients + state.optimizer + state.gathered_weights
+            + traced.memory.activations_peak,
+        )  # fmt: skip
+        comm = comm_per_step(
+            setup, world_size, traced.parameters, traced.root_parameters, run.precision, run.accumulation
+        )
+        rows.append(
+            SimulatedSetup(
+                setup, checkpointing, False, memory, comm.sent_per_device, "formula state, traced activations"
+            )
+        )
+    return rows

@@ -1,0 +1,175 @@
+"""Stop on SIGTERM or SIGUSR1 as a job: every rank at the same step, the step saved, a non-zero exit status.
+
+Schedulers stop jobs with a signal: SLURM preempts with SIGTERM (or SIGUSR1
+before the time limit, with ``--signal``), torchrun forwards SIGTERM, and any
+subset of the ranks may get it first. Lightning 2.6 broadcasts from inside its
+signal handler (a collective on one rank only: a deadlock when the other ranks
+are in a gradient all-reduce), broadcasts again before every batch (a host
+sync per step), saves nothing, and ends with ``SIGTERMException``, a
+``SystemExit`` without a code: status 0, so nothing restarts or requeues.
+
+:class:`PreemptionHandler` replaces that on one trainer during ``fit``:
+
+1. the signal handler only records the signal on the host
+   (:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`);
+2. before each optimizer step's first batch, every rank starts one small
+   all-reduce of the recorded signals on a gloo group of its own, and reads
+   the previous one's result (long finished: no waiting, no device sync);
+3. when the ranks agree that one of them was signalled, every rank saves a
+   checkpoint of that step (``last.ckpt`` of the ``ModelCheckpoint``, else
+   Lightning's ``hpc_ckpt_N.ckpt`` in the root folder), prints one line, and
+   exits with status ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1), which
+   torchrun restarts and SLURM ``--requeue`` requeues. With SLURM's auto-requeue
+   on, rank 0 also asks ``scontrol`` to requeue the job after SIGUSR1, as
+   Lightning does.
+
+Acting at optimizer-step boundaries keeps accumulated gradients out of the
+question: the checkpoint holds a whole step, so the resumed run matches an
+uninterrupted one. The stop comes at most two optimizer steps after the signal.
+A signal during validation, a checkpoint save or backward is recorded and acted
+on at the next boundary. During ``validate``/``test``/``predict`` (nothing to
+save) the signal keeps its default action: the process ends with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import subprocess
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_fastdist.parallel.faults.stop_agreement import NO_REQUEST, StopAgreement, new_agreement_group
+from lightning_fastdist.trainer.internals import InstancePatches, missing_internals_line
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_STATUS_BASE = 128  # the shell's convention: a process ended by signal N reports 128 + N
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the interrupted step was saved; the process exits with ``128 + signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(EXIT_STATUS_BASE + signum)
+        self.signum = signum
+
+
+class PreemptionHandler:
+    """Coordinated stop of one trainer's ``fit`` on :data:`STOP_SIGNALS` (see the module docstring).
+
+    Args:
+        trainer: the trainer; :meth:`install` must run before Lightning registers its
+            signal handlers (a strategy's ``setup`` or a callback's ``setup`` does).
+        timeout: how long a rank waits for the others' agreement before failing.
+    """
+
+    def __init__(self, trainer: Trainer, timeout: timedelta) -> None:
+        self.trainer = trainer
+        self.timeout = timeout
+        self.agreement = StopAgreement(None)
+        self._group: dist.ProcessGroup | None = None
+        self._patches = InstancePatches()
+
+    def install(self) -> None:
+        """Replace Lightning's signal handling on this trainer; collective when fitting on several ranks.
+
+        Preemption handling is optional: where this Lightning lacks an internal it patches, one line says
+        so and training goes on with Lightning's own signal handling.
+        """
+        trainer = self.trainer
+        missing = missing_internals_line(trainer, type(self).__name__)
+        if missing is not None:
+            rank_zero_warn(f"Preemption handling is off: {missing}.")
+            return
+        loop = trainer.fit_loop.epoch_loop
+        self._patches.replace(trainer._signal_connector, "register_signal_handlers", self._register_handlers)
+        # Lightning's per-batch broadcast of rank 0's flag (a host sync every batch) is replaced by our boundary check.
+        self._patches.replace(loop, "_broadcast_sigterm_tensor", lambda: None)
+        self._patches.replace(loop, "advance", self._check_then(loop.advance))
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._group = new_agreement_group(self.timeout)
+            self.agreement = StopAgreement(self._group)
+
+    def uninstall(self) -> None:
+        """Put Lightning's methods back and release the agreement group."""
+        self.agreement.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+        self._patches.undo()
+
+    def _register_handlers(self) -> None:
+        # Replaces _SignalConnector.register_signal_handlers, which Lightning calls right before running the stage.
+        connector = self.trainer._signal_connector
+        connector.received_sigterm = False
+        connector._original_handlers = connector._get_current_signal_handlers()  # restored by Lightning's teardown
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            return
+        for signum in STOP_SIGNALS:
+            connector._register_signal(signum, functools.partial(self._on_signal, signal.getsignal(signum)))
+
+    def _on_signal(self, previous: Any, signum: int, frame: FrameType | None) -> None:
+        # Host only: no collective, no device work (the other ranks may be inside one).
+        self.agreement.request(signum)
+        log.info(f"[rank {self.trainer.global_rank}] received {signal.Signals(signum).name}; stopping at the next step")
+        if callable(previous):
+            previous(signum, frame)  # a handler that was there before ours (as Lightning chains them)
+
+    def _check_then(self, advance: Any) -> Any:
+        def advance_after_check(data_fetcher: Any) -> None:
+            progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            if progress.ready % self.trainer.accumulate_grad_batches == 0:  # the next batch starts an optimizer step
+                signum = self.agreement.poll()
+                if signum != NO_REQUEST:
+                    self._stop(signum)
+            advance(data_fetcher)
+
+        return advance_after_check
+
+    def _stop(self, signum: int) -> None:
+        trainer = self.trainer
+        trainer._signal_connector.received_sigterm = True
+        path = checkpoint_path_on_stop(trainer)
+        trainer.save_checkpoint(path)
+        name = signal.Signals(signum).name
+        log.warning(
+            f"[rank {trainer.global_rank}] stopped by {name} after step {trainer.global_step}: saved {path}; "
+            f"exiting with status {EXIT_STATUS_BASE + signum} (resume with --ckpt_path last)."
+        )
+        if signum == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job(trainer)
+        raise Preempted(signum)
+
+
+def checkpoint_path_on_stop(trainer: Trainer) -> str:
+    """Where a stopped run saves: the ``ModelCheckpoint``'s ``last`` file, else Lightning's ``hpc_ckpt_N.ckpt``."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+        names = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
+        return callback.format_checkpoint_name(names, callback.CHECKPOINT_NAME_LAST)
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def requeue_slurm_job(trainer: Trainer) -> None:
+    """``scontrol requeue`` this SLURM job when its environment asks for auto-requeue (Lightning's SIGUSR1 contract)."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+        return
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    result = subprocess.run(["scontrol", "requeue", job], check=False)
+    if result.returncode != 0:
+        log.warning(f"scontrol requeue {job} failed with status {result.returncode}")

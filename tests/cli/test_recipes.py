@@ -1,0 +1,119 @@
+"""Every packaged recipe parses with the CLI; the CPU-runnable ones train a few steps; multi-node on loopback."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_fastdist.cli import main
+from lightning_fastdist.recipes import available_recipes, recipes_dir
+from tests.support.fault_runs import saved_step
+from tests.support.harness import cli_command, free_port, run_cli, run_cli_forked, run_processes
+
+# A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
+TINY = [
+    "--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+    "--data.block_size", "32", "--data.batch_size", "4", "--data.num_workers", "0",
+    "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "0",
+    "--trainer.enable_progress_bar", "false",
+]  # fmt: skip
+EAGER_COMPILE = ["--trainer.strategy.init_args.compile", "{backend: eager}"]
+# What a 2-core CPU needs to run a recipe's own workload (its data, batch, sequence length, strategy,
+# precision, accumulation and callbacks) in seconds: CPU processes, a narrow model, no loader workers,
+# eager instead of inductor, validation and a checkpoint after every optimizer step, every step logged.
+# The two ranks are launched as torchrun would (both start at once: half the start-up time of devices=2).
+CPU_OVERRIDES = [
+    "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+    "--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--data.num_workers", "0",
+    "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+    "--trainer.callbacks.init_args.every_n_train_steps", "1",  # the recipe's ModelCheckpoint is its last callback
+]  # fmt: skip
+RECIPE_CPU_OVERRIDES = {
+    "cpu_smoke": [],
+    "single_node": EAGER_COMPILE,
+    "large_model": [],
+    "large_model_deepspeed": [],
+}
+RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node")
+# The quick-start recipe resumes through the CLI; each engine's resume is held bitwise by its own tests
+# (test_exact_resume, test_fsdp_checkpoint, test_deepspeed). multi_node trains on two loopback nodes below.
+RESUMED = ("cpu_smoke",)
+
+
+def test_the_documented_recipes_are_packaged():
+    assert set(RECIPES) <= set(available_recipes())
+    sbatch = (recipes_dir() / "slurm" / "train.sbatch").read_text()
+    assert "srun lightning-fastdist fit --config multi_node" in sbatch
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_parses_and_explains_its_keys(name, in_tmp_dir, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", name, "--print_config"])
+    assert stop.value.code == 0
+    assert "class_path: lightning_fastdist.demo.TinyGPT" in capsys.readouterr().out
+    text = (recipes_dir() / f"{name}.yaml").read_text()
+    assert yaml.safe_load(text)["trainer"]
+    commented = [line for line in text.splitlines() if "#" in line]
+    assert len(commented) >= 5, "a recipe says why it sets what it sets"
+
+
+def metrics(log_root: Path, version: str = "version_*") -> list[dict[str, str]]:
+    (log_file,) = log_root.glob(f"*/{version}/metrics.csv")
+    with open(log_file) as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_every_recipe_has_a_finite_timeout_and_a_fixed_checkpoint_folder():
+    for name in RECIPES:
+        trainer = yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text())["trainer"]
+        assert 0 < trainer["strategy"]["init_args"]["timeout"] < float("inf"), name
+        (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+        assert checkpoint["init_args"]["dirpath"] == f"checkpoints/{name}", name
+        assert trainer["check_val_every_n_epoch"] is None, name  # val_check_interval may exceed an epoch
+
+
+def accumulation(name: str) -> int:
+    return yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text())["trainer"].get("accumulate_grad_batches", 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECIPE_CPU_OVERRIDES))
+def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_last(name, in_tmp_dir):
+    batches_per_step = accumulation(name)
+    overrides = [*CPU_OVERRIDES, *RECIPE_CPU_OVERRIDES[name], "--trainer.val_check_interval", str(batches_per_step)]
+    run_cli(["fit", "--config", name, *overrides, "--trainer.max_steps", "2"], timeout=240)
+    last = in_tmp_dir / "checkpoints" / name / "last.ckpt"
+    assert saved_step(last) == 2
+    first = metrics(in_tmp_dir / "lightning_logs", "version_0")
+    assert [int(r["step"]) for r in first if r["val_loss"]] == [0, 1]  # validated after each optimizer step
+    if name not in RESUMED:
+        return
+    resume = ["fit", "--config", name, *overrides, "--trainer.max_steps", "4", "--ckpt_path", "last"]
+    run_cli_forked(resume, timeout=240)  # launched as the first run was, without its start-up
+    assert saved_step(last) == 4
+    second = metrics(in_tmp_dir / "lightning_logs", "version_1")
+    assert sorted({int(r["step"]) for r in second if r["train_loss"]}) == [2, 3]  # continued at step 2
+
+
+@pytest.mark.slow
+def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
+    port = str(free_port())
+    nodes = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+         *cli_command("fit", "--config", "multi_node", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+                      "--trainer.devices", "1", "--trainer.num_nodes", "2",
+                      "--trainer.strategy.init_args.powersgd_start_iter", "2")]
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = run_processes(nodes, timeout=240)
+    log = "".join(o.stdout + o.stderr for o in outputs)
+    assert "[rank: 1] Seed set to 1234" in log  # the second node's process took part
+    rows = metrics(in_tmp_dir / "lightning_logs")
+    step_bytes = [float(r["comm/allreduce_bytes_per_step"]) for r in rows if r.get("comm/allreduce_bytes_per_step")]
+    assert step_bytes and step_bytes[-1] < step_bytes[0]  # PowerSGD compressed after its start step

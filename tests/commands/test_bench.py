@@ -1,0 +1,154 @@
+"""lightning-fastdist bench: argument checks, and a real side-by-side run on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fastdist.commands.bench.command import _overlay, add_baseline_ratio, loss_spread, main, parse_args
+from lightning_fastdist.commands.bench.probe import BenchProbe
+from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
+from lightning_fastdist.demo import TinyGPT
+from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
+from tests.support.harness import cli_command, run_function, run_launcher
+from tests.support.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--setups", "ddp,zero4"],
+            "--setups: unknown zero4; known: lightning-ddp, lightning-fsdp2, lightning-deepspeed,",
+        ),
+        (["--steps", "5"], "--steps: must be >= 6"),
+        (["--warmup-steps", "10", "--steps", "12"], "--steps: must be >= 14"),
+        (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
+        (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
+    ],
+)
+def test_bad_arguments_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and_nothing_else(in_tmp_dir):
+    users = "# the user's own config, with comments\ntrainer: {max_steps: 3}\n"
+    (in_tmp_dir / "config.yaml").write_text(users)
+    model_args = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+                  "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
+    setups = "lightning-deepspeed,ddp,fsdp-zero3,deepspeed-zero2"
+    # --launcher runs each setup's fit (here through a shell that first leaves a mark, then torchrun, which starts
+    # both ranks at once: half the start-up time of Lightning starting rank 1 after rank 0); --nodes 1 is one node.
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    shell = "sh -c 'touch bench_results/launched && exec \"$@\"' sh"
+    launcher = ["--launcher", f"{shell} {torchrun} --standalone --nproc-per-node 2 --no-python", "--nodes", "1"]
+    command = cli_command("bench", "--steps", "7", "--setups", setups, *launcher, "--", *model_args)
+    result = run_launcher(command, timeout=400)
+    assert (in_tmp_dir / "bench_results" / "launched").is_file()
+    assert "setup" in result.stdout and "vs Lightning" in result.stdout and "exposed ms" in result.stdout
+    rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
+    assert set(rows) == set(setups.split(","))
+    model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    full = gradient_bytes(model)
+    root = full - gradient_bytes(model.blocks)  # embeddings and final norm, outside the blocks
+    assert rows["ddp"]["comm_bytes_per_step"] == full
+    # ZeRO-3 gathers the blocks for forward and again for backward, the root once; reduce-scatters every gradient.
+    assert rows["fsdp-zero3"]["comm_bytes_by_collective"] == {"allgather": 2 * full - root, "reduce_scatter": full}
+    # DeepSpeed's ZeRO-2 all-reduces the gradients (and two 4-byte scalars: norm and overflow), gathers the weights.
+    assert rows["deepspeed-zero2"]["comm_bytes_by_collective"] == {"allreduce": full + 8, "allgather": full}
+    for name in ("ddp", "fsdp-zero3", "deepspeed-zero2"):
+        assert rows[name]["steps"] == 7
+        assert rows[name]["tokens_per_s"] == pytest.approx(32 * rows[name]["samples_per_s"])  # 32-token sequences
+        # The same seed and data: every engine computes the same fp32 training, to rounding.
+        assert rows[name]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=1e-4)
+        assert rows[name]["tail_loss"] == pytest.approx(rows["ddp"]["tail_loss"], abs=1e-4)
+        assert 0 <= rows[name]["exposed_comm_s"] < rows[name]["step_time_s"]  # Lightning's rows: test_exposed_comm
+    for name in ("ddp", "fsdp-zero3"):
+        assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
+    assert rows["deepspeed-zero2"]["host_syncs_per_step"] == 1  # DeepSpeed's own gradient-norm check
+    assert rows["ddp"]["vs_lightning"] is None  # its baseline did not run
+    assert "CUDA only" in rows["lightning-deepspeed"]["skipped"]
+    parity = "loss parity: the final losses of ddp, fsdp-zero3, deepspeed-zero2 lie within"
+    assert parity in result.stdout
+    assert (in_tmp_dir / "bench_results" / "bench.png").stat().st_size > 10_000
+    assert sorted(p.name for p in in_tmp_dir.iterdir()) == ["bench_results", "config.yaml"]
+    assert (in_tmp_dir / "config.yaml").read_text() == users
+
+
+def test_lightnings_fsdp2_baseline_puts_every_rank_in_the_data_parallel_dimension(in_tmp_dir):
+    # Lightning's default (tensor_parallel_size = devices) would leave a model sharded over
+    # device_mesh["data_parallel"] unsharded, with every rank reading the same batch.
+    args = parse_args(["--setups", "lightning-fsdp2,deepspeed-zero2", "--devices", "4"])
+    overlay = _overlay(all_setups()["lightning-fsdp2"], in_tmp_dir / "probe.json", in_tmp_dir, args)
+    assert overlay["trainer"]["strategy"]["init_args"] == {"data_parallel_size": 4, "tensor_parallel_size": 1}
+    assert overlay["model"] == {"class_path": "lightning_fastdist.commands.bench.baselines.HandShardedTinyGPT"}
+
+
+def test_deepspeed_rows_take_the_recipes_mixed_precision_as_the_trainers_precision(in_tmp_dir):
+    args = parse_args(["--config", "single_node", "--setups", "deepspeed-zero2"])  # bf16 through FastMixedPrecision
+    overlay = _overlay(all_setups()["deepspeed-zero2"], in_tmp_dir / "probe.json", in_tmp_dir, args)
+    assert overlay["trainer"]["plugins"] == [] and overlay["trainer"]["precision"] == "bf16-mixed"
+
+
+def test_each_row_is_compared_with_its_engines_lightning_baseline_and_exact_losses_with_each_other():
+    setups = all_setups()
+    rows: list[dict] = []
+    for name, tokens, loss in (("lightning-ddp", 100.0, 3.0), ("ddp", 150.0, 3.0), ("ddp-bf16", 160.0, 3.5),
+                               ("deepspeed-zero2", 120.0, 3.00001)):  # fmt: skip
+        row = {"setup": name, "engine": setups[name].engine, "exact": setups[name].exact, "step_time_s": 0.1,
+               "tokens_per_s": tokens, "samples_per_s": tokens / 32, "final_loss": loss}  # fmt: skip
+        add_baseline_ratio(row, rows, setups[name])
+        rows.append(row)
+    assert [row["vs_lightning"] for row in rows] == [1.0, 1.5, 1.6, None]  # no lightning-deepspeed row
+    spread, names = loss_spread(rows)
+    assert names == ["lightning-ddp", "ddp", "deepspeed-zero2"]  # bf16 gradient compression is not exact
+    assert spread == pytest.approx(1e-5)
+
+
+def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
+    recipe = {
+        "trainer": {
+            "strategy": {"class_path": "lightning_fastdist.FastFSDPStrategy", "init_args": {"sharding": "zero2"}}
+        }
+    }
+    setup = recipe_setup(recipe)
+    assert (setup.engine, setup.baseline, setup.unavailable(recipe, 2)) == ("FSDP2", "lightning-fsdp2", None)
+    assert setup.strategy_config(2) == recipe["trainer"]["strategy"]
+    # The options the rows compare are each row's own: a tuned recipe's comm_hook reaches only the recipe row.
+    tuned = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"comm_hook": "bf16", "timeout": 60}}
+    rows = {**all_setups(), "recipe": recipe_setup({"trainer": {"strategy": tuned}})}
+    hooks = {name: rows[name].strategy_config(2)["init_args"]["comm_hook"] for name in ("ddp", "ddp-auto", "recipe")}
+    assert hooks == {"ddp": "none", "ddp-auto": "auto", "recipe": "bf16"}
+    assert rows["ddp-compile"].strategy_config(2)["init_args"]["activation_checkpointing"] == "none"
+    named = recipe_setup({"trainer": {"strategy": "ddp"}})
+    assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)
+
+
+def train_with_the_probe(output: str) -> list[float]:
+    """One rank, 8 optimizer steps of 2 micro-batches under the probe; every micro-batch's loss."""
+    losses = LossRecorder()
+    trainer = make_trainer("auto", devices=1, max_steps=8, accumulate_grad_batches=2)
+    trainer.callbacks.extend([BenchProbe(output), losses])
+    trainer.fit(tiny_gpt(), repeated_batches())
+    return losses.losses
+
+
+def test_under_accumulation_the_probe_measures_optimizer_steps_and_the_tail_is_their_last_quarter(tmp_path):
+    """tune's guard reads the tail loss; step time, tokens and syncs are per optimizer step, not per micro-batch.
+    In a process of its own: a probe that left its sync counter entered would show in the next test there."""
+    output = tmp_path / "row.json"
+    (losses,) = run_function(train_with_the_probe, 1, args=(str(output),), init_process_group=False)
+    row = json.loads(output.read_text())
+    assert len(losses) == 16 and row["final_loss"] == pytest.approx(losses[-1])
+    assert row["tail_loss"] == pytest.approx(sum(losses[-4:]) / 4)  # the last 2 steps' 4 micro-batches
+    assert row["tail_loss"] != pytest.approx(row["final_loss"])  # the loss moves: a mean, not the last one
+    # 2 micro-batches of 4 sequences of 16 tokens per optimizer step, on one rank.
+    assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(2 * 4 * 16)
+    assert row["host_syncs_per_step"] is not None

@@ -1,0 +1,185 @@
+"""``doctor --simulate``: one traced step of the recipe's own model at world N, checked against real ranks."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_fastdist.commands.doctor.command import main as doctor
+from lightning_fastdist.planning.comm_model import comm_per_step
+from lightning_fastdist.planning.simulate import RecipeRun, first_batch, measure_setup, simulate
+from tests.support.harness import cli_command, run_cli, run_function, run_launcher
+
+TINY_GPT = {"class_path": "lightning_fastdist.demo.TinyGPT", "init_args": {"n_layer": 2, "n_embd": 64, "n_head": 4}}
+TEXT = {"class_path": "lightning_fastdist.demo.TextDataModule", "init_args": {"batch_size": 4, "num_workers": 0}}
+LLAMA = {
+    "class_path": "tests.support.model_zoo.HFLlama",
+    "init_args": {},
+}  # HuggingFace LlamaForCausalLM, tiny random config
+TOKENS = {"class_path": "tests.support.model_zoo.RandomTokens", "init_args": {}}
+MEASURED = [(setup, checkpointing) for setup in ("ddp", "zero2", "zero3") for checkpointing in ("none", "full")]
+
+
+def write_recipe(path: Path, model: dict, data: dict, **trainer) -> Path:
+    trainer = {"accelerator": "cpu", "devices": 2, "max_steps": 2, "logger": False, **trainer}
+    path.write_text(yaml.safe_dump({"trainer": trainer, "model": model, "data": data}, sort_keys=False))
+    return path
+
+
+def simulated_rows(tmp_path: Path, recipe: Path, *flags: str) -> dict:
+    out = tmp_path / "simulation.json"
+    argv = ["--config", str(recipe), "--simulate", "--gpu-memory", "1", "--json", str(out), *flags]
+    assert doctor([*argv, "--output", str(tmp_path / "plan.yaml")]) == 0
+    document = json.loads(out.read_text())
+    return {(row["setup"], row["activation_checkpointing"], row["cpu_offload"]): row for row in document["setups"]}
+
+
+def real_memory(run: RecipeRun) -> dict:
+    """Each setup trained for real on this rank (real tensors, gloo, a real DDP), measured with the same tracker."""
+    warnings.simplefilter("ignore")
+    batch = first_batch(run.data)
+    measured = {}
+    for setup, checkpointing in MEASURED:
+        torch.manual_seed(0)
+        measured[(setup, checkpointing)] = measure_setup(run, batch, setup, checkpointing, 2, fake=False).memory
+    return measured
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "data"), [(TINY_GPT, TEXT), (LLAMA, TOKENS)], ids=["tinygpt", "hf-llama"])
+def test_simulated_state_and_peak_agree_with_two_real_ranks(tmp_path, model, data):
+    recipe = write_recipe(tmp_path / "recipe.yaml", model, data)
+    simulated = simulated_rows(tmp_path, recipe, "--world-size", "2")
+    real = run_function(real_memory, 2, args=(RecipeRun(model, data),), timeout=240)
+    for rank_memory in real:  # both ranks hold the same share
+        for (setup, checkpointing), memory in rank_memory.items():
+            per_rank = simulated[(setup, checkpointing, False)]["per_rank"]
+            state = per_rank["params"] + per_rank["grads"] + per_rank["optimizer"]
+            assert state == pytest.approx(memory.state, rel=0.02), (setup, checkpointing)
+            assert per_rank["peak"] == pytest.approx(memory.peak, rel=0.10), (setup, checkpointing)
+    zero3 = simulated[("zero3", "none", False)]["per_rank"]
+    assert zero3["params"] < simulated[("ddp", "none", False)]["per_rank"]["params"]
+    assert simulated[("zero3", "full", False)]["per_rank"]["activations_peak"] < zero3["activations_peak"]
+
+
+def test_sharded_state_at_world_64_is_a_32nd_of_world_2_and_hsdp_shards_within_a_node():
+    run = RecipeRun(TINY_GPT, TEXT)
+    small, large = (simulate(run, world, 8, checkpointing=("none",)) for world in (2, 64))
+    by_setup = [{row.setup: row.memory for row in sim.rows if not row.cpu_offload} for sim in (small, large)]
+    for field in ("params", "grads", "optimizer"):
+        at_2, at_64 = getattr(by_setup[0]["zero3"], field), getattr(by_setup[1]["zero3"], field)
+        assert at_2 / 32 <= at_64 <= at_2 / 32 * 1.05, field  # FSDP pads each tensor's rows to the world size
+        assert getattr(by_setup[1]["ddp"], field) == getattr(by_setup[0]["ddp"], field)  # a full replica anywhere
+    assert "hsdp" not in by_setup[0] and by_setup[1]["hsdp"].params == pytest.approx(
+        by_setup[0]["zero3"].params / 4, rel=0.05
+    )
+    ds3 = by_setup[1]["ds-zero3"]
+    assert ds3.optimizer == -(-12 * large.parameters // 64)  # DeepSpeed's fp32 master copy and two moments, sharded
+    assert simulate(run, 64, 8, checkpointing=("none",), processes=2).rows == large.rows  # two workers, same numbers
+
+
+def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():
+    comm = comm_per_step("hsdp", 16, 1000, 100, "32-true", shard_group=8)
+    assert (comm.allgather, comm.reduce_scatter, comm.allreduce) == ((2 * 1000 - 100) * 4, 4000, 500)
+    assert comm.sent_per_device == (7 * (7600 + 4000)) // 8 + 500  # rings of 8, and of 2 for the all-reduce
+
+
+@pytest.mark.slow
+def test_a_model_in_the_working_directory_is_simulated_and_the_recipe_it_gets_trains(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent(
+            """
+            import lightning as L, torch
+            from torch import nn
+            from torch.utils.data import DataLoader, TensorDataset
+
+            class Layer(nn.Module):
+                def __init__(self, width):
+                    super().__init__()
+                    self.norm, self.linear = nn.LayerNorm(width), nn.Linear(width, width)
+                def forward(self, x):
+                    return x + self.linear(self.norm(x))
+
+            class Net(L.LightningModule):
+                def __init__(self, width: int = 32, depth: int = 3):
+                    super().__init__()
+                    self.layers = nn.Sequential(*[Layer(width) for _ in range(depth)])
+                def training_step(self, batch, batch_idx):
+                    x, y = batch
+                    return nn.functional.mse_loss(self.layers(x), y)
+                def configure_optimizers(self):
+                    return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+            class Data(L.LightningDataModule):
+                def train_dataloader(self):
+                    return DataLoader(TensorDataset(torch.randn(16, 32), torch.randn(16, 32)), batch_size=4)
+            """
+        )
+    )
+    write_recipe(
+        tmp_path / "recipe.yaml", {"class_path": "my_models.Net"}, {"class_path": "my_models.Data"},
+        strategy={"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}},
+    )  # fmt: skip
+    argv = ["doctor", "--config", "recipe.yaml", "--simulate", "--world-size", "2", "--gpu-memory", "1"]
+    run_launcher([*cli_command(*argv)], cwd=tmp_path, timeout=120)
+    plan = yaml.safe_load((tmp_path / "doctor-recipe.yaml").read_text())
+    assert plan["trainer"]["strategy"] == {
+        "class_path": "lightning_fastdist.FastDDPStrategy",
+        "init_args": {"bucket_cap_mb": "auto", "activation_checkpointing": "none", "timeout": 60},
+    }
+    assert (plan["trainer"]["devices"], plan["trainer"]["num_nodes"]) == (2, 1)
+    # Its 2 ranks started at once, as torchrun would: half the start-up time of Lightning starting rank 1 after
+    # rank 0 (that launch is held by test_cli.py).
+    run_cli(["fit", "--config", "doctor-recipe.yaml"], world_size=2, cwd=tmp_path, timeout=180)
+
+
+def test_a_step_that_reads_a_value_falls_back_to_the_formula_with_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "reads_values.py").write_text(
+        textwrap.dedent(
+            """
+            from lightning_fastdist.demo import TinyGPT
+
+            class ValueReadingGPT(TinyGPT):
+                def training_step(self, batch, batch_idx):
+                    loss = super().training_step(batch, batch_idx)
+                    assert loss.item() < 1e9  # a host read: its value does not exist in a simulation
+                    return loss
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = {"class_path": "reads_values.ValueReadingGPT", "init_args": TINY_GPT["init_args"]}
+    recipe = write_recipe(tmp_path / "recipe.yaml", model, TEXT)
+    assert doctor(["--config", str(recipe), "--simulate", "--world-size", "2", "--gpu-memory", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("cannot trace the recipe") == 1 and "the formula estimate follows" in printed
+    assert "Memory per device (" in printed  # the formula's table, for the same 2 GPUs
+    assert "For 1 node(s) x 2 gpu(s)" in (tmp_path / "doctor-recipe.yaml").read_text()
+
+
+def test_a_json_file_the_user_wrote_is_kept_and_bad_flags_get_one_line(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "recipe.yaml", TINY_GPT, TEXT)
+    theirs = tmp_path / "notes.json"
+    theirs.write_text('{"mine": true}\n')
+    cases = [
+        (
+            ["--json", str(theirs), "--world-size", "2"],
+            "--json: " + str(theirs) + " exists and was not written by doctor",
+        ),
+        (["--world-size", "6", "--gpus", "4"], "--world-size: 6 is not a multiple of --gpus 4"),
+    ]
+    for flags, message in cases:
+        assert doctor(["--config", str(recipe), "--simulate", *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert theirs.read_text() == '{"mine": true}\n'
+    assert doctor(["--simulate", "--world-size", "2"]) == 2
+    assert "--simulate: needs --config RECIPE" in capsys.readouterr().err
+    assert doctor(["--world-size", "2"]) == 2
+    assert "--world-size and --json: only with --simulate" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""benchmarks/gpu_check.sh and gpu_check.py without a GPU: nothing fetched, one report, a line per check.
+
+The slow test runs the shell script for real on the CPU (``--device cpu``): it installs a wheel made here
+with pip's index pointed at nothing, runs a check that passes, one that fails on purpose and skips the
+CUDA-only ones with their reason, and leaves the JSON report and the log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def shell_commands(path: Path) -> list[str]:
+    """The script's commands, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def test_every_pip_install_is_offline_and_nothing_else_fetches():
+    installs = [command for command in shell_commands(SCRIPT) if "pip install" in command]
+    assert installs and all("--no-index" in command and "--no-deps" in command for command in installs)
+    assert not [c for c in shell_commands(SCRIPT) if re.search(r"\b(pip download|curl|wget|git clone)\b", c)]
+    for python_file in ("gpu_check.py", "gpu_check_cases.py"):
+        assert "pip" not in (ROOT / "benchmarks" / python_file).read_text()
+
+
+def test_the_make_target_prepares_python_312_wheels_into_an_ignored_folder():
+    dry = subprocess.run(["make", "-n", "gpu-wheels"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "--only-binary=:all: --python-version 3.12" in dry and "pip wheel" in dry and "deepspeed" in dry
+    assert ".gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_runner_lists_its_checks_and_refuses_an_unknown_one_in_one_line(capsys):
+    runner = load_runner()
+    assert runner.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("mfu", "host_syncs", "amp_fp16", "comm_hooks", "powersgd_resume", "fsdp_modes", "fsdp_checkpoints",
+                 "compile_inductor", "cuda_graph_modes", "deepspeed", "deepspeed_offload"):  # fmt: skip
+        assert name in listed
+    assert runner.main(["--device", "cpu", "--only", "mfu,nope"]) == 2
+    assert capsys.readouterr().out.startswith("--only: unknown check(s) nope; the checks: mfu, host_syncs")
+
+
+def tiny_wheel(folder: Path) -> Path:
+    """A one-module wheel made here, to show the script installs what it is given without an index."""
+    wheel = folder / "fastdist_offline_probe-0.1-py3-none-any.whl"
+    files = {
+        "fastdist_offline_probe/__init__.py": "VALUE = 1\n",
+        "fastdist_offline_probe-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: fastdist-offline-probe\n"
+        "Version: 0.1\n",
+        "fastdist_offline_probe-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},," + "\n" for name in files) + "fastdist_offline_probe-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, "fastdist_offline_probe-0.1.dist-info/RECORD": record}.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+@pytest.mark.slow
+def test_the_script_runs_on_cpu_offline_with_one_report_and_a_line_per_check(tmp_path):
+    wheels, site, out = tmp_path / "wheels", tmp_path / "site", tmp_path / "out"
+    wheels.mkdir()
+    tiny_wheel(wheels)
+    environment = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(site),
+                   "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}  # fmt: skip
+    command = ["bash", str(SCRIPT), "--device", "cpu", "--out", str(out), "--only", "mfu,cuda_graph_modes,rng_states",
+               "--inject-failure"]  # fmt: skip
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if re.match(r"\[(PASS|FAIL|SKIP)\] ", line)]
+    assert done.returncode == 1, done.stdout + done.stderr  # the injected failure, and nothing else, failed
+    assert (site / "fastdist_offline_probe" / "__init__.py").exists()  # installed with --no-index
+    assert lines[0] == "[SKIP] mfu: needs CUDA: MFU is measured against a GPU's peak FLOPs"
+    assert "[SKIP] host_syncs: not selected (--only)" in lines
+    assert "[SKIP] rng_states: needs CUDA: it restores a CUDA generator" in lines
+    assert any(line.startswith("[PASS] cuda_graph_modes: refused at construction in one line") for line in lines)
+    assert lines[-1].startswith("[FAIL] injected_failure: RuntimeError: injected by --inject-failure")
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["summary"] == {"PASS": 1, "FAIL": 1, "SKIP": len(lines) - 2} and report["device"] == "cpu"
+    graphs = next(check for check in report["checks"] if check["name"] == "cuda_graph_modes")
+    assert "max-autotune-no-cudagraphs" in graphs["numbers"]["refusal_ac_full"]
+    assert "Traceback" in (out / "gpu_check.log").read_text()  # the failing check's traceback, for the record
