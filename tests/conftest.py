@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,9 +25,9 @@ def in_tmp_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """Undo changes a test makes to ``os.environ``.
+@contextlib.contextmanager
+def environment_restored() -> Iterator[None]:
+    """Undo changes to ``os.environ`` made inside the block.
 
     Lightning's launcher writes MASTER_PORT, LOCAL_RANK, NODE_RANK, ... into the
     environment of the process that calls ``fit`` with a DDP or FSDP strategy,
@@ -36,3 +38,18 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_environment_of_module_fixtures():
+    """A module-scoped fixture that calls ``fit`` in-process runs before the per-test snapshot below: undo its
+    changes when the module ends, before another module's ``fit`` reads them."""
+    with environment_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Undo changes a test makes to ``os.environ``."""
+    with environment_restored():
+        yield
