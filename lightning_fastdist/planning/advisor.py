@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
 from lightning_fastdist.planning.memory_model import DEEPSPEED_MODES, MemoryEstimate, TrainingShape, estimate_memory
+from lightning_fastdist.recipes.recipe import set_strategy
 
 HEADROOM = 0.15  # CUDA context, allocator fragmentation, temporary buffers
 PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
@@ -270,7 +271,7 @@ def build_recipe(
             {"class_path": "lightning_fastdist.BottleneckReport"},
         ],
     }
-    if precision == "32-true" or uses_deepspeed(recommendation.estimate):  # DeepSpeed runs 16-bit itself
+    if precision == "32-true":
         trainer["precision"] = precision
     else:
         device = "cuda" if target.accelerator == "gpu" else "cpu"
@@ -280,6 +281,7 @@ def build_recipe(
                 "init_args": {"precision": precision, "device": device},
             }
         ]
+    set_strategy(trainer, trainer["strategy"])  # a DeepSpeed strategy takes the precision as trainer.precision
     data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
     data["init_args"]["batch_size"] = recommendation.shape.micro_batch
     if "num_workers" in data["init_args"] or data["class_path"] == "lightning_fastdist.demo.TextDataModule":

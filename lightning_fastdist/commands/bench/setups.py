@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
+from lightning_fastdist.recipes.recipe import DEFAULT_MODEL
 
 FAST_DDP = "lightning_fastdist.FastDDPStrategy"
 FAST_FSDP = "lightning_fastdist.FastFSDPStrategy"
@@ -21,7 +22,6 @@ FAST_DEEPSPEED = "lightning_fastdist.FastDeepSpeedStrategy"
 LIGHTNING_DDP = "lightning.pytorch.strategies.DDPStrategy"
 LIGHTNING_FSDP2 = "lightning.pytorch.strategies.ModelParallelStrategy"
 LIGHTNING_DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
-DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
 HAND_SHARDED_MODEL = "lightning_fastdist.commands.bench.baselines.HandShardedTinyGPT"
 ENGINES = ("DDP", "FSDP2", "DeepSpeed")
 # The options the rows of our strategies compare, at their defaults where a row does not set them: a recipe's
@@ -89,9 +89,9 @@ class BenchSetup:
             return self.needs
         if self.all_ranks_data_parallel and world_size is None:
             return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
-        model = (recipe.get("model") or {}).get("class_path", DEMO_MODEL)
-        if self.model_class is not None and model != DEMO_MODEL:
-            return f"its configure_model is written for {DEMO_MODEL}, the recipe trains {model}"
+        model = (recipe.get("model") or {}).get("class_path", DEFAULT_MODEL)
+        if self.model_class is not None and model != DEFAULT_MODEL:
+            return f"its configure_model is written for {DEFAULT_MODEL}, the recipe trains {model}"
         accelerator = (recipe.get("trainer") or {}).get("accelerator", "auto")
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
         if self.strategy_class == LIGHTNING_DEEPSPEED and on_cpu:

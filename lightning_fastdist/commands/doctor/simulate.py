@@ -8,11 +8,8 @@ devices and nodes replaced.
 
 from __future__ import annotations
 
-import copy
-import inspect
 from pathlib import Path
 
-from lightning_fastdist.commands.bench.setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.written_marks import json_written_by
 from lightning_fastdist.planning.advisor import (
     PREFERENCE,
@@ -21,10 +18,10 @@ from lightning_fastdist.planning.advisor import (
     strategy_section,
 )
 from lightning_fastdist.planning.memory_model import GiB, MemoryEstimate
-from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation, import_class
+from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
+from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
-_PRECISION_PLUGIN = "lightning_fastdist.FastMixedPrecision"
 
 
 class JsonNotOurs(Exception):
@@ -112,40 +109,11 @@ def _as_estimate(row: SimulatedSetup) -> MemoryEstimate:
     )
 
 
-def _accepted_options(class_path: str) -> set[str]:
-    return set(inspect.signature(import_class(class_path)).parameters)
-
-
-def replace_strategy(config: dict, strategy: dict, precision: str) -> dict:
-    """A copy of the recipe ``config`` training with ``strategy`` (a ``class_path``/``init_args`` entry): the user's
-    other strategy options kept where the new class takes them (``blocks``, ``timeout``, ...), and a DeepSpeed
-    strategy given ``trainer.precision`` in place of the precision plugin (DeepSpeed runs 16-bit itself)."""
-    recipe = copy.deepcopy(config)
-    trainer = recipe.setdefault("trainer", {})
-    strategy = copy.deepcopy(strategy)
-    previous = trainer.get("strategy")
-    previous_options = (previous.get("init_args") or {}) if isinstance(previous, dict) else {}
-    accepted = _accepted_options(strategy["class_path"])
-    init_args = strategy.setdefault("init_args", {})
-    for option, value in previous_options.items():
-        if option in accepted and option not in init_args:
-            init_args[option] = value
-    trainer["strategy"] = strategy
-    if strategy["class_path"] == FAST_DEEPSPEED:
-        plugins = trainer.get("plugins") or []
-        kept = [p for p in plugins if not (isinstance(p, dict) and p.get("class_path") == _PRECISION_PLUGIN)]
-        trainer.pop("plugins", None)
-        if kept:
-            trainer["plugins"] = kept
-        trainer["precision"] = precision
-    return recipe
-
-
-def tailored_recipe(config: dict, chosen: SimulatedSetup, gpus_per_node: int, nodes: int, precision: str) -> dict:
-    """The user's recipe with the chosen strategy (see :func:`replace_strategy`), its devices and nodes."""
-    recipe = replace_strategy(config, strategy_section(_as_estimate(chosen)), precision)
-    recipe["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
-    return recipe
+def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
+    """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes."""
+    tailored = recipe.with_strategy(strategy_section(_as_estimate(chosen)))
+    tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
+    return tailored
 
 
 def recipe_comments(chosen: SimulatedSetup, fits: bool, usable_bytes: int, world_size: int) -> list[str]:

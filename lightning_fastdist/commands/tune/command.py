@@ -26,8 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
+from lightning_fastdist.commands.arguments import PASSTHROUGH_EPILOG, read_recipe, setup_names, split_passthrough
 from lightning_fastdist.commands.bench.command import run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.commands.tune import output as tune_output
@@ -37,7 +36,6 @@ from lightning_fastdist.commands.tune.candidates import (
     Candidate,
     MemoryPlan,
     least_checkpointing_that_fits,
-    recipe_batch_split,
     smaller_micro_batch,
 )
 from lightning_fastdist.commands.tune.search import Search, Trial
@@ -45,7 +43,6 @@ from lightning_fastdist.commands.written_marks import write_json
 from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM
 from lightning_fastdist.planning.memory_model import GiB
-from lightning_fastdist.recipes import find_recipe
 
 PROG = "lightning-fastdist tune"
 
@@ -65,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2",
+        epilog=PASSTHROUGH_EPILOG,
     )
     tunable = [name for name, setup in all_setups().items() if setup.strategy_class in TUNABLE_CLASSES]
     parser.add_argument("--config", required=True, help="recipe to tune (a path or a packaged name)")
@@ -93,21 +90,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--devices", default=None, help="processes per node (default: the recipe's)")
     parser.add_argument("--nodes", type=_positive(int), default=None, help="nodes (default: the recipe's num_nodes)")
     parser.add_argument("--launcher", default="", help="as bench's --launcher: runs each trial across the nodes")
-    own, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, passthrough = split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
-    args.setup_list = [name.strip() for name in args.setups.split(",") if name.strip()]
-    unknown = [name for name in args.setup_list if name not in tunable]
-    if unknown or not args.setup_list:
-        parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(tunable)}")
+    args.setup_list = setup_names(parser, args.setups, tunable)
     if args.steps < args.warmup_steps + 4:
         parser.error(
             f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, sync count), got {args.steps}"
         )
-    recipe = find_recipe(args.config)
-    if recipe is None:
-        parser.error(f"--config: recipe file {args.config!r} not found")
-    args.recipe = yaml.safe_load(recipe.read_text()) or {}
+    args.recipe = read_recipe(parser, args.config)
     args.compile_backend = None if args.compile_backend == "none" else args.compile_backend
     for problem in tune_output.outputs_not_ours(Path(args.output), args.json and Path(args.json), Path(args.workdir)):
         parser.error(problem)
@@ -117,8 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def memory_plan(args: argparse.Namespace) -> MemoryPlan:
     """The device memory to plan for (``--gpu-memory``, else this machine's smallest GPU, else none)."""
     world = world_size(args) or 1
-    trainer = args.recipe.get("trainer") or {}
-    nodes = args.nodes or trainer.get("num_nodes") or 1
+    nodes = args.nodes or args.recipe.trainer.get("num_nodes") or 1
     if args.gpu_memory is not None:
         memory = int(args.gpu_memory * GiB)
     else:
@@ -154,7 +144,7 @@ def add_planned_candidates(
     """Add the base candidates to ``search``, pruned by the plan before any trains; while none fits, the same
     global batch in micro-batches half as large. Returns the candidates and the batch split they use."""
     split = None
-    micro_batch, accumulation = recipe_batch_split(args.recipe)
+    micro_batch, accumulation = args.recipe.micro_batch, args.recipe.accumulation
     candidates = base_candidates(args, plan, split)
     for candidate in candidates:
         search.add(candidate)

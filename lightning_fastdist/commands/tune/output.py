@@ -13,11 +13,10 @@ from pathlib import Path
 import yaml
 
 from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
-from lightning_fastdist.commands.doctor.simulate import replace_strategy
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
 from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by
-from lightning_fastdist.planning.simulate import recipe_precision
+from lightning_fastdist.recipes.recipe import Recipe
 
 WRITTEN_BY = "lightning-fastdist tune"
 RECIPE_HEADER = f"# Written by: {WRITTEN_BY}"
@@ -87,12 +86,12 @@ def table(trials: list[Trial]) -> list[str]:
     return lines
 
 
-def tuned_recipe(recipe: dict, winner: Trial, devices: str | None = None, nodes: int | None = None) -> dict:
+def tuned_recipe(recipe: Recipe, winner: Trial, devices: str | None = None, nodes: int | None = None) -> dict:
     """The user's recipe with the winner's strategy and batch split, and the ``devices`` and ``nodes`` it was
     tuned on where they were given; model and data otherwise unchanged."""
     candidate = winner.candidate
     strategy = candidate.bench_setup().strategy_config(world_size=None)
-    tuned = replace_strategy(recipe, strategy, recipe_precision(recipe.get("trainer") or {}))
+    tuned = recipe.with_strategy(strategy)
     if candidate.micro_batch is not None:
         tuned["trainer"]["accumulate_grad_batches"] = candidate.accumulation
         tuned.setdefault("data", {}).setdefault("init_args", {})["batch_size"] = candidate.micro_batch
