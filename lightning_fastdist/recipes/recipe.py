@@ -4,7 +4,7 @@
 (``--simulate`` too) and ``tune`` all read a recipe through :class:`Recipe`, so a
 recipe means the same thing to each of them. Its model and data are built as
 LightningCLI builds them (jsonargparse's subclass arguments and
-``instantiate_classes``), its precision named with Lightning's own aliases.
+``instantiate``), its precision named with Lightning's own aliases.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 DEFAULT_CLASSES = {"model": DEFAULT_MODEL, "data": DEFAULT_DATA}
 MIXED_PRECISION_PLUGIN = "lightning_fastdist.FastMixedPrecision"
-DEEPSPEED_STRATEGY = "lightning_fastdist.FastDeepSpeedStrategy"
+# Our strategies by engine (the names bench shows); :mod:`lightning_fastdist.planning.setup` writes their options.
+STRATEGY_CLASSES = {
+    "DDP": "lightning_fastdist.FastDDPStrategy",
+    "FSDP2": "lightning_fastdist.FastFSDPStrategy",
+    "DeepSpeed": "lightning_fastdist.FastDeepSpeedStrategy",
+}
 _BASE_CLASSES = {"model": LightningModule, "data": LightningDataModule}
 
 
@@ -103,7 +108,7 @@ def deepspeed_precision(trainer: dict) -> dict:
 def set_strategy(trainer: dict, strategy: dict) -> None:
     """Make the trainer section train with ``strategy`` (a ``class_path``/``init_args`` entry), in its precision."""
     trainer["strategy"] = strategy
-    if strategy["class_path"] == DEEPSPEED_STRATEGY:
+    if strategy["class_path"] == STRATEGY_CLASSES["DeepSpeed"]:
         trainer.update(deepspeed_precision(trainer))
         if not trainer["plugins"]:
             del trainer["plugins"]

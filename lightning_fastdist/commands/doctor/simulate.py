@@ -15,9 +15,10 @@ from lightning_fastdist.planning.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
     describe_setup,
-    strategy_section,
+    recipe_strategy,
 )
-from lightning_fastdist.planning.memory_model import GiB, MemoryEstimate
+from lightning_fastdist.planning.memory_model import GiB
+from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
 from lightning_fastdist.recipes.recipe import Recipe
 
@@ -94,24 +95,10 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
     }
 
 
-def _as_estimate(row: SimulatedSetup) -> MemoryEstimate:
-    m = row.memory
-    return MemoryEstimate(
-        mode=row.setup,
-        activation_checkpointing=row.activation_checkpointing,
-        cpu_offload=row.cpu_offload,
-        weights=m.params,
-        gradients=m.grads,
-        optimizer=m.optimizer,
-        gathered_weights=m.gathered_peak,
-        activations=m.activations_peak,
-        host_bytes=0,
-    )
-
-
 def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
     """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes."""
-    tailored = recipe.with_strategy(strategy_section(_as_estimate(chosen)))
+    setup = Setup.from_plan_key(chosen.setup, chosen.activation_checkpointing, chosen.cpu_offload)
+    tailored = recipe.with_strategy(recipe_strategy(setup))
     tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
     return tailored
 

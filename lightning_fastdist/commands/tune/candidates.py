@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lightning_fastdist.commands.bench.setups import FAST_DDP, FAST_DEEPSPEED, FAST_FSDP, BenchSetup
+from lightning_fastdist.commands.bench.setups import BenchSetup
 from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
 from lightning_fastdist.planning.memory_model import GiB
+from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
-from lightning_fastdist.recipes.recipe import Recipe
+from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES, Recipe
 
 # Bench's rows of our strategies that tune tries by default (hsdp only across nodes, DeepSpeed where installed).
 DEFAULT_SETUPS = (
@@ -30,7 +31,7 @@ DEFAULT_SETUPS = (
     "deepspeed-zero2",
     "deepspeed-zero3",
 )
-TUNABLE_CLASSES = (FAST_DDP, FAST_FSDP, FAST_DEEPSPEED)
+TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
 
 
 @dataclass(frozen=True)
@@ -66,20 +67,10 @@ class Candidate:
         return "+".join(parts)
 
     @property
-    def plan_key(self) -> tuple[str, str, bool]:
-        """The simulation row that holds this candidate's memory: ``(setup, checkpointing, cpu_offload)``, as the
-        bench row sets them (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) unless the candidate does."""
-        args = self.setup.strategy_args
-        if self.setup.strategy_class == FAST_FSDP:
-            mode = args.get("sharding", "zero3")
-        elif self.setup.strategy_class == FAST_DEEPSPEED:
-            mode = f"ds-zero{args.get('stage', 2)}"
-        else:
-            mode = "ddp"
-        checkpointing = (
-            args.get("activation_checkpointing", "none") if self.checkpointing == "none" else self.checkpointing
-        )
-        return mode, checkpointing, bool(args.get("offload_optimizer") or args.get("cpu_offload"))
+    def plan_key(self) -> tuple[str, str | int, bool]:
+        """The simulation row that holds this candidate's memory (:attr:`Setup.plan_key`): the bench row's setup
+        (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) with this candidate's checkpointing."""
+        return Setup.from_strategy(self.setup.strategy_class, self.bench_setup().strategy_args).plan_key
 
     def bench_setup(self) -> BenchSetup:
         """The setup bench's machinery trains: the strategy with this candidate's checkpointing and compile."""
