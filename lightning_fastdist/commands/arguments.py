@@ -1,14 +1,40 @@
-"""What the command lines of ``bench``, ``doctor`` and ``tune`` share: the recipe ``--config`` names, the
-comma-separated ``--setups``, and the arguments after ``--`` that go to every ``fit`` run."""
+"""What the command lines of ``bench`` and ``tune`` share (``doctor`` its recipe): positive numbers, the recipe
+``--config`` names, the comma-separated ``--setups``, the steps a measured run needs, and the arguments after ``--``
+that go to every ``fit`` run."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lightning_fastdist.recipes.recipe import Recipe, RecipeError, RecipeNotFound
 
 PASSTHROUGH_EPILOG = "Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2"
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse ``type``: an integer >= 1, or a number > 0."""
+    bound = "must be >= 1" if kind is int else "must be > 0"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{bound}, got {text}")
+        return value
+
+    return parse
+
+
+def check_steps(parser: argparse.ArgumentParser, steps: int, warmup_steps: int) -> None:
+    """A measured run (:class:`~lightning_fastdist.commands.bench.probe.BenchProbe`) needs its warm-up, timed steps,
+    two steps that count host syncs and a last one."""
+    if steps < warmup_steps + 4:
+        parser.error(
+            f"--steps: must be >= {warmup_steps + 4} (warm-up, timed steps, 2 sync-counting, 1 last), got {steps}"
+        )
 
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -55,7 +55,12 @@ from lightning_fastdist.parallel.plan.activation_checkpointing import ACTIVATION
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
 from lightning_fastdist.planning.comm_model import comm_per_step
-from lightning_fastdist.planning.memory_model import deepspeed_activation_precision, deepspeed_state
+from lightning_fastdist.planning.memory_model import (
+    DEEPSPEED_MODES,
+    FSDP_MODES,
+    deepspeed_activation_precision,
+    deepspeed_state,
+)
 from lightning_fastdist.planning.step_memory import (
     StepMemory,
     fake_world,
@@ -67,8 +72,7 @@ from lightning_fastdist.planning.step_memory import (
 from lightning_fastdist.recipes.recipe import Recipe, RecipeError, build
 
 PARALLEL_FROM_PARAMETERS = 10**9
-FSDP_SETUPS = ("zero2", "zero3", "hsdp")
-DEEPSPEED_SETUPS = ("ds-zero1", "ds-zero2", "ds-zero3")
+FSDP_SETUPS = (*FSDP_MODES, "hsdp")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
@@ -420,7 +424,7 @@ def simulate(
     parameters = 0
     for (setup, mode, _), result in zip(tasks, results):
         if isinstance(result, str):
-            for name in DEEPSPEED_SETUPS if setup == "ds" else (setup,):
+            for name in DEEPSPEED_MODES if setup == "ds" else (setup,):
                 not_traced.append((name, mode, result))
             continue
         parameters = result.parameters
@@ -441,7 +445,7 @@ def simulate(
 def _deepspeed_rows(run: RecipeRun, traced: TracedStep, checkpointing: str, world_size: int) -> list[SimulatedSetup]:
     """DeepSpeed's stages: the formula's state around activations traced in DeepSpeed's dtype."""
     rows = []
-    for setup in DEEPSPEED_SETUPS:
+    for setup in DEEPSPEED_MODES:
         state = deepspeed_state(traced.parameters, world_size, run.precision, int(setup[-1]), cpu_offload=False)
         memory = StepMemory(
             params=state.weights,

@@ -28,7 +28,14 @@ from typing import IO
 
 import yaml
 
-from lightning_fastdist.commands.arguments import PASSTHROUGH_EPILOG, read_recipe, setup_names, split_passthrough
+from lightning_fastdist.commands.arguments import (
+    PASSTHROUGH_EPILOG,
+    check_steps,
+    positive,
+    read_recipe,
+    setup_names,
+    split_passthrough,
+)
 from lightning_fastdist.commands.bench.setups import ENGINES, BenchSetup, all_setups, recipe_setup
 from lightning_fastdist.commands.local_ranks import run_local_ranks
 from lightning_fastdist.recipes.recipe import deepspeed_precision
@@ -66,10 +73,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=20, help="training steps per setup (>= warm-up + 4)")
     parser.add_argument(
-        "--warmup-steps", type=int, default=2, help="steps left out of the timing (e.g. until comm_hook auto decided)"
+        "--warmup-steps",
+        type=positive(int),
+        default=2,
+        help="steps left out of the timing (e.g. until comm_hook auto decided)",
     )
     parser.add_argument("--devices", default=None, help="processes per node per setup (default: the recipe's)")
-    parser.add_argument("--nodes", type=int, default=None, help="nodes per setup (default: the recipe's num_nodes)")
+    parser.add_argument(
+        "--nodes", type=positive(int), default=None, help="nodes per setup (default: the recipe's num_nodes)"
+    )
     parser.add_argument(
         "--launcher",
         default="",
@@ -83,15 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(own)
     args.passthrough = passthrough
     args.setup_list = setup_names(parser, args.setups, [*all_setups(args.compile_backend), "recipe"])
-    if args.nodes is not None and args.nodes < 1:
-        parser.error(f"--nodes: must be >= 1, got {args.nodes}")
-    if args.warmup_steps < 1:
-        parser.error(f"--warmup-steps: must be >= 1, got {args.warmup_steps}")
-    if args.steps < args.warmup_steps + 4:
-        parser.error(
-            f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, 2 sync-counting, 1 last), "
-            f"got {args.steps}"
-        )
+    check_steps(parser, args.steps, args.warmup_steps)
     args.recipe = read_recipe(parser, args.config)
     return args
 

@@ -26,7 +26,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lightning_fastdist.commands.arguments import PASSTHROUGH_EPILOG, read_recipe, setup_names, split_passthrough
+from lightning_fastdist.commands.arguments import (
+    PASSTHROUGH_EPILOG,
+    check_steps,
+    positive,
+    read_recipe,
+    setup_names,
+    split_passthrough,
+)
 from lightning_fastdist.commands.bench.command import run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.commands.tune import output as tune_output
@@ -47,16 +54,6 @@ from lightning_fastdist.planning.memory_model import GiB
 PROG = "lightning-fastdist tune"
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -70,34 +67,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write every candidate's numbers here")
     parser.add_argument("--workdir", default="tune_runs", help="folder for each run's log and tune.png")
     parser.add_argument(
-        "--budget-minutes", type=_positive(float), default=30.0, help="time the trials may take in all (default 30)"
+        "--budget-minutes", type=positive(float), default=30.0, help="time the trials may take in all (default 30)"
     )
     parser.add_argument(
         "--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of bench's: {', '.join(tunable)}"
     )
-    parser.add_argument("--steps", type=_positive(int), default=8, help="optimizer steps per trial in round 1")
-    parser.add_argument("--warmup-steps", type=_positive(int), default=2, help="steps left out of each timing")
+    parser.add_argument("--steps", type=positive(int), default=8, help="optimizer steps per trial in round 1")
+    parser.add_argument("--warmup-steps", type=positive(int), default=2, help="steps left out of each timing")
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the compile trials, or none"
     )
     parser.add_argument(
         "--loss-tolerance",
-        type=_positive(float),
+        type=positive(float),
         default=0.01,
         help="largest relative distance of a compressed or compiled candidate's loss from its exact one's",
     )
-    parser.add_argument("--gpu-memory", type=_positive(float), metavar="GIB", help="memory of one device in GiB")
+    parser.add_argument("--gpu-memory", type=positive(float), metavar="GIB", help="memory of one device in GiB")
     parser.add_argument("--devices", default=None, help="processes per node (default: the recipe's)")
-    parser.add_argument("--nodes", type=_positive(int), default=None, help="nodes (default: the recipe's num_nodes)")
+    parser.add_argument("--nodes", type=positive(int), default=None, help="nodes (default: the recipe's num_nodes)")
     parser.add_argument("--launcher", default="", help="as bench's --launcher: runs each trial across the nodes")
     own, passthrough = split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
     args.setup_list = setup_names(parser, args.setups, tunable)
-    if args.steps < args.warmup_steps + 4:
-        parser.error(
-            f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, sync count), got {args.steps}"
-        )
+    check_steps(parser, args.steps, args.warmup_steps)
     args.recipe = read_recipe(parser, args.config)
     args.compile_backend = None if args.compile_backend == "none" else args.compile_backend
     for problem in tune_output.outputs_not_ours(Path(args.output), args.json and Path(args.json), Path(args.workdir)):
