@@ -1,12 +1,14 @@
-"""What the command lines of ``bench`` and ``tune`` share (``doctor`` its recipe): positive numbers, the recipe
-``--config`` names, the comma-separated ``--setups``, the steps a measured run needs, and the arguments after ``--``
-that go to every ``fit`` run."""
+"""What the command lines of ``bench``, ``doctor`` and ``tune`` share: positive numbers, the recipe ``--config``
+names, the comma-separated ``--setups``, the steps a measured run needs, the device memory ``--gpu-memory`` plans
+for, and the arguments after ``--`` that go to every ``fit`` run."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
 
+from lightning_fastdist.diagnostics.environment import Environment, detect_environment
+from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.recipes.recipe import Recipe, RecipeError, RecipeNotFound
 
 PASSTHROUGH_EPILOG = "Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2"
@@ -62,3 +64,11 @@ def setup_names(parser: argparse.ArgumentParser, text: str, known: Sequence[str]
     if unknown or not names:
         parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
     return names
+
+
+def device_memory(gpu_memory_gib: float | None, environment: Environment | None = None) -> int | None:
+    """Bytes of one device to plan for: ``--gpu-memory`` GiB, else the smallest GPU of this machine (``environment``,
+    detected when not given), else ``None``."""
+    if gpu_memory_gib is not None:
+        return int(gpu_memory_gib * GiB)
+    return min((gpu.memory_bytes for gpu in (environment or detect_environment()).gpus), default=None)

@@ -134,11 +134,6 @@ def build(kind: str, section: dict) -> Any:
         raise RecipeError(message) from None
 
 
-def accepted_options(class_path: str) -> set[str]:
-    """The ``init_args`` the class at ``class_path`` accepts."""
-    return set(inspect.signature(pydoc.locate(class_path)).parameters)
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A recipe's options as written (``config``), and what the commands read from them.
@@ -219,7 +214,7 @@ class Recipe:
         config = copy.deepcopy(self.config)
         strategy = copy.deepcopy(strategy)
         init_args = strategy.setdefault("init_args", {})
-        accepted = accepted_options(strategy["class_path"])
+        accepted = inspect.signature(pydoc.locate(strategy["class_path"])).parameters
         for option, value in self.strategy_options.items():
             if option in accepted and option not in init_args:
                 init_args[option] = value

@@ -24,6 +24,7 @@ from typing import NoReturn
 import torch
 import yaml
 
+from lightning_fastdist.commands.arguments import device_memory
 from lightning_fastdist.commands.doctor import simulate as doctor_simulate
 from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
@@ -205,11 +206,8 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe_de
     """The devices to plan for: flags first, then this machine's GPUs, then its CPU."""
     if args.gpus is not None or environment.gpus:
         devices = args.gpus or recipe_devices or len(environment.gpus)
-        if args.gpu_memory is not None:
-            memory = int(args.gpu_memory * GiB)
-        elif environment.gpus:
-            memory = min(gpu.memory_bytes for gpu in environment.gpus)
-        else:
+        memory = device_memory(args.gpu_memory, environment)
+        if memory is None:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
         bf16 = (
             all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True
@@ -342,11 +340,8 @@ def _simulated_cluster(args: argparse.Namespace, recipe: Recipe, environment: En
     gpus_per_node = min(args.gpus or recipe_devices or len(environment.gpus) or 8, world_size)
     if world_size % gpus_per_node:
         raise DoctorError(f"--world-size: {world_size} is not a multiple of --gpus {gpus_per_node} (GPUs per node).")
-    if args.gpu_memory is not None:
-        memory = int(args.gpu_memory * GiB)
-    elif environment.gpus:
-        memory = min(gpu.memory_bytes for gpu in environment.gpus)
-    else:
+    memory = device_memory(args.gpu_memory, environment)
+    if memory is None:
         print(f"No GPU visible and no --gpu-memory: fits is judged for {SIMULATED_GPU_MEMORY_GIB:.0f} GiB GPUs.")
         memory = int(SIMULATED_GPU_MEMORY_GIB * GiB)
     return world_size, gpus_per_node, memory

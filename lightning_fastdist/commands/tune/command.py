@@ -29,6 +29,7 @@ from pathlib import Path
 from lightning_fastdist.commands.arguments import (
     PASSTHROUGH_EPILOG,
     check_steps,
+    device_memory,
     positive,
     read_recipe,
     setup_names,
@@ -47,9 +48,7 @@ from lightning_fastdist.commands.tune.candidates import (
 )
 from lightning_fastdist.commands.tune.search import Search, Trial
 from lightning_fastdist.commands.written_marks import write_json
-from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM
-from lightning_fastdist.planning.memory_model import GiB
 
 PROG = "lightning-fastdist tune"
 
@@ -103,11 +102,7 @@ def memory_plan(args: argparse.Namespace) -> MemoryPlan:
     """The device memory to plan for (``--gpu-memory``, else this machine's smallest GPU, else none)."""
     world = world_size(args) or 1
     nodes = args.nodes or args.recipe.trainer.get("num_nodes") or 1
-    if args.gpu_memory is not None:
-        memory = int(args.gpu_memory * GiB)
-    else:
-        gpus = detect_environment().gpus
-        memory = min(gpu.memory_bytes for gpu in gpus) if gpus else None
+    memory = device_memory(args.gpu_memory)
     usable = int(memory * (1 - HEADROOM)) if memory else None
     return MemoryPlan(args.recipe, world, max(world // int(nodes), 1), usable)
 
