@@ -112,7 +112,7 @@ def world_size(args: argparse.Namespace) -> int | None:
 
 def node_count(args: argparse.Namespace) -> object:
     """Nodes per run: ``--nodes``, else the recipe's ``trainer.num_nodes`` (as written there), else 1."""
-    return args.nodes or args.recipe.trainer.get("num_nodes", 1)
+    return args.nodes or args.recipe.trainer.get("num_nodes") or 1
 
 
 def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argparse.Namespace) -> dict:

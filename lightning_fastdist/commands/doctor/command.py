@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-import yaml
 
 from lightning_fastdist.commands.arguments import device_memory
 from lightning_fastdist.commands.doctor import simulate as doctor_simulate
-from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json
+from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json, write_recipe
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
@@ -279,17 +278,15 @@ def check_output_is_ours(output: Path) -> None:
         )
 
 
-def _recipe_header(recommendation: Recommendation, target: Target, argv: list[str]) -> str:
-    lines = [
+def _recipe_comments(recommendation: Recommendation, target: Target, argv: list[str]) -> list[str]:
+    return [
         " ".join([HEADER_START, *argv]),
         f"# For {target.nodes} node(s) x {target.devices} {target.accelerator}(s), "
         f"{target.device_memory_bytes / GiB:.1f} GiB each.",
         f"# Estimated peak per device: {recommendation.estimate.total / GiB:.3f} GiB"
         f" (usable {recommendation.usable_bytes / GiB:.2f} GiB){'' if recommendation.fits else ' -- DOES NOT FIT'}.",
         *(f"#   {reason}" for reason in recommendation.reasons),
-        "# Run: lightning-fastdist fit --config THIS_FILE",
     ]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main
@@ -379,8 +376,7 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
     tailored = doctor_simulate.tailored_recipe(recipe, chosen, gpus_per_node, world_size // gpus_per_node)
     header = [" ".join([HEADER_START, *argv]), *doctor_simulate.recipe_comments(chosen, fits, usable, world_size)]
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("\n".join(header) + "\n" + yaml.safe_dump(tailored, sort_keys=False))
+    write_recipe(output, header, tailored)
     print(f"Wrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
 
@@ -413,8 +409,7 @@ def run(argv: list[str]) -> int:
     if not recommendation.fits:
         print("  WARNING: the estimate does not fit; the recipe is the most frugal configuration.")
     recipe = build_recipe(recommendation, target, model_section, data_section, args.max_steps)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(_recipe_header(recommendation, target, argv) + yaml.safe_dump(recipe, sort_keys=False))
+    write_recipe(output, _recipe_comments(recommendation, target, argv), recipe)
     print(f"\nWrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
 

@@ -109,8 +109,7 @@ def recipe_comments(chosen: SimulatedSetup, fits: bool, usable_bytes: int, world
     verdict = "" if fits else " -- DOES NOT FIT"
     return [
         f"# Simulated at world {world_size}: {describe_setup_of(chosen)}, {reason}: "
-        f"peak {chosen.memory.peak / GiB:.3f} GiB per rank (usable {usable_bytes / GiB:.2f} GiB){verdict}.",
-        "# Run: lightning-fastdist fit --config THIS_FILE",
+        f"peak {chosen.memory.peak / GiB:.3f} GiB per rank (usable {usable_bytes / GiB:.2f} GiB){verdict}."
     ]
 
 

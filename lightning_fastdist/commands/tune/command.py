@@ -35,7 +35,7 @@ from lightning_fastdist.commands.arguments import (
     setup_names,
     split_passthrough,
 )
-from lightning_fastdist.commands.bench.command import run_setup, world_size
+from lightning_fastdist.commands.bench.command import node_count, run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.commands.tune import output as tune_output
 from lightning_fastdist.commands.tune.candidates import (
@@ -101,7 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def memory_plan(args: argparse.Namespace) -> MemoryPlan:
     """The device memory to plan for (``--gpu-memory``, else this machine's smallest GPU, else none)."""
     world = world_size(args) or 1
-    nodes = args.nodes or args.recipe.trainer.get("num_nodes") or 1
+    nodes = node_count(args)
     memory = device_memory(args.gpu_memory)
     usable = int(memory * (1 - HEADROOM)) if memory else None
     return MemoryPlan(args.recipe, world, max(world // int(nodes), 1), usable)
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print("tune: no candidate trained and passed; no recipe written (the lines above say why)", file=sys.stderr)
         return 1
     output = Path(args.output)
-    tune_output.write_recipe(output, args, trials, winner, argv)
+    tune_output.write_winner(output, args, trials, winner, argv)
     print(f"winner: {winner.candidate.name} ({tune_output.numbers(winner.rounds[-1])})")
     print(f"wrote {output}; train it with: lightning-fastdist fit --config {output}")
     return 0

@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
 from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
-from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by
+from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, write_recipe
 from lightning_fastdist.recipes.recipe import Recipe
 
 WRITTEN_BY = "lightning-fastdist tune"
@@ -102,18 +100,16 @@ def tuned_recipe(recipe: Recipe, winner: Trial, devices: str | None = None, node
     return tuned
 
 
-def write_recipe(path: Path, args: argparse.Namespace, trials: list[Trial], winner: Trial, argv: list[str]) -> None:
+def write_winner(path: Path, args: argparse.Namespace, trials: list[Trial], winner: Trial, argv: list[str]) -> None:
+    """The user's recipe with the winner's setup, under the measured table as comments."""
     unit = "tokens" if winner.rounds[-1].get("tokens_per_s") else "samples"
     header = [
         " ".join([RECIPE_HEADER, *argv]),
         f"# Winner: {winner.candidate.name}, the fastest that passed the loss guard, of "
         f"{sum(bool(t.rounds) for t in trials)} measured ({unit}/s over all ranks, per round):",
         *(f"#   {line}" for line in table(trials)),
-        "# Run: lightning-fastdist fit --config THIS_FILE",
     ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = yaml.safe_dump(tuned_recipe(args.recipe, winner, args.devices, args.nodes), sort_keys=False)
-    path.write_text("\n".join(header) + "\n" + body)
+    write_recipe(path, header, tuned_recipe(args.recipe, winner, args.devices, args.nodes))
 
 
 def json_document(
