@@ -100,6 +100,12 @@ class SimulatedSetup:
     comm_bytes_per_step: int
     method: str = "traced"
 
+    @property
+    def plan_key(self) -> tuple[str, str, bool]:
+        """``(setup, activation_checkpointing, cpu_offload)``: the :attr:`Setup.plan_key
+        <lightning_fastdist.planning.setup.Setup.plan_key>` of the setup this row measured."""
+        return self.setup, self.activation_checkpointing, self.cpu_offload
+
     def as_json(self, usable_bytes: int) -> dict[str, Any]:
         m = self.memory
         return {

@@ -41,7 +41,7 @@ def check_json_is_ours(path: Path) -> None:
 
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:
     """The fastest simulated setup whose peak fits (the advisor's order), else the most frugal; and whether it fits."""
-    rows = {(row.setup, row.activation_checkpointing, row.cpu_offload): row for row in simulation.rows}
+    rows = {row.plan_key: row for row in simulation.rows}
     preference = SINGLE_DEVICE_PREFERENCE if simulation.world_size == 1 else PREFERENCE
     candidates = [rows[key] for key in preference if key in rows]
     for row in candidates:
@@ -97,8 +97,7 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
 
 def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
     """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes."""
-    setup = Setup.from_plan_key(chosen.setup, chosen.activation_checkpointing, chosen.cpu_offload)
-    tailored = recipe.with_strategy(recipe_strategy(setup))
+    tailored = recipe.with_strategy(recipe_strategy(Setup.from_plan_key(*chosen.plan_key)))
     tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
     return tailored
 
@@ -115,4 +114,4 @@ def recipe_comments(chosen: SimulatedSetup, fits: bool, usable_bytes: int, world
 
 def describe_setup_of(row: SimulatedSetup) -> str:
     """The row's configuration in words, e.g. ``FSDP ZeRO-3 + full activation checkpointing``."""
-    return describe_setup(row.setup, row.activation_checkpointing, row.cpu_offload)
+    return describe_setup(*row.plan_key)

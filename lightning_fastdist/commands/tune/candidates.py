@@ -144,9 +144,7 @@ def memory_verdict(candidate: Candidate, plan: MemoryPlan) -> tuple[int | None, 
     simulation = plan.simulation(candidate.micro_batch)
     if simulation is None:
         return None, None
-    row = next(
-        (r for r in simulation.rows if (r.setup, r.activation_checkpointing, r.cpu_offload) == candidate.plan_key), None
-    )
+    row = next((r for r in simulation.rows if r.plan_key == candidate.plan_key), None)
     if row is None:
         traced = next(
             (reason for s, mode, reason in simulation.not_traced if (s, mode) == candidate.plan_key[:2]), None
