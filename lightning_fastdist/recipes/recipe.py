@@ -218,5 +218,6 @@ class Recipe:
         for option, value in self.strategy_options.items():
             if option in accepted and option not in init_args:
                 init_args[option] = value
-        set_strategy(config.setdefault("trainer", {}), strategy)
+        config["trainer"] = config.get("trainer") or {}  # a bare "trainer:" is None
+        set_strategy(config["trainer"], strategy)
         return config
