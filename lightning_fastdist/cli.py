@@ -48,6 +48,7 @@ from lightning_fastdist.cli_report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
 from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
+from lightning_fastdist.recipes.recipe import DEFAULT_DATA, DEFAULT_MODEL
 from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError, is_last_checkpoint
 
 PROGRAM = "lightning-fastdist"
@@ -59,8 +60,6 @@ EXPLAINED_FAILURES = (
     NonFiniteLossError,
     ResumeRefusedError,
 )
-DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
-DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
 EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench.command", "doctor": "doctor.command", "tune": "tune.command"}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from lightning_fastdist.cli_errors import UsageError, check_yaml_file, load_yaml
-from lightning_fastdist.recipes import available_recipes, find_recipe
+from lightning_fastdist.cli_errors import UsageError
+from lightning_fastdist.recipes.recipe import Recipe, RecipeError
 
 CONFIG_FLAGS = ("--config", "-c")
 SUBCLASS_OPTIONS = ("model", "data")
@@ -48,17 +48,14 @@ def resolve_config_paths(argv: Sequence[str]) -> list[str]:
     for i, flag, value, slot in _options(argv):
         if flag not in CONFIG_FLAGS or value is None:
             continue
-        recipe = find_recipe(value)
-        if recipe is None:
-            raise UsageError(
-                f"{flag}: recipe file '{value}' not found. Give a path to a YAML file or one of the "
-                f"packaged recipes: {', '.join(available_recipes())}."
-            )
-        check_yaml_file(flag, recipe)
+        try:
+            recipe = Recipe.read(value)
+        except RecipeError as error:
+            raise UsageError(f"{flag}: {error}") from None
         if slot is None:
-            resolved[i] = f"{flag}={recipe}"
+            resolved[i] = f"{flag}={recipe.path}"
         else:
-            resolved[slot] = str(recipe)
+            resolved[slot] = str(recipe.path)
     return resolved
 
 
@@ -87,7 +84,7 @@ def drop_init_args_of_replaced_classes(argv: Sequence[str]) -> tuple[list[str], 
         if value is None:
             continue
         if flag in CONFIG_FLAGS:
-            config = load_yaml(Path(value)) or {}
+            config = Recipe.read(value).config
             for option in SUBCLASS_OPTIONS:
                 section = config.get(option)
                 if option in config:

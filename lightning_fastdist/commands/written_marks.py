@@ -6,11 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 
 def first_line_starts_with(path: Path, header: str) -> bool:
     """Whether the file at ``path`` begins with ``header`` on its first line."""
     with path.open("rb") as file:
         return file.readline().decode(errors="replace").startswith(header)
+
+
+def write_recipe(path: Path, comments: list[str], config: dict) -> None:
+    """Write ``config`` as a recipe under its ``comments`` (the first one the writer's mark) and how to run it,
+    making the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [*comments, "# Run: lightning-fastdist fit --config THIS_FILE"]
+    path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False))
 
 
 def write_json(path: Path, document: dict) -> None:

@@ -33,7 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
-from lightning_fastdist.planning.memory_model import DEEPSPEED_MODES, MemoryEstimate, TrainingShape, estimate_memory
+from lightning_fastdist.planning.memory_model import MemoryEstimate, TrainingShape, estimate_memory
+from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.recipes.recipe import set_strategy
 
 HEADROOM = 0.15  # CUDA context, allocator fragmentation, temporary buffers
 PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
@@ -52,15 +54,6 @@ SINGLE_DEVICE_PREFERENCE = (
     ("ds-zero2", "full", True),
     ("zero3", "full", True),
 )
-_MODE_NAMES = {
-    "ddp": "DDP",
-    "zero2": "FSDP ZeRO-2",
-    "zero3": "FSDP ZeRO-3",
-    "hsdp": "FSDP HSDP",
-    "ds-zero1": "DeepSpeed ZeRO-1",
-    "ds-zero2": "DeepSpeed ZeRO-2",
-    "ds-zero3": "DeepSpeed ZeRO-3",
-}
 
 
 @dataclass(frozen=True)
@@ -191,44 +184,20 @@ def _finish(
 
 def describe_setup(mode: str, checkpointing: str, offload: bool) -> str:
     """``"FSDP ZeRO-3 + full activation checkpointing"``: a configuration in words."""
-    parts = [_MODE_NAMES[mode]]
-    if checkpointing != "none":
-        parts.append(f"{checkpointing} activation checkpointing")
-    if offload:
-        parts.append("optimizer offload" if mode in ("ds-zero1", "ds-zero2") else "CPU offload")
-    return " + ".join(parts)
-
-
-def uses_deepspeed(estimate: MemoryEstimate) -> bool:
-    return estimate.mode in DEEPSPEED_MODES
+    return Setup.from_plan_key(mode, checkpointing, offload).describe()
 
 
 def strategy_section(estimate: MemoryEstimate) -> dict:
     """The ``trainer.strategy`` entry of a recipe for ``estimate``'s configuration."""
-    if uses_deepspeed(estimate):
-        stage = int(estimate.mode[-1])
-        return {
-            "class_path": "lightning_fastdist.FastDeepSpeedStrategy",
-            "init_args": {
-                "stage": stage,
-                "activation_checkpointing": estimate.activation_checkpointing,
-                "offload_optimizer": estimate.cpu_offload,
-                "offload_parameters": estimate.cpu_offload and stage == 3,
-            },
-        }
-    if estimate.mode == "ddp":
-        return {
-            "class_path": "lightning_fastdist.FastDDPStrategy",
-            "init_args": {"bucket_cap_mb": "auto", "activation_checkpointing": estimate.activation_checkpointing},
-        }
-    return {
-        "class_path": "lightning_fastdist.FastFSDPStrategy",
-        "init_args": {
-            "sharding": estimate.mode,
-            "activation_checkpointing": estimate.activation_checkpointing,
-            "cpu_offload": estimate.cpu_offload,
-        },
-    }
+    return recipe_strategy(Setup.from_plan_key(estimate.mode, estimate.activation_checkpointing, estimate.cpu_offload))
+
+
+def recipe_strategy(setup: Setup) -> dict:
+    """The ``trainer.strategy`` entry of the recipes doctor writes (DDP's with the bucket rule named, so it shows)."""
+    section = setup.strategy_section()
+    if setup.engine == "DDP":
+        section["init_args"] = {"bucket_cap_mb": "auto", **section["init_args"]}
+    return section
 
 
 def build_recipe(
@@ -270,7 +239,7 @@ def build_recipe(
             {"class_path": "lightning_fastdist.BottleneckReport"},
         ],
     }
-    if precision == "32-true" or uses_deepspeed(recommendation.estimate):  # DeepSpeed runs 16-bit itself
+    if precision == "32-true":
         trainer["precision"] = precision
     else:
         device = "cuda" if target.accelerator == "gpu" else "cpu"
@@ -280,6 +249,7 @@ def build_recipe(
                 "init_args": {"precision": precision, "device": device},
             }
         ]
+    set_strategy(trainer, trainer["strategy"])  # a DeepSpeed strategy takes the precision as trainer.precision
     data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
     data["init_args"]["batch_size"] = recommendation.shape.micro_batch
     if "num_workers" in data["init_args"] or data["class_path"] == "lightning_fastdist.demo.TextDataModule":

@@ -75,13 +75,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from lightning_fastdist.parallel.deepspeed.runtime import MAX_AUTO_BUCKET, MAX_LIVE_PARAMETERS
+from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 FSDP_MODES = ("zero2", "zero3")
 DEEPSPEED_MODES = ("ds-zero1", "ds-zero2", "ds-zero3")
 MODES = ("ddp", *FSDP_MODES, *DEEPSPEED_MODES)
 DEEPSPEED_OPTIMIZER_BYTES = 12  # per parameter: fp32 master copy + two fp32 AdamW moments
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = LEAST_RECOMPUTE_FIRST
 UNITS_PER_LAYER = 17
 SELECTIVE_UNITS_PER_LAYER = 9
 HEAD_UNITS = 2

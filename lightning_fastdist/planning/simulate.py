@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib
 import multiprocessing
 import os
 import threading
@@ -43,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from torch import nn
@@ -52,10 +51,16 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, fsdp_dtypes, shard_model
+from lightning_fastdist.parallel.plan.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
 from lightning_fastdist.planning.comm_model import comm_per_step
-from lightning_fastdist.planning.memory_model import deepspeed_activation_precision, deepspeed_state
+from lightning_fastdist.planning.memory_model import (
+    DEEPSPEED_MODES,
+    FSDP_MODES,
+    deepspeed_activation_precision,
+    deepspeed_state,
+)
 from lightning_fastdist.planning.step_memory import (
     StepMemory,
     fake_world,
@@ -64,12 +69,10 @@ from lightning_fastdist.planning.step_memory import (
     to_empty_keeping_ties,
     tracing_unavailable,
 )
+from lightning_fastdist.recipes.recipe import Recipe, RecipeError, build
 
-CHECKPOINTING = ("none", "full", "selective")
 PARALLEL_FROM_PARAMETERS = 10**9
-FSDP_SETUPS = ("zero2", "zero3", "hsdp")
-DEEPSPEED_SETUPS = ("ds-zero1", "ds-zero2", "ds-zero3")
-_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+FSDP_SETUPS = (*FSDP_MODES, "hsdp")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
@@ -96,6 +99,12 @@ class SimulatedSetup:
     memory: StepMemory
     comm_bytes_per_step: int
     method: str = "traced"
+
+    @property
+    def plan_key(self) -> tuple[str, str, bool]:
+        """``(setup, activation_checkpointing, cpu_offload)``: the :attr:`Setup.plan_key
+        <lightning_fastdist.planning.setup.Setup.plan_key>` of the setup this row measured."""
+        return self.setup, self.activation_checkpointing, self.cpu_offload
 
     def as_json(self, usable_bytes: int) -> dict[str, Any]:
         m = self.memory
@@ -135,56 +144,25 @@ class RecipeRun:
     accumulation: int = 1
     blocks: str | list[str] = "auto"
 
-
-def recipe_precision(trainer: dict) -> str:
-    """The precision a recipe trains in: a precision plugin's ``precision``, else ``trainer.precision``."""
-    plugins = trainer.get("plugins") or []
-    for plugin in plugins if isinstance(plugins, list) else [plugins]:
-        if isinstance(plugin, dict) and "precision" in (plugin.get("init_args") or {}):
-            return str(plugin["init_args"]["precision"])
-    precision = str(trainer.get("precision") or "32-true")
-    return _PRECISION_ALIASES.get(precision, precision)
+    @classmethod
+    def of(cls, recipe: Recipe, micro_batch: int | None = None) -> RecipeRun:
+        """What ``recipe`` trains, at ``micro_batch`` samples per batch (``None``: the recipe's)."""
+        data = recipe.section("data")
+        if micro_batch is not None:
+            data["init_args"]["batch_size"] = micro_batch
+        return cls(recipe.section("model"), data, recipe.precision, recipe.accumulation, recipe.blocks)
 
 
-def recipe_run(config: dict, model: dict, data: dict) -> RecipeRun:
-    """Read :class:`RecipeRun` from a recipe's parsed YAML and its (defaulted) model and data sections."""
-    trainer = config.get("trainer") or {}
-    strategy = trainer.get("strategy")
-    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    blocks = init_args.get("blocks") or init_args.get("shard_modules") or init_args.get("block_modules") or "auto"
-    accumulation = trainer.get("accumulate_grad_batches") or 1
-    return RecipeRun(model, data, recipe_precision(trainer), int(accumulation), blocks)
-
-
-def import_class(class_path: str) -> type:
-    """``"package.module.Class"`` -> the class; ``ImportError`` when it cannot be imported."""
-    module_name, _, class_name = class_path.rpartition(".")
+def _instantiate(kind: str, section: dict) -> Any:
     try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ImportError(f"{class_path!r} cannot be imported") from error
-
-
-def instantiate(value: Any) -> Any:
-    """Build ``{"class_path": ..., "init_args": {...}}`` entries (nested ones too), as LightningCLI does."""
-    if isinstance(value, list):
-        return [instantiate(item) for item in value]
-    if not isinstance(value, dict):
-        return value
-    if "class_path" not in value:
-        return {key: instantiate(item) for key, item in value.items()}
-    try:
-        cls = import_class(value["class_path"])
-    except ImportError as error:
+        return build(kind, section)
+    except RecipeError as error:
         raise NotTraceable(str(error)) from None
-    return cls(**{key: instantiate(item) for key, item in (value.get("init_args") or {}).items()})
 
 
 def first_batch(data_section: dict) -> Any:
     """One training batch of the recipe's data module, as its ``train_dataloader`` gives it (real tensors, small)."""
-    data = instantiate(data_section)
-    if not isinstance(data, LightningDataModule):
-        raise NotTraceable(f"data {data_section['class_path']!r} is not a LightningDataModule")
+    data = _instantiate("data", data_section)
     data.prepare_data()
     data.setup("fit")
     return next(iter(data.train_dataloader()))
@@ -192,10 +170,7 @@ def first_batch(data_section: dict) -> Any:
 
 def _build(run: RecipeRun, fake: bool) -> LightningModule:
     with torch.device("meta") if fake else nullcontext():
-        model = instantiate(run.model)
-    if not isinstance(model, LightningModule):
-        raise NotTraceable(f"model {run.model['class_path']!r} is not a LightningModule")
-    return model
+        return _instantiate("model", run.model)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -420,7 +395,7 @@ def simulate(
     run: RecipeRun,
     world_size: int,
     gpus_per_node: int,
-    checkpointing: tuple[str, ...] = CHECKPOINTING,
+    checkpointing: tuple[str, ...] = ACTIVATION_CHECKPOINTING_MODES,
     processes: int | None = None,
 ) -> Simulation:
     """Trace every setup at ``world_size`` ranks (``gpus_per_node`` per node), one row per setup and mode.
@@ -455,7 +430,7 @@ def simulate(
     parameters = 0
     for (setup, mode, _), result in zip(tasks, results):
         if isinstance(result, str):
-            for name in DEEPSPEED_SETUPS if setup == "ds" else (setup,):
+            for name in DEEPSPEED_MODES if setup == "ds" else (setup,):
                 not_traced.append((name, mode, result))
             continue
         parameters = result.parameters
@@ -476,7 +451,7 @@ def simulate(
 def _deepspeed_rows(run: RecipeRun, traced: TracedStep, checkpointing: str, world_size: int) -> list[SimulatedSetup]:
     """DeepSpeed's stages: the formula's state around activations traced in DeepSpeed's dtype."""
     rows = []
-    for setup in DEEPSPEED_SETUPS:
+    for setup in DEEPSPEED_MODES:
         state = deepspeed_state(traced.parameters, world_size, run.precision, int(setup[-1]), cpu_offload=False)
         memory = StepMemory(
             params=state.weights,

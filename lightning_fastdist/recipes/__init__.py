@@ -2,7 +2,7 @@
 
 ``lightning-fastdist fit --config cpu_smoke`` (or ``cpu_smoke.yaml``, or
 ``recipes/cpu_smoke.yaml``) finds a packaged recipe from any directory; a path
-to an existing file always wins.
+to an existing file always wins. :mod:`~lightning_fastdist.recipes.recipe` reads one.
 """
 
 from __future__ import annotations

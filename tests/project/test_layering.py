@@ -18,6 +18,7 @@ FORBIDDEN = {
     "parallel": ("lightning", "pytorch_lightning", "lightning_fastdist"),
     "diagnostics": (*ABOVE_PLANNING, "lightning_fastdist.planning"),
     "planning": ABOVE_PLANNING,
+    "recipes": (*ABOVE_PLANNING, "lightning_fastdist.planning"),  # the recipe reader under planning/simulate.py
     "trainer": ABOVE_TRAINER,
     "strategies": ABOVE_STRATEGIES,
     "callbacks": (*ABOVE_STRATEGIES, "lightning_fastdist.strategies"),

@@ -28,9 +28,17 @@ from typing import IO
 
 import yaml
 
+from lightning_fastdist.commands.arguments import (
+    PASSTHROUGH_EPILOG,
+    check_steps,
+    positive,
+    read_recipe,
+    setup_names,
+    split_passthrough,
+)
 from lightning_fastdist.commands.bench.setups import ENGINES, BenchSetup, all_setups, recipe_setup
 from lightning_fastdist.commands.local_ranks import run_local_ranks
-from lightning_fastdist.recipes import find_recipe
+from lightning_fastdist.recipes.recipe import deepspeed_precision
 
 DEFAULT_SETUPS = (
     "lightning-ddp,lightning-fsdp2,lightning-deepspeed,ddp,ddp-bf16,fsdp-zero2,fsdp-zero3,"
@@ -55,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="lightning-fastdist bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2",
+        epilog=PASSTHROUGH_EPILOG,
     )
     parser.add_argument("--config", default="cpu_smoke", help="recipe to train (a path or a packaged name)")
     parser.add_argument(
@@ -65,10 +73,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=20, help="training steps per setup (>= warm-up + 4)")
     parser.add_argument(
-        "--warmup-steps", type=int, default=2, help="steps left out of the timing (e.g. until comm_hook auto decided)"
+        "--warmup-steps",
+        type=positive(int),
+        default=2,
+        help="steps left out of the timing (e.g. until comm_hook auto decided)",
     )
     parser.add_argument("--devices", default=None, help="processes per node per setup (default: the recipe's)")
-    parser.add_argument("--nodes", type=int, default=None, help="nodes per setup (default: the recipe's num_nodes)")
+    parser.add_argument(
+        "--nodes", type=positive(int), default=None, help="nodes per setup (default: the recipe's num_nodes)"
+    )
     parser.add_argument(
         "--launcher",
         default="",
@@ -78,50 +91,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of ddp-compile")
     parser.add_argument("--output", default="bench_results", help="folder for bench.json, bench.png and logs")
-    own, _, passthrough = _split_passthrough(argv)
+    own, passthrough = split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
-    known = [*all_setups(args.compile_backend), "recipe"]
-    args.setup_list = [name.strip() for name in args.setups.split(",") if name.strip()]
-    unknown = [name for name in args.setup_list if name not in known]
-    if unknown or not args.setup_list:
-        parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
-    if args.nodes is not None and args.nodes < 1:
-        parser.error(f"--nodes: must be >= 1, got {args.nodes}")
-    if args.warmup_steps < 1:
-        parser.error(f"--warmup-steps: must be >= 1, got {args.warmup_steps}")
-    if args.steps < args.warmup_steps + 4:
-        parser.error(
-            f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, 2 sync-counting, 1 last), "
-            f"got {args.steps}"
-        )
-    recipe = find_recipe(args.config)
-    if recipe is None:
-        parser.error(f"--config: recipe file {args.config!r} not found")
-    args.recipe = yaml.safe_load(recipe.read_text()) or {}
+    args.setup_list = setup_names(parser, args.setups, [*all_setups(args.compile_backend), "recipe"])
+    check_steps(parser, args.steps, args.warmup_steps)
+    args.recipe = read_recipe(parser, args.config)
     return args
-
-
-def _split_passthrough(argv: list[str]) -> tuple[list[str], str, list[str]]:
-    if "--" in argv:
-        index = argv.index("--")
-        return argv[:index], "--", argv[index + 1 :]
-    return argv, "", []
-
-
-def _deepspeed_precision(recipe: dict) -> dict:
-    """DeepSpeed runs mixed precision itself: a recipe's FastMixedPrecision plugin becomes ``trainer.precision``."""
-    plugins = (recipe.get("trainer") or {}).get("plugins") or []
-    for plugin in plugins if isinstance(plugins, list) else [plugins]:
-        if isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("FastMixedPrecision"):
-            return {"plugins": [], "precision": (plugin.get("init_args") or {}).get("precision", "32-true")}
-    return {}
 
 
 def world_size(args: argparse.Namespace) -> int | None:
     """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``--nodes`` (else its
     ``trainer.num_nodes``), or ``None``."""
-    devices = args.devices or (args.recipe.get("trainer") or {}).get("devices")
+    devices = args.devices or args.recipe.trainer.get("devices")
     try:
         return int(devices) * int(node_count(args))
     except (TypeError, ValueError):
@@ -130,11 +112,10 @@ def world_size(args: argparse.Namespace) -> int | None:
 
 def node_count(args: argparse.Namespace) -> object:
     """Nodes per run: ``--nodes``, else the recipe's ``trainer.num_nodes`` (as written there), else 1."""
-    return args.nodes or (args.recipe.get("trainer") or {}).get("num_nodes", 1)
+    return args.nodes or args.recipe.trainer.get("num_nodes") or 1
 
 
 def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argparse.Namespace) -> dict:
-    recipe = args.recipe
     overlay = {
         "trainer": {
             "strategy": setup.strategy_config(world_size(args)),
@@ -153,7 +134,7 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
         }
     }
     if setup.uses_deepspeed:
-        overlay["trainer"].update(_deepspeed_precision(recipe))
+        overlay["trainer"].update(deepspeed_precision(args.recipe.trainer))
     if setup.model_class is not None:
         overlay["model"] = {"class_path": setup.model_class}  # the recipe's init_args are kept
     return overlay
@@ -169,7 +150,7 @@ def run_setup(
 ) -> dict:
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
     ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
-    unavailable = setup.unavailable(args.recipe, world_size(args))
+    unavailable = setup.unavailable(args.recipe.config, world_size(args))
     if unavailable:
         return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"
@@ -289,7 +270,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe)}
+    setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe.config)}
     print(f"bench: {len(args.setup_list)} setups x {args.steps} steps of {args.config}; logs in {output}/", flush=True)
     print(header(), flush=True)
     rows: list[dict] = []

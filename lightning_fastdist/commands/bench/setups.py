@@ -14,23 +14,17 @@ from typing import Any
 import torch
 
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
+from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES
 
-FAST_DDP = "lightning_fastdist.FastDDPStrategy"
-FAST_FSDP = "lightning_fastdist.FastFSDPStrategy"
-FAST_DEEPSPEED = "lightning_fastdist.FastDeepSpeedStrategy"
 LIGHTNING_DDP = "lightning.pytorch.strategies.DDPStrategy"
 LIGHTNING_FSDP2 = "lightning.pytorch.strategies.ModelParallelStrategy"
 LIGHTNING_DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
-DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
 HAND_SHARDED_MODEL = "lightning_fastdist.commands.bench.baselines.HandShardedTinyGPT"
-ENGINES = ("DDP", "FSDP2", "DeepSpeed")
-# The options the rows of our strategies compare, at their defaults where a row does not set them: a recipe's
-# own values (e.g. a tuned recipe's comm_hook: bf16) would otherwise reach every row of the same class.
-COMPARED_OPTIONS = {
-    FAST_DDP: {"comm_hook": "none", "activation_checkpointing": "none", "compile": False},
-    FAST_FSDP: {"activation_checkpointing": "none", "compile": False},
-    FAST_DEEPSPEED: {"activation_checkpointing": "none", "offload_optimizer": False, "offload_parameters": False},
-}
+ENGINES = tuple(STRATEGY_CLASSES)
+# Options the rows of our strategies compare besides their Setup's, at their defaults where a row does not set them:
+# a recipe's own values would otherwise reach every row of the same class.
+COMPARED_OPTIONS = {STRATEGY_CLASSES["DDP"]: {"compile": False}, STRATEGY_CLASSES["FSDP2"]: {"compile": False}}
 BASELINES = {"DDP": "lightning-ddp", "FSDP2": "lightning-fsdp2", "DeepSpeed": "lightning-deepspeed"}
 
 
@@ -89,9 +83,9 @@ class BenchSetup:
             return self.needs
         if self.all_ranks_data_parallel and world_size is None:
             return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
-        model = (recipe.get("model") or {}).get("class_path", DEMO_MODEL)
-        if self.model_class is not None and model != DEMO_MODEL:
-            return f"its configure_model is written for {DEMO_MODEL}, the recipe trains {model}"
+        model = (recipe.get("model") or {}).get("class_path", DEFAULT_MODEL)
+        if self.model_class is not None and model != DEFAULT_MODEL:
+            return f"its configure_model is written for {DEFAULT_MODEL}, the recipe trains {model}"
         accelerator = (recipe.get("trainer") or {}).get("accelerator", "auto")
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
         if self.strategy_class == LIGHTNING_DEEPSPEED and on_cpu:
@@ -100,11 +94,9 @@ class BenchSetup:
 
 
 _ENGINE_OF_CLASS = {
-    FAST_DDP: "DDP",
+    **{class_path: engine for engine, class_path in STRATEGY_CLASSES.items()},
     LIGHTNING_DDP: "DDP",
-    FAST_FSDP: "FSDP2",
     LIGHTNING_FSDP2: "FSDP2",
-    FAST_DEEPSPEED: "DeepSpeed",
     LIGHTNING_DEEPSPEED: "DeepSpeed",
 }
 
@@ -122,6 +114,12 @@ def recipe_setup(recipe: dict) -> BenchSetup:
     return BenchSetup("recipe", engine, class_path, init_args, exact=False, keeps_recipe_options=True)
 
 
+def ours(setup: Setup, name: str | None = None, exact: bool = True, needs: str | None = None, **options) -> BenchSetup:
+    """The row of our strategy that trains ``setup`` (named as the setup is, unless ``name``), with more ``options``."""
+    strategy_args = {**setup.strategy_options(), **options}
+    return BenchSetup(name or setup.name, setup.engine, setup.strategy_class, strategy_args, exact=exact, needs=needs)
+
+
 def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
     """Every setup bench knows, by name, in the order the table lists them."""
     no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"
@@ -131,33 +129,26 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
             "lightning-fsdp2", "FSDP2", LIGHTNING_FSDP2, model_class=HAND_SHARDED_MODEL, all_ranks_data_parallel=True
         ),
         BenchSetup("lightning-deepspeed", "DeepSpeed", LIGHTNING_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
-        BenchSetup("ddp", "DDP", FAST_DDP, {"comm_hook": "none"}),  # exact: fp32 gradients always
-        BenchSetup("ddp-auto", "DDP", FAST_DDP, {"comm_hook": "auto"}, exact=False),  # the default: may compress
-        BenchSetup("ddp-fp16", "DDP", FAST_DDP, {"comm_hook": "fp16"}, exact=False),
-        BenchSetup("ddp-bf16", "DDP", FAST_DDP, {"comm_hook": "bf16"}, exact=False),
+        ours(Setup("DDP", comm_hook="none")),  # exact: fp32 gradients always
+        ours(Setup("DDP", comm_hook="auto"), exact=False),  # the default: may compress
+        ours(Setup("DDP", comm_hook="fp16"), exact=False),
+        ours(Setup("DDP", comm_hook="bf16"), exact=False),
         # PowerSGD at its default rank, compressing from step 2: a few steps show its steady state.
-        BenchSetup("ddp-powersgd", "DDP", FAST_DDP, {"comm_hook": "powersgd", "powersgd_start_iter": 2}, exact=False),
-        BenchSetup("ddp-compile", "DDP", FAST_DDP, {"compile": {"backend": compile_backend}}),
-        BenchSetup("fsdp-zero2", "FSDP2", FAST_FSDP, {"sharding": "zero2"}),
-        BenchSetup("fsdp-zero3", "FSDP2", FAST_FSDP, {"sharding": "zero3"}),
-        BenchSetup("fsdp-zero3-ac", "FSDP2", FAST_FSDP, {"sharding": "zero3", "activation_checkpointing": "full"}),
-        BenchSetup("fsdp-hsdp", "FSDP2", FAST_FSDP, {"sharding": "hsdp"}),  # shards within a node
-        BenchSetup("deepspeed-zero1", "DeepSpeed", FAST_DEEPSPEED, {"stage": 1}, needs=no_deepspeed),
-        BenchSetup("deepspeed-zero2", "DeepSpeed", FAST_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
-        BenchSetup("deepspeed-zero3", "DeepSpeed", FAST_DEEPSPEED, {"stage": 3}, needs=no_deepspeed),
-        BenchSetup(
-            "deepspeed-zero2-offload",
-            "DeepSpeed",
-            FAST_DEEPSPEED,
-            {"stage": 2, "offload_optimizer": True},
-            needs=no_deepspeed,
-        ),  # fmt: skip
-        BenchSetup(
-            "deepspeed-zero3-offload",
-            "DeepSpeed",
-            FAST_DEEPSPEED,
-            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-            needs=no_deepspeed,
-        ),  # fmt: skip
+        ours(Setup("DDP", comm_hook="powersgd"), exact=False, powersgd_start_iter=2),
+        ours(Setup("DDP", comm_hook="none"), name="ddp-compile", compile={"backend": compile_backend}),
+        ours(Setup("FSDP2", "zero2")),
+        ours(Setup("FSDP2", "zero3")),
+        ours(Setup("FSDP2", "zero3", activation_checkpointing="full")),
+        ours(Setup("FSDP2", "hsdp")),  # shards within a node
+        *(
+            ours(Setup("DeepSpeed", sharding, offload=offload), needs=no_deepspeed)
+            for sharding, offload in (
+                ("zero1", False),
+                ("zero2", False),
+                ("zero3", False),
+                ("zero2", True),
+                ("zero3", True),
+            )
+        ),
     ]
     return {setup.name: setup for setup in setups}

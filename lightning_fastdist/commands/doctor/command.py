@@ -22,20 +22,19 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-import yaml
 
+from lightning_fastdist.commands.arguments import device_memory
 from lightning_fastdist.commands.doctor import simulate as doctor_simulate
-from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json
+from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json, write_recipe
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import GiB, TrainingShape, estimate_table
-from lightning_fastdist.planning.simulate import NotTraceable, import_class, recipe_run, simulate
-from lightning_fastdist.recipes import available_recipes, find_recipe
+from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, simulate
+from lightning_fastdist.recipes import available_recipes
+from lightning_fastdist.recipes.recipe import DEFAULT_DATA, DEFAULT_MODEL, Recipe, RecipeError, RecipeNotFound, build
 
 PROG = "lightning-fastdist doctor"
-DEMO_MODEL = "lightning_fastdist.demo.TinyGPT"
-DEMO_DATA = "lightning_fastdist.demo.TextDataModule"
 DEMO_VOCAB = 256
 SMALL_HEAD_WIDTH = 16
 LARGE_HEAD_WIDTH = 64
@@ -179,43 +178,19 @@ def demo_model_shape(
     return layers, hidden, max(1, hidden // head_width) if hidden % head_width == 0 else 1
 
 
-def _import(class_path: str) -> type:
+def _read_recipe(reference: str) -> Recipe:
     try:
-        return import_class(class_path)
-    except ImportError:
-        raise DoctorError(f"--config: model.class_path {class_path!r} cannot be imported.") from None
-
-
-def _read_recipe(reference: str) -> dict:
-    path = find_recipe(reference)
-    if path is None:
+        return Recipe.read(reference)
+    except RecipeNotFound:
         raise DoctorError(
             f"--config: recipe {reference!r} not found; give a YAML path or one of: {', '.join(available_recipes())}."
-        )
-    try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise DoctorError(f"--config: {path} is not valid YAML ({str(error).splitlines()[0]}).") from None
-    if not isinstance(config, dict):
-        raise DoctorError(f"--config: {path} must hold a mapping with model:, data: and trainer: sections.")
-    return config
-
-
-def _section(config: dict, name: str, default_class: str) -> dict:
-    entry = config.get(name) or {"class_path": default_class}
-    if not isinstance(entry, dict) or "class_path" not in entry:
-        raise DoctorError(f"--config: {name}: needs a class_path (and optional init_args).")
-    return {"class_path": entry["class_path"], "init_args": dict(entry.get("init_args") or {})}
+        ) from None
 
 
 def _model_facts(model_section: dict) -> dict:
     """Parameters and shape of the recipe's model, built on the meta device (no memory, no weights)."""
-    model_class = _import(model_section["class_path"])
-    try:
-        with torch.device("meta"):
-            model = model_class(**model_section["init_args"])
-    except (TypeError, ValueError) as error:
-        raise DoctorError(f"--config: model could not be built from its init_args ({error}).") from None
+    with torch.device("meta"):
+        model = build("model", model_section)
     facts = {"parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     hparams = dict(getattr(model, "hparams", {}) or {})
     for field, names in _HPARAM_NAMES.items():
@@ -230,11 +205,8 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe_de
     """The devices to plan for: flags first, then this machine's GPUs, then its CPU."""
     if args.gpus is not None or environment.gpus:
         devices = args.gpus or recipe_devices or len(environment.gpus)
-        if args.gpu_memory is not None:
-            memory = int(args.gpu_memory * GiB)
-        elif environment.gpus:
-            memory = min(gpu.memory_bytes for gpu in environment.gpus)
-        else:
+        memory = device_memory(args.gpu_memory, environment)
+        if memory is None:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
         bf16 = (
             all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True
@@ -306,17 +278,15 @@ def check_output_is_ours(output: Path) -> None:
         )
 
 
-def _recipe_header(recommendation: Recommendation, target: Target, argv: list[str]) -> str:
-    lines = [
+def _recipe_comments(recommendation: Recommendation, target: Target, argv: list[str]) -> list[str]:
+    return [
         " ".join([HEADER_START, *argv]),
         f"# For {target.nodes} node(s) x {target.devices} {target.accelerator}(s), "
         f"{target.device_memory_bytes / GiB:.1f} GiB each.",
         f"# Estimated peak per device: {recommendation.estimate.total / GiB:.3f} GiB"
         f" (usable {recommendation.usable_bytes / GiB:.2f} GiB){'' if recommendation.fits else ' -- DOES NOT FIT'}.",
         *(f"#   {reason}" for reason in recommendation.reasons),
-        "# Run: lightning-fastdist fit --config THIS_FILE",
     ]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main
@@ -324,12 +294,10 @@ def _recipe_header(recommendation: Recommendation, target: Target, argv: list[st
 
 def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingShape, Target, dict, dict]:
     if args.config is not None:
-        config = _read_recipe(args.config)
-        model_section = _section(config, "model", DEMO_MODEL)
-        data_section = _section(config, "data", DEMO_DATA)
+        recipe = _read_recipe(args.config)
+        model_section, data_section = recipe.section("model"), recipe.section("data")
         facts = _model_facts(model_section)
-        trainer = config.get("trainer") or {}
-        recipe_devices = trainer.get("devices") if isinstance(trainer.get("devices"), int) else None
+        recipe_devices = recipe.devices
         parameters = args.params or facts["parameters"]
         layers, hidden = args.layers or facts["layers"], args.hidden or facts["hidden"]
         missing = [flag for flag, value in (("--layers", layers), ("--hidden", hidden)) if value is None]
@@ -348,10 +316,10 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
         layers, hidden, heads = demo_model_shape(parameters, seq_len, args.layers, args.hidden)
         vocab = args.vocab_size or DEMO_VOCAB
         model_section = {
-            "class_path": DEMO_MODEL,
+            "class_path": DEFAULT_MODEL,
             "init_args": {"n_layer": layers, "n_embd": hidden, "n_head": heads, "block_size": seq_len},
         }
-        data_section = {"class_path": DEMO_DATA, "init_args": {"block_size": seq_len}}
+        data_section = {"class_path": DEFAULT_DATA, "init_args": {"block_size": seq_len}}
     shape = TrainingShape(parameters, layers, hidden, seq_len, micro_batch, vocab_size=vocab)
     target = resolve_target(args, environment, recipe_devices)
     return shape, target, model_section, data_section
@@ -360,22 +328,17 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
 SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given and no GPU is visible
 
 
-def _simulated_cluster(args: argparse.Namespace, config: dict, environment: Environment) -> tuple[int, int, int]:
+def _simulated_cluster(args: argparse.Namespace, recipe: Recipe, environment: Environment) -> tuple[int, int, int]:
     """``(world_size, gpus_per_node, memory_bytes)`` to simulate, from the flags, the recipe and this machine."""
-    trainer = config.get("trainer") or {}
-    recipe_devices = trainer.get("devices") if isinstance(trainer.get("devices"), int) else None
-    recipe_nodes = trainer.get("num_nodes") if isinstance(trainer.get("num_nodes"), int) else 1
-    world_size = args.world_size or (args.gpus or recipe_devices or 0) * (args.nodes or recipe_nodes)
+    recipe_devices = recipe.devices
+    world_size = args.world_size or (args.gpus or recipe_devices or 0) * (args.nodes or recipe.nodes or 1)
     if not world_size:
         raise DoctorError("--world-size: needed with --simulate (ranks to plan for, e.g. 64).")
     gpus_per_node = min(args.gpus or recipe_devices or len(environment.gpus) or 8, world_size)
     if world_size % gpus_per_node:
         raise DoctorError(f"--world-size: {world_size} is not a multiple of --gpus {gpus_per_node} (GPUs per node).")
-    if args.gpu_memory is not None:
-        memory = int(args.gpu_memory * GiB)
-    elif environment.gpus:
-        memory = min(gpu.memory_bytes for gpu in environment.gpus)
-    else:
+    memory = device_memory(args.gpu_memory, environment)
+    if memory is None:
         print(f"No GPU visible and no --gpu-memory: fits is judged for {SIMULATED_GPU_MEMORY_GIB:.0f} GiB GPUs.")
         memory = int(SIMULATED_GPU_MEMORY_GIB * GiB)
     return world_size, gpus_per_node, memory
@@ -391,9 +354,9 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
             doctor_simulate.check_json_is_ours(json_path)
         except doctor_simulate.JsonNotOurs as error:
             raise DoctorError(str(error)) from None
-    config = _read_recipe(args.config)
-    world_size, gpus_per_node, memory = _simulated_cluster(args, config, environment)
-    run = recipe_run(config, _section(config, "model", DEMO_MODEL), _section(config, "data", DEMO_DATA))
+    recipe = _read_recipe(args.config)
+    world_size, gpus_per_node, memory = _simulated_cluster(args, recipe, environment)
+    run = RecipeRun.of(recipe)
     try:
         simulation = simulate(run, world_size, gpus_per_node)
     except NotTraceable as error:
@@ -410,17 +373,17 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
     if json_path is not None:
         write_json(json_path, doctor_simulate.simulation_json(simulation, usable, memory, chosen))
         print(f"Wrote {json_path}.")
-    recipe = doctor_simulate.tailored_recipe(config, chosen, gpus_per_node, world_size // gpus_per_node, run.precision)
+    tailored = doctor_simulate.tailored_recipe(recipe, chosen, gpus_per_node, world_size // gpus_per_node)
     header = [" ".join([HEADER_START, *argv]), *doctor_simulate.recipe_comments(chosen, fits, usable, world_size)]
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("\n".join(header) + "\n" + yaml.safe_dump(recipe, sort_keys=False))
+    write_recipe(output, header, tailored)
     print(f"Wrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
 
 
 def run(argv: list[str]) -> int:
-    """Parse ``argv``, print the report and write the recipe; raises :class:`DoctorError` on bad input."""
+    """Parse ``argv``, print the report and write the recipe; raises :class:`DoctorError` or :class:`RecipeError`
+    on bad input."""
     args = build_parser().parse_args(argv)
     output = Path(args.output)
     check_output_is_ours(output)
@@ -446,8 +409,7 @@ def run(argv: list[str]) -> int:
     if not recommendation.fits:
         print("  WARNING: the estimate does not fit; the recipe is the most frugal configuration.")
     recipe = build_recipe(recommendation, target, model_section, data_section, args.max_steps)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(_recipe_header(recommendation, target, argv) + yaml.safe_dump(recipe, sort_keys=False))
+    write_recipe(output, _recipe_comments(recommendation, target, argv), recipe)
     print(f"\nWrote {output}. Run: lightning-fastdist fit --config {output}")
     return 0
 
@@ -456,7 +418,8 @@ def main(argv: list[str]) -> int:
     """Entry point for ``lightning-fastdist doctor``: exit status 0, or 2 with one line on stderr for bad input."""
     try:
         return run(argv)
-    except DoctorError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+    except (DoctorError, RecipeError) as error:
+        flag = "--config: " if isinstance(error, RecipeError) else ""
+        print(f"{PROG}: error: {flag}{error}", file=sys.stderr)
         print(f"Run '{PROG} --help'.", file=sys.stderr)
         return 2

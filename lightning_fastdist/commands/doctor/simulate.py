@@ -8,23 +8,21 @@ devices and nodes replaced.
 
 from __future__ import annotations
 
-import copy
-import inspect
 from pathlib import Path
 
-from lightning_fastdist.commands.bench.setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.written_marks import json_written_by
 from lightning_fastdist.planning.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
     describe_setup,
-    strategy_section,
+    recipe_strategy,
 )
-from lightning_fastdist.planning.memory_model import GiB, MemoryEstimate
-from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation, import_class
+from lightning_fastdist.planning.memory_model import GiB
+from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
+from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
-_PRECISION_PLUGIN = "lightning_fastdist.FastMixedPrecision"
 
 
 class JsonNotOurs(Exception):
@@ -43,7 +41,7 @@ def check_json_is_ours(path: Path) -> None:
 
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:
     """The fastest simulated setup whose peak fits (the advisor's order), else the most frugal; and whether it fits."""
-    rows = {(row.setup, row.activation_checkpointing, row.cpu_offload): row for row in simulation.rows}
+    rows = {row.plan_key: row for row in simulation.rows}
     preference = SINGLE_DEVICE_PREFERENCE if simulation.world_size == 1 else PREFERENCE
     candidates = [rows[key] for key in preference if key in rows]
     for row in candidates:
@@ -97,55 +95,11 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
     }
 
 
-def _as_estimate(row: SimulatedSetup) -> MemoryEstimate:
-    m = row.memory
-    return MemoryEstimate(
-        mode=row.setup,
-        activation_checkpointing=row.activation_checkpointing,
-        cpu_offload=row.cpu_offload,
-        weights=m.params,
-        gradients=m.grads,
-        optimizer=m.optimizer,
-        gathered_weights=m.gathered_peak,
-        activations=m.activations_peak,
-        host_bytes=0,
-    )
-
-
-def _accepted_options(class_path: str) -> set[str]:
-    return set(inspect.signature(import_class(class_path)).parameters)
-
-
-def replace_strategy(config: dict, strategy: dict, precision: str) -> dict:
-    """A copy of the recipe ``config`` training with ``strategy`` (a ``class_path``/``init_args`` entry): the user's
-    other strategy options kept where the new class takes them (``blocks``, ``timeout``, ...), and a DeepSpeed
-    strategy given ``trainer.precision`` in place of the precision plugin (DeepSpeed runs 16-bit itself)."""
-    recipe = copy.deepcopy(config)
-    trainer = recipe.setdefault("trainer", {})
-    strategy = copy.deepcopy(strategy)
-    previous = trainer.get("strategy")
-    previous_options = (previous.get("init_args") or {}) if isinstance(previous, dict) else {}
-    accepted = _accepted_options(strategy["class_path"])
-    init_args = strategy.setdefault("init_args", {})
-    for option, value in previous_options.items():
-        if option in accepted and option not in init_args:
-            init_args[option] = value
-    trainer["strategy"] = strategy
-    if strategy["class_path"] == FAST_DEEPSPEED:
-        plugins = trainer.get("plugins") or []
-        kept = [p for p in plugins if not (isinstance(p, dict) and p.get("class_path") == _PRECISION_PLUGIN)]
-        trainer.pop("plugins", None)
-        if kept:
-            trainer["plugins"] = kept
-        trainer["precision"] = precision
-    return recipe
-
-
-def tailored_recipe(config: dict, chosen: SimulatedSetup, gpus_per_node: int, nodes: int, precision: str) -> dict:
-    """The user's recipe with the chosen strategy (see :func:`replace_strategy`), its devices and nodes."""
-    recipe = replace_strategy(config, strategy_section(_as_estimate(chosen)), precision)
-    recipe["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
-    return recipe
+def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
+    """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes."""
+    tailored = recipe.with_strategy(recipe_strategy(Setup.from_plan_key(*chosen.plan_key)))
+    tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
+    return tailored
 
 
 def recipe_comments(chosen: SimulatedSetup, fits: bool, usable_bytes: int, world_size: int) -> list[str]:
@@ -154,11 +108,10 @@ def recipe_comments(chosen: SimulatedSetup, fits: bool, usable_bytes: int, world
     verdict = "" if fits else " -- DOES NOT FIT"
     return [
         f"# Simulated at world {world_size}: {describe_setup_of(chosen)}, {reason}: "
-        f"peak {chosen.memory.peak / GiB:.3f} GiB per rank (usable {usable_bytes / GiB:.2f} GiB){verdict}.",
-        "# Run: lightning-fastdist fit --config THIS_FILE",
+        f"peak {chosen.memory.peak / GiB:.3f} GiB per rank (usable {usable_bytes / GiB:.2f} GiB){verdict}."
     ]
 
 
 def describe_setup_of(row: SimulatedSetup) -> str:
     """The row's configuration in words, e.g. ``FSDP ZeRO-3 + full activation checkpointing``."""
-    return describe_setup(row.setup, row.activation_checkpointing, row.cpu_offload)
+    return describe_setup(*row.plan_key)

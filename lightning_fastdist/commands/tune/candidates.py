@@ -10,13 +10,14 @@ says whether a candidate fits one device.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 
-from lightning_fastdist.commands.bench.setups import FAST_DDP, FAST_DEEPSPEED, FAST_FSDP, BenchSetup
-from lightning_fastdist.commands.doctor.command import DEMO_DATA, DEMO_MODEL
+from lightning_fastdist.commands.bench.setups import BenchSetup
+from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
 from lightning_fastdist.planning.memory_model import GiB
-from lightning_fastdist.planning.simulate import NotTraceable, Simulation, recipe_run, simulate
+from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
+from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES, Recipe
 
 # Bench's rows of our strategies that tune tries by default (hsdp only across nodes, DeepSpeed where installed).
 DEFAULT_SETUPS = (
@@ -30,8 +31,7 @@ DEFAULT_SETUPS = (
     "deepspeed-zero2",
     "deepspeed-zero3",
 )
-TUNABLE_CLASSES = (FAST_DDP, FAST_FSDP, FAST_DEEPSPEED)
-CHECKPOINTING_ORDER = ("none", "selective", "full")  # least recompute first
+TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
 
 
 @dataclass(frozen=True)
@@ -67,20 +67,10 @@ class Candidate:
         return "+".join(parts)
 
     @property
-    def plan_key(self) -> tuple[str, str, bool]:
-        """The simulation row that holds this candidate's memory: ``(setup, checkpointing, cpu_offload)``, as the
-        bench row sets them (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) unless the candidate does."""
-        args = self.setup.strategy_args
-        if self.setup.strategy_class == FAST_FSDP:
-            mode = args.get("sharding", "zero3")
-        elif self.setup.strategy_class == FAST_DEEPSPEED:
-            mode = f"ds-zero{args.get('stage', 2)}"
-        else:
-            mode = "ddp"
-        checkpointing = (
-            args.get("activation_checkpointing", "none") if self.checkpointing == "none" else self.checkpointing
-        )
-        return mode, checkpointing, bool(args.get("offload_optimizer") or args.get("cpu_offload"))
+    def plan_key(self) -> tuple[str, str | int, bool]:
+        """The simulation row that holds this candidate's memory (:attr:`Setup.plan_key`): the bench row's setup
+        (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) with this candidate's checkpointing."""
+        return Setup.from_strategy(self.setup.strategy_class, self.bench_setup().strategy_args).plan_key
 
     def bench_setup(self) -> BenchSetup:
         """The setup bench's machinery trains: the strategy with this candidate's checkpointing and compile."""
@@ -106,13 +96,13 @@ class MemoryPlan:
     """One device's memory and the recipe's step simulated at each micro-batch tune considers (traced once each).
 
     Args:
-        recipe: the parsed recipe.
+        recipe: the recipe.
         world_size: ranks of a run.
         gpus_per_node: ranks per node.
         usable_bytes: the device memory less headroom, or ``None``: nothing is planned, nothing pruned.
     """
 
-    recipe: dict
+    recipe: Recipe
     world_size: int
     gpus_per_node: int
     usable_bytes: int | None
@@ -125,21 +115,12 @@ class MemoryPlan:
             return None
         if micro_batch not in self._simulations:
             try:
-                self._simulations[micro_batch] = simulate_at(
-                    self.recipe, micro_batch, self.world_size, self.gpus_per_node
-                )
+                run = RecipeRun.of(self.recipe, micro_batch)
+                self._simulations[micro_batch] = simulate(run, self.world_size, self.gpus_per_node)
             except NotTraceable as error:
                 self.untraceable = str(error)
                 self._simulations[micro_batch] = None
         return self._simulations[micro_batch]
-
-
-def recipe_batch_split(recipe: dict) -> tuple[int | None, int]:
-    """``(micro_batch, accumulation)`` of a recipe: its data's ``batch_size`` (``None`` when it has none)."""
-    data_args = (recipe.get("data") or {}).get("init_args") or {}
-    micro_batch = data_args.get("batch_size")
-    accumulation = (recipe.get("trainer") or {}).get("accumulate_grad_batches") or 1
-    return (micro_batch if isinstance(micro_batch, int) else None), int(accumulation)
 
 
 def larger_micro_batches(micro_batch: int | None, accumulation: int, limit: int = 2) -> list[tuple[int, int]]:
@@ -158,28 +139,12 @@ def smaller_micro_batch(micro_batch: int | None, accumulation: int) -> tuple[int
     return micro_batch // 2, accumulation * 2
 
 
-def _section(recipe: dict, name: str, default_class: str) -> dict:
-    entry = recipe.get(name) or {"class_path": default_class}
-    return {"class_path": entry["class_path"], "init_args": dict(entry.get("init_args") or {})}
-
-
-def simulate_at(recipe: dict, micro_batch: int | None, world_size: int, gpus_per_node: int) -> Simulation:
-    """The recipe's step traced at ``micro_batch`` (``None``: as the recipe says); raises :class:`NotTraceable`."""
-    config = copy.deepcopy(recipe)
-    data = _section(config, "data", DEMO_DATA)
-    if micro_batch is not None:
-        data["init_args"]["batch_size"] = micro_batch
-    return simulate(recipe_run(config, _section(config, "model", DEMO_MODEL), data), world_size, gpus_per_node)
-
-
 def memory_verdict(candidate: Candidate, plan: MemoryPlan) -> tuple[int | None, str | None]:
     """``(simulated peak bytes, why it cannot fit)``: ``(None, None)`` when there is no plan for it."""
     simulation = plan.simulation(candidate.micro_batch)
     if simulation is None:
         return None, None
-    row = next(
-        (r for r in simulation.rows if (r.setup, r.activation_checkpointing, r.cpu_offload) == candidate.plan_key), None
-    )
+    row = next((r for r in simulation.rows if r.plan_key == candidate.plan_key), None)
     if row is None:
         traced = next(
             (reason for s, mode, reason in simulation.not_traced if (s, mode) == candidate.plan_key[:2]), None
@@ -204,7 +169,7 @@ def least_checkpointing_that_fits(setup: BenchSetup, plan: MemoryPlan, **axes) -
     """The candidate of ``setup`` with the least recompute that fits (``none`` first), and the modes that did not
     fit before it; with no plan, ``none``. When no mode fits, the ``none`` candidate is returned and pruned."""
     too_large = []
-    for checkpointing in CHECKPOINTING_ORDER:
+    for checkpointing in LEAST_RECOMPUTE_FIRST:
         candidate = Candidate(setup, checkpointing, **axes)
         _, reason = memory_verdict(candidate, plan)
         if reason is None:

@@ -26,9 +26,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
-from lightning_fastdist.commands.bench.command import run_setup, world_size
+from lightning_fastdist.commands.arguments import (
+    PASSTHROUGH_EPILOG,
+    check_steps,
+    device_memory,
+    positive,
+    read_recipe,
+    setup_names,
+    split_passthrough,
+)
+from lightning_fastdist.commands.bench.command import node_count, run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.commands.tune import output as tune_output
 from lightning_fastdist.commands.tune.candidates import (
@@ -37,27 +44,13 @@ from lightning_fastdist.commands.tune.candidates import (
     Candidate,
     MemoryPlan,
     least_checkpointing_that_fits,
-    recipe_batch_split,
     smaller_micro_batch,
 )
 from lightning_fastdist.commands.tune.search import Search, Trial
 from lightning_fastdist.commands.written_marks import write_json
-from lightning_fastdist.diagnostics.environment import detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM
-from lightning_fastdist.planning.memory_model import GiB
-from lightning_fastdist.recipes import find_recipe
 
 PROG = "lightning-fastdist tune"
-
-
-def _positive(kind: type):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Arguments after -- go to every `lightning-fastdist fit` run, e.g. -- --model.n_layer 2",
+        epilog=PASSTHROUGH_EPILOG,
     )
     tunable = [name for name, setup in all_setups().items() if setup.strategy_class in TUNABLE_CLASSES]
     parser.add_argument("--config", required=True, help="recipe to tune (a path or a packaged name)")
@@ -73,41 +66,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write every candidate's numbers here")
     parser.add_argument("--workdir", default="tune_runs", help="folder for each run's log and tune.png")
     parser.add_argument(
-        "--budget-minutes", type=_positive(float), default=30.0, help="time the trials may take in all (default 30)"
+        "--budget-minutes", type=positive(float), default=30.0, help="time the trials may take in all (default 30)"
     )
     parser.add_argument(
         "--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of bench's: {', '.join(tunable)}"
     )
-    parser.add_argument("--steps", type=_positive(int), default=8, help="optimizer steps per trial in round 1")
-    parser.add_argument("--warmup-steps", type=_positive(int), default=2, help="steps left out of each timing")
+    parser.add_argument("--steps", type=positive(int), default=8, help="optimizer steps per trial in round 1")
+    parser.add_argument("--warmup-steps", type=positive(int), default=2, help="steps left out of each timing")
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the compile trials, or none"
     )
     parser.add_argument(
         "--loss-tolerance",
-        type=_positive(float),
+        type=positive(float),
         default=0.01,
         help="largest relative distance of a compressed or compiled candidate's loss from its exact one's",
     )
-    parser.add_argument("--gpu-memory", type=_positive(float), metavar="GIB", help="memory of one device in GiB")
+    parser.add_argument("--gpu-memory", type=positive(float), metavar="GIB", help="memory of one device in GiB")
     parser.add_argument("--devices", default=None, help="processes per node (default: the recipe's)")
-    parser.add_argument("--nodes", type=_positive(int), default=None, help="nodes (default: the recipe's num_nodes)")
+    parser.add_argument("--nodes", type=positive(int), default=None, help="nodes (default: the recipe's num_nodes)")
     parser.add_argument("--launcher", default="", help="as bench's --launcher: runs each trial across the nodes")
-    own, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, passthrough = split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
-    args.setup_list = [name.strip() for name in args.setups.split(",") if name.strip()]
-    unknown = [name for name in args.setup_list if name not in tunable]
-    if unknown or not args.setup_list:
-        parser.error(f"--setups: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(tunable)}")
-    if args.steps < args.warmup_steps + 4:
-        parser.error(
-            f"--steps: must be >= {args.warmup_steps + 4} (warm-up, timed steps, sync count), got {args.steps}"
-        )
-    recipe = find_recipe(args.config)
-    if recipe is None:
-        parser.error(f"--config: recipe file {args.config!r} not found")
-    args.recipe = yaml.safe_load(recipe.read_text()) or {}
+    args.setup_list = setup_names(parser, args.setups, tunable)
+    check_steps(parser, args.steps, args.warmup_steps)
+    args.recipe = read_recipe(parser, args.config)
     args.compile_backend = None if args.compile_backend == "none" else args.compile_backend
     for problem in tune_output.outputs_not_ours(Path(args.output), args.json and Path(args.json), Path(args.workdir)):
         parser.error(problem)
@@ -117,13 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def memory_plan(args: argparse.Namespace) -> MemoryPlan:
     """The device memory to plan for (``--gpu-memory``, else this machine's smallest GPU, else none)."""
     world = world_size(args) or 1
-    trainer = args.recipe.get("trainer") or {}
-    nodes = args.nodes or trainer.get("num_nodes") or 1
-    if args.gpu_memory is not None:
-        memory = int(args.gpu_memory * GiB)
-    else:
-        gpus = detect_environment().gpus
-        memory = min(gpu.memory_bytes for gpu in gpus) if gpus else None
+    nodes = node_count(args)
+    memory = device_memory(args.gpu_memory)
     usable = int(memory * (1 - HEADROOM)) if memory else None
     return MemoryPlan(args.recipe, world, max(world // int(nodes), 1), usable)
 
@@ -154,7 +133,7 @@ def add_planned_candidates(
     """Add the base candidates to ``search``, pruned by the plan before any trains; while none fits, the same
     global batch in micro-batches half as large. Returns the candidates and the batch split they use."""
     split = None
-    micro_batch, accumulation = recipe_batch_split(args.recipe)
+    micro_batch, accumulation = args.recipe.micro_batch, args.recipe.accumulation
     candidates = base_candidates(args, plan, split)
     for candidate in candidates:
         search.add(candidate)
@@ -217,7 +196,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print("tune: no candidate trained and passed; no recipe written (the lines above say why)", file=sys.stderr)
         return 1
     output = Path(args.output)
-    tune_output.write_recipe(output, args, trials, winner, argv)
+    tune_output.write_winner(output, args, trials, winner, argv)
     print(f"winner: {winner.candidate.name} ({tune_output.numbers(winner.rounds[-1])})")
     print(f"wrote {output}; train it with: lightning-fastdist fit --config {output}")
     return 0

@@ -10,14 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
 from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
-from lightning_fastdist.commands.doctor.simulate import replace_strategy
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
-from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by
-from lightning_fastdist.planning.simulate import recipe_precision
+from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, write_recipe
+from lightning_fastdist.recipes.recipe import Recipe
 
 WRITTEN_BY = "lightning-fastdist tune"
 RECIPE_HEADER = f"# Written by: {WRITTEN_BY}"
@@ -87,12 +84,12 @@ def table(trials: list[Trial]) -> list[str]:
     return lines
 
 
-def tuned_recipe(recipe: dict, winner: Trial, devices: str | None = None, nodes: int | None = None) -> dict:
+def tuned_recipe(recipe: Recipe, winner: Trial, devices: str | None = None, nodes: int | None = None) -> dict:
     """The user's recipe with the winner's strategy and batch split, and the ``devices`` and ``nodes`` it was
     tuned on where they were given; model and data otherwise unchanged."""
     candidate = winner.candidate
     strategy = candidate.bench_setup().strategy_config(world_size=None)
-    tuned = replace_strategy(recipe, strategy, recipe_precision(recipe.get("trainer") or {}))
+    tuned = recipe.with_strategy(strategy)
     if candidate.micro_batch is not None:
         tuned["trainer"]["accumulate_grad_batches"] = candidate.accumulation
         tuned.setdefault("data", {}).setdefault("init_args", {})["batch_size"] = candidate.micro_batch
@@ -103,18 +100,16 @@ def tuned_recipe(recipe: dict, winner: Trial, devices: str | None = None, nodes:
     return tuned
 
 
-def write_recipe(path: Path, args: argparse.Namespace, trials: list[Trial], winner: Trial, argv: list[str]) -> None:
+def write_winner(path: Path, args: argparse.Namespace, trials: list[Trial], winner: Trial, argv: list[str]) -> None:
+    """The user's recipe with the winner's setup, under the measured table as comments."""
     unit = "tokens" if winner.rounds[-1].get("tokens_per_s") else "samples"
     header = [
         " ".join([RECIPE_HEADER, *argv]),
         f"# Winner: {winner.candidate.name}, the fastest that passed the loss guard, of "
         f"{sum(bool(t.rounds) for t in trials)} measured ({unit}/s over all ranks, per round):",
         *(f"#   {line}" for line in table(trials)),
-        "# Run: lightning-fastdist fit --config THIS_FILE",
     ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = yaml.safe_dump(tuned_recipe(args.recipe, winner, args.devices, args.nodes), sort_keys=False)
-    path.write_text("\n".join(header) + "\n" + body)
+    write_recipe(path, header, tuned_recipe(args.recipe, winner, args.devices, args.nodes))
 
 
 def json_document(

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.commands.bench.command import throughput
-from lightning_fastdist.commands.bench.setups import FAST_DEEPSPEED
 from lightning_fastdist.commands.tune.candidates import Candidate, MemoryPlan, larger_micro_batches, memory_verdict
 
 COMPILED_LEADERS = 2  # how many of the fastest accepted setups are tried with compile
@@ -203,7 +202,7 @@ class Search:
         """Compile the fastest accepted setups that can (DeepSpeed has no per-block compile here)."""
         if self.compile_backend is None:
             return
-        leaders = [t for t in self.accepted() if t.candidate.setup.strategy_class != FAST_DEEPSPEED]
+        leaders = [t for t in self.accepted() if not t.candidate.setup.uses_deepspeed]
         compiled = [
             replace(t.candidate, compile_backend=self.compile_backend, compared_with=t.candidate.name)
             for t in leaders[:COMPILED_LEADERS]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -29,7 +30,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules
 
-ACTIVATION_CHECKPOINTING_MODES = ("none", "full", "selective")
+CheckpointingMode = Literal["none", "full", "selective"]
+ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
+# The modes by the recomputation they add to backward, least first: full recomputes whole blocks.
+LEAST_RECOMPUTE_FIRST = tuple(sorted(ACTIVATION_CHECKPOINTING_MODES, key=lambda mode: mode == "full"))
 
 # Ops whose outputs selective checkpointing keeps: they cost O(n^3)-like compute
 # to redo while the ops left out (norms, GELU, adds, dropout) are memory-bound and cheap.

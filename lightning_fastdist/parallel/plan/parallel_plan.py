@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeVar
 from torch import nn
 
 from lightning_fastdist.parallel.plan.activation_checkpointing import (
+    CheckpointingMode,
     apply_activation_checkpointing,
     validate_activation_checkpointing,
 )
@@ -52,7 +53,7 @@ from lightning_fastdist.parallel.plan.shared_parameters import blocks_sharing_pa
 
 # The types of the shared options, as strategy signatures (and so LightningCLI) take them.
 BlocksOption = Literal["auto"] | list[str]
-CheckpointingOption = Literal["none", "full", "selective"] | int
+CheckpointingOption = CheckpointingMode | int
 CompileOption = bool | dict[str, Any]
 CompileScope = Literal["blocks", "model"]
 

@@ -1,0 +1,120 @@
+"""One vocabulary for a training setup: the engine, its sharding, activation checkpointing, offload and comm hook.
+
+A :class:`Setup` is written three ways, all derived here so that renaming a strategy
+option breaks every command at once, not one of them silently:
+
+- its strategy section (:meth:`Setup.strategy_section`): the class path and ``init_args``
+  a recipe names;
+- its plan key (:attr:`Setup.plan_key`): the row of the memory model, the advisor and
+  ``doctor --simulate`` that holds its memory, e.g. ``("zero3", "full", False)``
+  (``ddp``, ``zero2``, ``zero3``, ``hsdp``, ``ds-zero1/2/3`` in their tables and JSON);
+- its name in ``bench`` and ``tune`` (:attr:`Setup.name`), e.g. ``fsdp-zero3-ac``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES
+
+Engine = Literal["DDP", "FSDP2", "DeepSpeed"]
+_DEEPSPEED_PREFIX = "ds-"
+_NAME_PREFIX = {"DDP": "ddp", "FSDP2": "fsdp", "DeepSpeed": "deepspeed"}
+_ENGINE_WORDS = {"DDP": "DDP", "FSDP2": "FSDP", "DeepSpeed": "DeepSpeed"}
+_SHARDING_WORDS = {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "hsdp": "HSDP"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a model is trained across ranks.
+
+    Args:
+        engine: ``DDP``, ``FSDP2`` or ``DeepSpeed``.
+        sharding: FSDP2's ``zero2``, ``zero3`` or ``hsdp``; DeepSpeed's stage as ``zero1``, ``zero2`` or
+            ``zero3``; ``None`` under DDP.
+        activation_checkpointing: ``none``, ``full``, ``selective`` (or every n-th block).
+        offload: FSDP2's ``cpu_offload``; DeepSpeed's optimizer offload (and, at ZeRO-3, its parameters').
+        comm_hook: DDP's gradient hook, or ``None`` for the strategy's default.
+    """
+
+    engine: Engine
+    sharding: str | None = None
+    activation_checkpointing: str | int = "none"
+    offload: bool = False
+    comm_hook: str | None = None
+
+    @classmethod
+    def from_plan_key(cls, mode: str, activation_checkpointing: str, offload: bool) -> Setup:
+        """The setup of a memory-plan row (``("ds-zero2", "none", True)``)."""
+        if mode == "ddp":
+            return cls("DDP", None, activation_checkpointing, offload)
+        if mode.startswith(_DEEPSPEED_PREFIX):
+            return cls("DeepSpeed", mode.removeprefix(_DEEPSPEED_PREFIX), activation_checkpointing, offload)
+        return cls("FSDP2", mode, activation_checkpointing, offload)
+
+    @classmethod
+    def from_strategy(cls, class_path: str, init_args: dict) -> Setup | None:
+        """The setup a strategy section of ours trains (its defaults where an option is not given), else ``None``."""
+        engine = next((engine for engine, path in STRATEGY_CLASSES.items() if path == class_path), None)
+        checkpointing = init_args.get("activation_checkpointing", "none")
+        if engine == "DDP":
+            return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"))
+        if engine == "FSDP2":
+            return cls("FSDP2", init_args.get("sharding", "zero3"), checkpointing, bool(init_args.get("cpu_offload")))
+        if engine == "DeepSpeed":
+            offload = bool(init_args.get("offload_optimizer"))
+            return cls("DeepSpeed", f"zero{init_args.get('stage', 2)}", checkpointing, offload)
+        return None
+
+    @property
+    def strategy_class(self) -> str:
+        return STRATEGY_CLASSES[self.engine]
+
+    @property
+    def mode(self) -> str:
+        """The memory model's and the simulation's name: ``ddp``, ``zero2``, ``zero3``, ``hsdp``, ``ds-zero1/2/3``."""
+        if self.engine == "DeepSpeed":
+            return _DEEPSPEED_PREFIX + self.sharding
+        return self.sharding or "ddp"
+
+    @property
+    def plan_key(self) -> tuple[str, str | int, bool]:
+        """``(mode, activation_checkpointing, offload)``: the simulated row that holds this setup's memory."""
+        return self.mode, self.activation_checkpointing, self.offload
+
+    @property
+    def name(self) -> str:
+        """The name ``bench`` and ``tune`` give it: ``ddp-bf16``, ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``."""
+        parts = [_NAME_PREFIX[self.engine], self.sharding, self.comm_hook if self.comm_hook != "none" else None]
+        parts += ["ac" if self.activation_checkpointing == "full" else None, "offload" if self.offload else None]
+        return "-".join(part for part in parts if part)
+
+    def strategy_options(self) -> dict:
+        """The strategy's ``init_args`` that make this setup."""
+        options: dict = {"activation_checkpointing": self.activation_checkpointing}
+        if self.engine == "DDP":
+            return options if self.comm_hook is None else {"comm_hook": self.comm_hook, **options}
+        if self.engine == "FSDP2":
+            return {"sharding": self.sharding, **options, "cpu_offload": self.offload}
+        stage = int(self.sharding.removeprefix("zero"))
+        return {
+            "stage": stage,
+            **options,
+            "offload_optimizer": self.offload,
+            "offload_parameters": self.offload and stage == 3,
+        }
+
+    def strategy_section(self) -> dict:
+        """The ``trainer.strategy`` entry of a recipe that trains this setup."""
+        return {"class_path": self.strategy_class, "init_args": self.strategy_options()}
+
+    def describe(self) -> str:
+        """The setup in words: ``FSDP ZeRO-3 + full activation checkpointing``."""
+        parts = [" ".join(filter(None, (_ENGINE_WORDS[self.engine], _SHARDING_WORDS.get(self.sharding))))]
+        if self.activation_checkpointing != "none":
+            parts.append(f"{self.activation_checkpointing} activation checkpointing")
+        if self.offload:
+            optimizer_only = self.engine == "DeepSpeed" and self.sharding in ("zero1", "zero2")
+            parts.append("optimizer offload" if optimizer_only else "CPU offload")
+        return " + ".join(parts)
