@@ -31,12 +31,13 @@ def end_comm_step(stats: CommStats | None, clock: ExposedCommClock | None) -> No
 
 
 @contextmanager
-def one_gradient_round(stats: CommStats) -> Generator[None, None, None]:
+def one_gradient_round(stats: CommStats | None) -> Generator[None, None, None]:
     """Around a backward whose hooks send gradients: if it sent gradient bytes, it closes one round of gradient
-    communication in ``stats``; a backward under ``no_sync`` (accumulation) sent none and closes nothing."""
-    sent_before = stats.gradient_bytes_so_far()
+    communication in ``stats`` (where counted); a backward under ``no_sync`` (accumulation) sent none and closes
+    nothing."""
+    sent_before = stats.gradient_bytes_so_far() if stats is not None else 0
     yield
-    if stats.gradient_bytes_so_far() > sent_before:
+    if stats is not None and stats.gradient_bytes_so_far() > sent_before:
         stats.finish_round()
 
 
@@ -61,13 +62,16 @@ class CommMetricsLog:
 
     def log(
         self,
-        module: LightningModule,
-        stats: CommStats,
+        module: LightningModule | None,
+        stats: CommStats | None,
         collectives: Sequence[str],
         clock: ExposedCommClock | None,
         extra: Mapping[str, float] | None = None,
     ) -> None:
-        """Log from ``module`` (inside its training step) what ``stats`` and ``clock`` hold of the last step."""
+        """Log from ``module`` (inside its training step) what ``stats`` and ``clock`` hold of the last step (nothing
+        while nothing is counted)."""
+        if module is None or stats is None:
+            return
         step_bytes = tuple(stats.last_step.get(collective, Traffic()).bytes for collective in collectives)
         due = module.trainer._logger_connector.should_update_logs
         # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device

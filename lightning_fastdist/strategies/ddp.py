@@ -276,13 +276,11 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        stats = self.comm_stats
-        if self.log_comm_bytes and stats is not None:
-            assert self.lightning_module is not None
+        if self.log_comm_bytes:
             extra: dict[str, float] = {}
             if isinstance(self.hook_state, AutoCommState):
                 extra[HOOK_LEVEL_METRIC] = float(AUTO_LEVELS.index(self.hook_state.level))
-            self._comm_log.log(self.lightning_module, stats, self.comm_collectives, self.exposed_comm, extra)
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm, extra)
         return output
 
     @override

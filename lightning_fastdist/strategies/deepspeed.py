@@ -142,9 +142,8 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
         self.log_comm_bytes = log_comm_bytes
-        self._comm_stats = CommStats()
+        self.comm_stats: CommStats | None = None  # this rank's collective bytes and gradient rounds, once counted
         self._stop_counting: Callable[[], None] | None = None
-        self._comm_counted = False
         self.exposed_comm: ExposedCommClock | None = None  # set when the engine is built
         self.prepared: PreparedBlocks | None = None
         self._comm_log = CommMetricsLog()
@@ -203,8 +202,9 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
             self.exposed_comm = ExposedCommClock(self.root_device)
-            self._stop_counting = count_deepspeed_communication(self._comm_stats, self.exposed_comm)
-            self._comm_counted = True
+            if self.comm_stats is None:  # a second fit counts on
+                self.comm_stats = CommStats()
+            self._stop_counting = count_deepspeed_communication(self.comm_stats, self.exposed_comm)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -261,11 +261,6 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         return chosen
 
     @property
-    def comm_stats(self) -> CommStats | None:
-        """This rank's DeepSpeed collective bytes and gradient rounds (``None`` until the engine runs)."""
-        return self._comm_stats if self._comm_counted else None
-
-    @property
     def comm_collectives(self) -> tuple[str, ...]:
         """Gradient reduction and parameter gathering: all-reduce / reduce-scatter and all-gather."""
         return (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
@@ -295,15 +290,13 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        stats = self.comm_stats
-        if self.log_comm_bytes and stats is not None:
-            assert self.lightning_module is not None
-            self._comm_log.log(self.lightning_module, stats, self.comm_collectives, self.exposed_comm)
+        if self.log_comm_bytes:
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm)
         return output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with one_gradient_round(self._comm_stats):
+        with one_gradient_round(self.comm_stats):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

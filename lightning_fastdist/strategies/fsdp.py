@@ -141,8 +141,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.async_checkpointing = async_checkpointing
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.log_comm_bytes = log_comm_bytes
-        self._comm_stats = CommStats()
-        self._comm_counted = False
+        self.comm_stats: CommStats | None = None  # this rank's FSDP collective bytes and gradient rounds, once counted
         self._root: RootUnit | None = None
         self._idle_experts: IdleExperts | None = None
         self._experts_group: dist.ProcessGroup | None = None
@@ -242,14 +241,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
             self._experts_group = dist.new_group(backend="gloo")  # host-side flags: no device sync
         clock = ExposedCommClock(self.root_device)
         replicated = self.fsdp.mode == "hsdp"
-        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated, clock)
-        self.exposed_comm = clock if self._comm_counted else None
+        stats = self.comm_stats if self.comm_stats is not None else CommStats()  # a second fit counts on
+        counted = count_fsdp_communication(units, stats, replicated, clock)  # not where torch cannot count them
+        self.comm_stats, self.exposed_comm = (stats, clock) if counted else (None, None)
         return root
-
-    @property
-    def comm_stats(self) -> CommStats | None:
-        """This rank's FSDP collective bytes and gradient rounds (``None`` when this torch cannot count them)."""
-        return self._comm_stats if self._comm_counted else None
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
@@ -281,10 +276,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        stats = self.comm_stats
-        if self.log_comm_bytes and stats is not None:
-            assert self.lightning_module is not None
-            self._comm_log.log(self.lightning_module, stats, self.comm_collectives, self.exposed_comm)
+        if self.log_comm_bytes:
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm)
         return output
 
     @contextmanager
@@ -304,7 +297,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with one_gradient_round(self._comm_stats):
+        with one_gradient_round(self.comm_stats):
             output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._idle_experts is not None and self._idle_experts.trackers and not self._accumulating:
             # An optimizer step's last backward: experts no rank called keep no gradient, as under DDP.
