@@ -1,25 +1,27 @@
 """Lightning strategies that compose :mod:`lightning_fastdist.parallel` in the right order.
 
-A strategy here is a Lightning strategy class with this package's mixins in front of it, in this
-order (``FastFSDPStrategy`` is the fullest example)::
+Each strategy inherits from its Lightning strategy only (``FastDDPStrategy(DDPStrategy)``,
+``FastFSDPStrategy(ModelParallelStrategy)``, ``FastDeepSpeedStrategy(DeepSpeedStrategy)``), as Lightning's own
+strategies compose their launcher and checkpoint IO: what the three share are helpers that each strategy owns
+and calls from its own ``@override`` hooks, so one strategy file shows everything it does on each hook.
 
-    class FastXStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, LightningXStrategy): ...
-
-- :class:`~.shared_setup.SharedSetup`: ``timeout``, the
+- ``ddp.py``, ``fsdp.py``, ``deepspeed.py``: the strategies. Each keeps its collective ``timeout``
+  (:func:`~lightning_fastdist.parallel.faults.collective_timeout.collective_timeout`), its
   :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan` (blocks, activation checkpointing,
-  compile), the recompile watcher, an atomic one-file save, registration. Its docstring says
-  which calls the strategy makes, and where.
-- :class:`~.fault_tolerance.FaultTolerance`: job identity, preemption, lost peers; route
-  ``save_checkpoint`` through ``refuse_non_finite`` and ``load_checkpoint`` through ``load_or_fall_back``.
-- :class:`~.exact_resume.ExactResume`: random states and loop progress in every checkpoint; call
-  ``_add_resume_state`` in ``save_checkpoint`` and ``_take_resume_state`` in ``load_checkpoint``.
-- :class:`~.comm_metrics.CommBytesLogging`: provide ``comm_stats``, ``comm_collectives`` and
-  ``log_comm_bytes``; add :class:`~.comm_metrics.GradientRoundPerBackward` before Lightning's class
-  when gradients leave from inside ``backward`` (FSDP, DeepSpeed).
+  compile), applied where Lightning hands over the model, and a recompile watcher when compiling.
+- :mod:`.job`: the launch (class names checked first, a fresh run id), joining the process group, a lost peer
+  named; preemption is :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`.
+- :mod:`.fault_tolerance`: no non-finite checkpoint, one file published atomically, an unusable checkpoint
+  named (or, for ``last``, the newest that loads).
+- :mod:`.exact_resume` (with :mod:`.rng_states` and :mod:`.loop_state`): what a checkpoint needs for a run to
+  resume bit for bit.
+- :mod:`.comm_metrics`: each optimizer step's bytes per collective and exposed communication time, logged
+  without a device sync; a gradient round per backward.
+- Options and formats of one strategy: :mod:`.ddp_options`, :mod:`.blocks_option`, :mod:`.comm_hook_checkpoint`
+  (DDP's PowerSGD state), :mod:`.deepspeed_checkpoint`; :mod:`.registry` names each strategy for
+  ``Trainer(strategy="fast_ddp")``.
 
-What is done to the model lives in :mod:`lightning_fastdist.parallel` (torch only); the strategy
-applies ``self.plan`` with its own wrapper where Lightning hands over the model, and ends with
-``FastXStrategy.register_once()``. ``tests/project/test_layering.py`` holds the import direction.
+``tests/project/test_layering.py`` holds the import direction.
 """
 
 from lightning_fastdist.strategies.ddp import FastDDPStrategy

@@ -34,18 +34,23 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.comm.accounting import ALL_REDUCE, CommStats
+from lightning_fastdist.parallel.comm.exposed import BackwardTail, ExposedCommClock, watch_ddp
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AUTO_LEVELS, AutoCommState, AutoPolicy
 from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.ddp.comm_hook_spec import CommHookName, CommHookSpec
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
+from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.plan.blocks import resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
     CheckpointingOption,
@@ -61,18 +66,26 @@ from lightning_fastdist.strategies.comm_hook_checkpoint import (
     restore_hook_state,
     save_hook_state,
 )
-from lightning_fastdist.strategies.comm_metrics import CommBytesLogging
+from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step
 from lightning_fastdist.strategies.ddp_options import check_bucket_cap_mb, check_ddp_kwargs
-from lightning_fastdist.strategies.exact_resume import ExactResume
-from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
-from lightning_fastdist.strategies.shared_setup import SharedSetup
+from lightning_fastdist.strategies.exact_resume import ResumeState
+from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite, save_one_file
+from lightning_fastdist.strategies.job import (
+    check_names_at_launch,
+    explain_lost_peer_of_job,
+    join_process_group_once,
+    names_checkable,
+)
+from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
 AUTO_CHECKPOINT_KEY = "fast_ddp_comm_hook_auto"  # the level auto chose, and its decisions
 HOOK_LEVEL_METRIC = "comm/hook_level"  # auto's level: 0 none, 1 bf16, 2 powersgd
 
 
-class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, DDPStrategy):
+class FastDDPStrategy(DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
@@ -114,8 +127,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             (``broadcast_buffers=False``, ``init_sync=False``, ...); checked at construction.
     """
 
-    strategy_name = "fast_ddp"
-    strategy_description = "DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend"
+    handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
 
     def __init__(
         self,
@@ -160,9 +172,8 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
                 self.comm.check_backend(process_group_backend)
         check_bucket_cap_mb(bucket_cap_mb)
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
-        timeout = self.take_shared_options(
-            timeout, ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
-        )
+        self.timeout = collective_timeout(timeout, type(self).__name__)
+        self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -177,7 +188,7 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.timeout,
             start_method=start_method,
             **ddp_kwargs,
             **kwargs,  # to DistributedDataParallel, as in Lightning (and LightningCLI sees them through this call)
@@ -186,6 +197,24 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         self.log_comm_bytes = log_comm_bytes
         self.hook_state: HookState | None = None
         self._pending_hook_checkpoint: dict | None = None
+        self.prepared: PreparedBlocks | None = None
+        self.recompiles = RecompileWatcher(report=rank_zero_warn)
+        self.exposed_comm: ExposedCommClock | None = None  # set when DDP wraps the model
+        self._backward_tail: BackwardTail | None = None
+        self._comm_log = CommMetricsLog()
+        self._resume = ResumeState()
+        self._preemption: PreemptionHandler | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
+
+    def check_names(self, module: LightningModule | None) -> None:
+        """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
+        (a model that builds its layers in ``configure_model`` is checked when the plan is applied)."""
+        if names_checkable(module):
+            resolve_blocks(module, self.plan.blocks)
 
     @override
     def setup_environment(self) -> None:
@@ -194,12 +223,19 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             self.comm.check_backend(self._get_process_group_backend(), self.root_device)
 
     @override
+    def setup_distributed(self) -> None:
+        self.set_world_ranks()
+        join_process_group_once(self, self._get_process_group_backend(), self.timeout)
+        super().setup_distributed()  # finds the group initialised and keeps it
+
+    @override
     def configure_ddp(self) -> None:
         """Apply the plan to the model in place with DDP as its wrapper.
 
         The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
         """
         _, self.prepared = self.plan.apply(self.model, self._wrap_in_ddp, log=rank_zero_info)
+        self.recompiles.call_sites = self.prepared.compiled_call_sites  # a recompile's report names them
 
     def _wrap_in_ddp(self, model: torch.nn.Module, prepared: PreparedBlocks) -> DistributedDataParallel:
         """Size the buckets, wrap ``model`` (``self.model``) in DDP as Lightning does, register the comm hook."""
@@ -208,7 +244,10 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state = self.comm.register(self.model)
-        self.watch_ddp_backward(self.model)  # comm/exposed_s
+        if self._backward_tail is not None:  # a second fit wraps the model again
+            self._backward_tail.remove()
+        self.exposed_comm = ExposedCommClock(self.root_device)  # comm/exposed_s
+        self._backward_tail = watch_ddp(self.model, self.exposed_comm)
         if self._pending_hook_checkpoint is not None:
             self._restore_hook_state(self._pending_hook_checkpoint)
             self._pending_hook_checkpoint = None
@@ -216,17 +255,38 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.start_shared(trainer)
+        self._preemption = PreemptionHandler(trainer, self.timeout)  # first: collective when fitting
+        self._preemption.install()
+        if self.plan.compile_config is not None:
+            self.recompiles.start()
         super().setup(trainer)
 
     @override
-    def teardown(self) -> None:
-        self.stop_shared()
-        super().teardown()
+    def on_train_start(self) -> None:
+        self._comm_log.new_fit()
+        super().on_train_start()
+        assert self.lightning_module is not None
+        align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._resume.before_batch()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_comm_bytes:
+            extra: dict[str, float] = {}
+            if isinstance(self.hook_state, AutoCommState):
+                extra[HOOK_LEVEL_METRIC] = float(AUTO_LEVELS.index(self.hook_state.level))
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm, extra)
+        return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        end_comm_step(self.comm_stats, self.exposed_comm)
         state, clock = self.hook_state, self.exposed_comm
         if isinstance(state, AutoCommState) and clock is not None and state.measuring:
             decision = state.on_optimizer_step(lambda: clock.total_s, self._synchronize_device)
@@ -239,15 +299,9 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
             torch.cuda.synchronize(self.root_device)
 
     @override
-    def extra_comm_metrics(self) -> dict[str, float]:
-        if isinstance(self.hook_state, AutoCommState):
-            return {HOOK_LEVEL_METRIC: float(AUTO_LEVELS.index(self.hook_state.level))}
-        return {}
-
-    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self.refuse_non_finite(checkpoint, filepath)
-        self._add_resume_state(checkpoint)
+        refuse_non_finite(self, checkpoint, filepath)
+        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         powersgd = self.hook_state
         if isinstance(powersgd, AutoCommState):
             checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
@@ -260,13 +314,13 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
             return
-        self.save_one_file(checkpoint, filepath, storage_options)
+        save_one_file(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(self._load_noting_location, weights_only=weights_only)
-        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=False)
-        self._take_resume_state(checkpoint)
+        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=False)
+        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
         if saved:
             if self.hook_state is None:
@@ -286,6 +340,29 @@ class FastDDPStrategy(SharedSetup, FaultTolerance, ExactResume, CommBytesLogging
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_lost_peer_of_job(exception, self.timeout, self.global_rank)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.recompiles.stop()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
+        super().teardown()
+
+    @property
+    def checkpointed_blocks(self) -> tuple[torch.nn.Module, ...]:
+        """The blocks under activation checkpointing (empty until the plan is applied)."""
+        return self.prepared.checkpointed if self.prepared is not None else ()
+
+    @property
+    def compiled_regions(self) -> tuple[torch.nn.Module, ...]:
+        """The modules whose ``forward`` is compiled (empty until the plan is applied)."""
+        return self.prepared.compiled if self.prepared is not None else ()
 
     @property
     def comm_stats(self) -> CommStats | None:
@@ -320,4 +397,4 @@ def _named_errors() -> Generator[None, None, None]:
         raise ValueError(f"FastDDPStrategy: {error}") from None
 
 
-FastDDPStrategy.register_once()
+register_once(FastDDPStrategy, "fast_ddp", "DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend")

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -36,58 +37,50 @@ from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, 
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed.runtime import (
-    MAX_AUTO_BUCKET,
-    auto_bucket_size,
     check_deepspeed_device,
     choose_offload_optimizer,
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
+from lightning_fastdist.parallel.deepspeed.settings import BucketSize, DeepSpeedSettings
 from lightning_fastdist.parallel.deepspeed.zero3_trace import start_zero3_steps_at_the_outer_forward
+from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
-from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption, CheckpointingOption, ParallelPlan
-from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
-from lightning_fastdist.strategies.exact_resume import RNG_KEY, ExactResume
-from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
-from lightning_fastdist.strategies.shared_setup import SharedSetup
+from lightning_fastdist.parallel.plan.parallel_plan import (
+    BlocksOption,
+    CheckpointingOption,
+    ParallelPlan,
+    PreparedBlocks,
+)
+from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
+from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
+from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite
+from lightning_fastdist.strategies.job import (
+    check_names_at_launch,
+    explain_lost_peer_of_job,
+    join_process_group_once,
+    names_checkable,
+)
+from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.trainer.preemption import PreemptionHandler
 
-STAGES = (1, 2, 3)
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def check_deepspeed_options(stage: int, offload_parameters: bool, buckets: dict[str, Any]) -> None:
-    """One ``ValueError`` naming the option: a stage DeepSpeed lacks, an offload it cannot do, a bad bucket size."""
-    if stage not in STAGES or isinstance(stage, bool):
-        raise ValueError(f"stage: got {stage!r}; use 1, 2 or 3 (the ZeRO stage).")
-    if offload_parameters and stage != 3:
-        raise ValueError(
-            f"offload_parameters: needs stage=3 (parameters are only partitioned at stage 3), got stage={stage}; "
-            "offload_optimizer works at every stage."
-        )
-    for option, value in buckets.items():
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{option}: got {value!r}; use 'auto' or a number of elements >= 1.")
-
-
-class FastDeepSpeedStrategy(
-    SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, DeepSpeedStrategy
-):
+class FastDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 1, 2 or 3 on GPUs or CPU processes, with our activation checkpointing and accounting.
 
     Args:
-        stage: the ZeRO stage: ``1`` partitions the optimizer state, ``2`` also the
-            gradients, ``3`` also the parameters (gathered block by block for compute).
-        offload_optimizer: keep the optimizer state and run its step in host memory
-            (ZeRO-Offload); every stage.
-        offload_parameters: keep the partitioned parameters in host memory (ZeRO-Infinity); stage 3 only.
+        stage: :class:`~lightning_fastdist.parallel.deepspeed.settings.DeepSpeedSettings`' (the ZeRO stage).
+        offload_optimizer: the settings'.
+        offload_parameters: the settings'.
         activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`),
             applied before ``deepspeed.initialize``.
         blocks: the plan's: the blocks activation checkpointing acts on.
-        allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
-            ``"auto"``: the trainable parameters, at most 2e8
-            (:func:`~lightning_fastdist.parallel.deepspeed.runtime.auto_bucket_size`).
-        reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
+        allgather_bucket_size: the settings'.
+        reduce_bucket_size: the settings'.
         load_full_weights: at stage 3, ``ckpt_path`` is one file of full weights (e.g. from
             :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
             instead of a DeepSpeed checkpoint folder; optimizer state is then not restored.
@@ -103,8 +96,7 @@ class FastDeepSpeedStrategy(
         precision_plugin: set by the Trainer (``Trainer(precision=...)``: DeepSpeed runs bf16/fp16 itself).
     """
 
-    strategy_name = "fast_deepspeed"
-    strategy_description = "DeepSpeed ZeRO 1-3 on GPUs and CPUs by lightning_fastdist"
+    handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
 
     def __init__(
         self,
@@ -113,8 +105,8 @@ class FastDeepSpeedStrategy(
         offload_parameters: bool = False,
         activation_checkpointing: CheckpointingOption = "none",
         blocks: BlocksOption = "auto",
-        allgather_bucket_size: int | Literal["auto"] = "auto",
-        reduce_bucket_size: int | Literal["auto"] = "auto",
+        allgather_bucket_size: BucketSize = "auto",
+        reduce_bucket_size: BucketSize = "auto",
         load_full_weights: bool = False,
         log_comm_bytes: bool = True,
         process_group_backend: str | None = None,
@@ -125,34 +117,38 @@ class FastDeepSpeedStrategy(
         precision_plugin: Any = None,
     ) -> None:
         import_deepspeed(type(self).__name__)
-        buckets = {"allgather_bucket_size": allgather_bucket_size, "reduce_bucket_size": reduce_bucket_size}
-        check_deepspeed_options(stage, offload_parameters, buckets)
+        self.settings = DeepSpeedSettings(
+            stage, offload_optimizer, offload_parameters, allgather_bucket_size, reduce_bucket_size
+        )
+        self.timeout = collective_timeout(timeout, type(self).__name__)
         # No compile option: DeepSpeed's engine wraps the module and runs its forward.
-        timeout = self.take_shared_options(timeout, ParallelPlan(blocks, activation_checkpointing))
+        self.plan = ParallelPlan(blocks, activation_checkpointing)
+        until_sized = self.settings.bucket_sizes()  # "auto" is sized to the model in _setup_model
         super().__init__(
             accelerator=accelerator,
             stage=stage,
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
-            **{option: MAX_AUTO_BUCKET if value == "auto" else value for option, value in buckets.items()},
+            allgather_bucket_size=until_sized["allgather_bucket_size"],
+            reduce_bucket_size=until_sized["reduce_bucket_size"],
             load_full_weights=load_full_weights,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.timeout,
         )
         # Offload may keep the module's own torch optimizer (where DeepSpeedCPUAdam, a C++ op compiled at run
         # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
-        self.stage = stage
-        self.offload_optimizer = offload_optimizer
-        self.offload_parameters = offload_parameters
-        self.buckets = buckets
         self.log_comm_bytes = log_comm_bytes
-        self._comm_stats = CommStats()
+        self.comm_stats: CommStats | None = None  # this rank's collective bytes and gradient rounds, once counted
         self._stop_counting: Callable[[], None] | None = None
-        self._comm_counted = False
+        self.exposed_comm: ExposedCommClock | None = None  # set when the engine is built
+        self.prepared: PreparedBlocks | None = None
+        self._comm_log = CommMetricsLog()
+        self._resume = ResumeState()
+        self._preemption: PreemptionHandler | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -163,6 +159,13 @@ class FastDeepSpeedStrategy(
                 f"remove the {type(self.precision_plugin).__name__} plugin."
             )
         super()._configure_launcher()
+        check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
+
+    def check_names(self, module: LightningModule | None) -> None:
+        """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
+        (a model that builds its layers in ``configure_model`` is checked when the plan is applied)."""
+        if names_checkable(module):
+            resolve_blocks(module, self.plan.blocks)
 
     @override
     def setup_environment(self) -> None:
@@ -182,9 +185,9 @@ class FastDeepSpeedStrategy(
         if self.root_device.type == "cuda":
             assert self.parallel_devices is not None
             _validate_device_index_selection(self.parallel_devices)
-        self._join_process_group()  # the launch's identity and the collective timeout (FaultTolerance)
-        reset_seed()
         self.set_world_ranks()
+        join_process_group_once(self, self._get_process_group_backend(), self.timeout)
+        reset_seed()
         self._init_deepspeed_distributed()
 
     @override
@@ -194,21 +197,21 @@ class FastDeepSpeedStrategy(
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.start_shared(trainer)
+        self._preemption = PreemptionHandler(trainer, self.timeout)  # first: collective when fitting
+        self._preemption.install()
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
             self.exposed_comm = ExposedCommClock(self.root_device)
-            self._stop_counting = count_deepspeed_communication(self._comm_stats, self.exposed_comm)
-            self._comm_counted = True
+            if self.comm_stats is None:  # a second fit counts on
+                self.comm_stats = CommStats()
+            self._stop_counting = count_deepspeed_communication(self.comm_stats, self.exposed_comm)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model, and the plan
         # applied (the order: parallel/plan/parallel_plan.py) with no wrapper of ours, deepspeed.initialize being
         # the wrapper.
-        for option, value in self.buckets.items():
-            if value == "auto":
-                self.config["zero_optimization"][option] = auto_bucket_size(model)
+        self.config["zero_optimization"].update(self.settings.bucket_sizes(model))
         if self.prepared is None:  # a second fit meets the blocks already checkpointed
             self._give_idle_experts_zero_gradients(model)
             _, self.prepared = self.plan.apply(model, log=rank_zero_info)
@@ -219,7 +222,7 @@ class FastDeepSpeedStrategy(
         reduces the same buffers; stage 3 gathers a module's parameters only when it is called: refused."""
         units = [model, *block_modules(model, resolve_blocks(model, self.plan.blocks))]
         idle_experts = IdleExperts(model, units)
-        if idle_experts.trackers and self.stage == 3:
+        if idle_experts.trackers and self.settings.stage == 3:
             raise ValueError(
                 f"FastDeepSpeedStrategy: stage 3 cannot train experts that may sit idle on a rank "
                 f"({idle_experts.describe()}: ZeRO-3 gathers a module's weights only when it is called); use "
@@ -232,7 +235,7 @@ class FastDeepSpeedStrategy(
 
         # Lightning passes device_rank=root_device.index, which a CPU device does not have.
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
-        if self.offload_optimizer and optimizer is not None:
+        if self.settings.offload_optimizer and optimizer is not None:
             optimizer = self._offloaded_optimizer(optimizer)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank),
@@ -258,29 +261,60 @@ class FastDeepSpeedStrategy(
         return chosen
 
     @property
-    def comm_stats(self) -> CommStats | None:
-        """This rank's DeepSpeed collective bytes and gradient rounds (``None`` until the engine runs)."""
-        return self._comm_stats if self._comm_counted else None
-
-    @property
     def comm_collectives(self) -> tuple[str, ...]:
         """Gradient reduction and parameter gathering: all-reduce / reduce-scatter and all-gather."""
         return (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
 
+    @property
+    def checkpointed_blocks(self) -> tuple[torch.nn.Module, ...]:
+        """The blocks under activation checkpointing (empty until the plan is applied)."""
+        return self.prepared.checkpointed if self.prepared is not None else ()
+
+    @property
+    def compiled_regions(self) -> tuple[torch.nn.Module, ...]:
+        """Always empty: DeepSpeed's engine runs the module's forward, nothing is compiled."""
+        return ()
+
+    @override
+    def on_train_start(self) -> None:
+        self._comm_log.new_fit()
+        super().on_train_start()
+        assert self.lightning_module is not None
+        align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._resume.before_batch()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_comm_bytes:
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm)
+        return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with one_gradient_round(self.comm_stats):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # Lightning calls this on every micro-batch and DeepSpeed steps at the accumulation boundary only:
-        # the step's communication count (CommBytesLogging) closes there too.
-        if self.deepspeed_engine.is_gradient_accumulation_boundary():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return super(CommBytesLogging, self).optimizer_step(optimizer, closure, model, **kwargs)
+        # the step's communication count closes there too (asked before the engine's step counts this micro-batch).
+        boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if boundary:
+            end_comm_step(self.comm_stats, self.exposed_comm)
+        return output
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
-        self.refuse_non_finite(checkpoint, filepath)
-        self._add_resume_state(checkpoint)
+        refuse_non_finite(self, checkpoint, filepath)
+        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         path = Path(self.broadcast(filepath))
         # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
         save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
@@ -288,19 +322,26 @@ class FastDeepSpeedStrategy(
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, weights_only=weights_only)
-        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=not self.load_full_weights)
+        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.
         checkpoint[RNG_KEY] = self.broadcast(checkpoint.get(RNG_KEY))
-        self._take_resume_state(checkpoint)
+        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         return checkpoint
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_lost_peer_of_job(exception, self.timeout, self.global_rank)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
         if self._stop_counting is not None:
             self._stop_counting()
             self._stop_counting = None
-        self.stop_shared()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         super().teardown()
 
 
-FastDeepSpeedStrategy.register_once()
+register_once(FastDeepSpeedStrategy, "fast_deepspeed", "DeepSpeed ZeRO 1-3 on GPUs and CPUs by lightning_fastdist")

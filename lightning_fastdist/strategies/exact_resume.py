@@ -1,7 +1,7 @@
-"""ExactResume: what a strategy adds to checkpoints so that a resumed run continues bit for bit.
+"""What a strategy adds to checkpoints so that a resumed run continues bit for bit.
 
 Lightning saves weights, optimizer, schedulers, loop progress and the training
-loader's position. This mixin adds the rest, for every strategy of this package:
+loader's position. :class:`ResumeState` adds the rest, for every strategy of this package:
 
 - **Every rank's random states** (:mod:`.rng_states`), gathered into the
   checkpoint under :data:`RNG_KEY` (rank 0 writes the file; each rank's dropout
@@ -18,9 +18,10 @@ loader's position. This mixin adds the rest, for every strategy of this package:
   checkpoint, and after a change of world size Lightning's batch count moves to
   where the data resumes (:mod:`.loop_state`).
 
-A strategy calls :meth:`ExactResume._add_resume_state` first in its
-``save_checkpoint`` and :meth:`ExactResume._take_resume_state` with the loaded
-checkpoint in ``load_checkpoint``; the hooks below do the rest.
+A strategy owns a :class:`ResumeState` and calls :meth:`~ResumeState.add_to` in its ``save_checkpoint`` (after
+refusing a non-finite state), :meth:`~ResumeState.take_from` with the loaded checkpoint in ``load_checkpoint``,
+:meth:`~ResumeState.before_batch` first in ``on_train_batch_start``, and
+:func:`~.loop_state.align_resumed_batch_count` last in ``on_train_start``.
 
 At a different world size the data still continues at the next sample (see
 :class:`~lightning_fastdist.data.ResumableDataLoader`), but random draws follow
@@ -35,32 +36,31 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.strategies.comm_hook_checkpoint import gather_to_rank_zero
-from lightning_fastdist.strategies.loop_state import align_resumed_batch_count, reopen_epoch_cut_short
+from lightning_fastdist.strategies.loop_state import reopen_epoch_cut_short
 from lightning_fastdist.strategies.rng_states import collect_rng_states, set_rng_states
 
 RNG_KEY = "fastdist_rng_states"  # a list with one entry per rank
 
 
-class ExactResume:
-    """Mixin for a Lightning strategy: per-rank random states and consistent loop progress in checkpoints."""
+class ResumeState:
+    """This rank's random states for the first training batch after a checkpoint was saved or loaded."""
 
-    _rng_for_next_batch: dict[str, Any] | None = None
+    def __init__(self) -> None:
+        self._rng_for_next_batch: dict[str, Any] | None = None
 
-    def _add_resume_state(self, checkpoint: dict[str, Any]) -> None:
+    def add_to(self, checkpoint: dict[str, Any], rank: int, world_size: int) -> None:
         """Put the resume state into ``checkpoint``; call on every rank (it gathers), before writing."""
         if "loops" not in checkpoint:  # a weights-only checkpoint
             return
         reopen_epoch_cut_short(checkpoint)
         self._rng_for_next_batch = collect_rng_states()
-        rank, world_size = self.global_rank, self.world_size  # type: ignore[attr-defined]
         checkpoint[RNG_KEY] = gather_to_rank_zero(self._rng_for_next_batch, world_size, rank)
 
-    def _take_resume_state(self, checkpoint: dict[str, Any]) -> None:
+    def take_from(self, checkpoint: dict[str, Any], rank: int, world_size: int) -> None:
         """Keep this rank's random states from a loaded ``checkpoint`` for the next training batch."""
         per_rank = checkpoint.get(RNG_KEY)
         if per_rank is None:
             return
-        world_size = self.world_size  # type: ignore[attr-defined]
         if len(per_rank) != world_size:
             rank_zero_warn(
                 f"This checkpoint was written by {_ranks(len(per_rank))} and is resumed by {_ranks(world_size)}: "
@@ -69,17 +69,13 @@ class ExactResume:
             )
             self._rng_for_next_batch = None
             return
-        self._rng_for_next_batch = per_rank[self.global_rank]  # type: ignore[attr-defined]
+        self._rng_for_next_batch = per_rank[rank]
 
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        align_resumed_batch_count(self.lightning_module.trainer)  # type: ignore[attr-defined]
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def before_batch(self) -> None:
+        """Set the kept random states, once: call first in ``on_train_batch_start``."""
         if self._rng_for_next_batch is not None:
             set_rng_states(self._rng_for_next_batch)
             self._rng_for_next_batch = None
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
 
 def _ranks(count: int) -> str:

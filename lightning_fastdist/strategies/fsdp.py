@@ -30,16 +30,19 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
+from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
 from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, RootUnit, ShardingMode, shard_model
+from lightning_fastdist.parallel.plan.blocks import resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
@@ -47,19 +50,26 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     CompileOption,
     CompileScope,
     ParallelPlan,
+    PreparedBlocks,
 )
 from lightning_fastdist.strategies.blocks_option import blocks_option
-from lightning_fastdist.strategies.comm_metrics import CommBytesLogging, GradientRoundPerBackward
-from lightning_fastdist.strategies.exact_resume import ExactResume
-from lightning_fastdist.strategies.fault_tolerance import FaultTolerance
-from lightning_fastdist.strategies.shared_setup import SharedSetup
+from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
+from lightning_fastdist.strategies.exact_resume import ResumeState
+from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite, save_one_file
+from lightning_fastdist.strategies.job import (
+    check_names_at_launch,
+    explain_lost_peer_of_job,
+    join_process_group_once,
+    names_checkable,
+)
+from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
-class FastFSDPStrategy(
-    SharedSetup, FaultTolerance, ExactResume, CommBytesLogging, GradientRoundPerBackward, ModelParallelStrategy
-):
+class FastFSDPStrategy(ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
@@ -91,8 +101,7 @@ class FastFSDPStrategy(
         shard_modules: deprecated spelling of ``blocks`` (one more release).
     """
 
-    strategy_name = "fast_fsdp"
-    strategy_description = "FSDP2 applied per block by lightning_fastdist"
+    handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
 
     def __init__(
         self,
@@ -113,9 +122,8 @@ class FastFSDPStrategy(
     ) -> None:
         self.fsdp = FSDPSharding(sharding, hsdp_group_size, cpu_offload, tuple(keep_fp32 or ()))
         blocks = blocks_option("FastFSDPStrategy", blocks, "shard_modules", shard_modules)
-        timeout = self.take_shared_options(
-            timeout, ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
-        )
+        self.timeout = collective_timeout(timeout, type(self).__name__)
+        self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(
                 f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
@@ -127,33 +135,43 @@ class FastFSDPStrategy(
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.timeout,
         )
         self.checkpoint_format = checkpoint_format
         self.async_checkpointing = async_checkpointing
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.log_comm_bytes = log_comm_bytes
-        self._comm_stats = CommStats()
-        self._comm_counted = False
+        self.comm_stats: CommStats | None = None  # this rank's FSDP collective bytes and gradient rounds, once counted
         self._root: RootUnit | None = None
         self._idle_experts: IdleExperts | None = None
         self._experts_group: dist.ProcessGroup | None = None
         self._accumulating = False
+        self.prepared: PreparedBlocks | None = None
+        self.recompiles = RecompileWatcher(report=rank_zero_warn)
+        self.exposed_comm: ExposedCommClock | None = None  # set when the model is sharded
+        self._comm_log = CommMetricsLog()
+        self._resume = ResumeState()
+        self._preemption: PreemptionHandler | None = None
 
     @override
     def _configure_launcher(self) -> None:
         # The world size is known here, before any process starts: fix and check HSDP's split now.
         self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
         super()._configure_launcher()
+        check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
 
-    @override
-    def resolve_names(self, module: Any) -> None:
-        super().resolve_names(module)
-        self.fsdp.units(module, [])  # resolves keep_fp32
+    def check_names(self, module: pl.LightningModule | None) -> None:
+        """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
+        process starts (a model that builds its layers in ``configure_model`` is checked when it is sharded)."""
+        if names_checkable(module):
+            resolve_blocks(module, self.plan.blocks)
+            self.fsdp.units(module, [])  # resolves keep_fp32
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        self.set_world_ranks()
+        join_process_group_once(self, self._get_process_group_backend(), self.timeout)
+        self._setup_distributed()  # Lightning's: finds the group initialised and keeps it
         self._device_mesh = self.fsdp.mesh(self.root_device.type, self.world_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -177,7 +195,10 @@ class FastFSDPStrategy(
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1); "
                 f"{type(self).__name__} shards with FSDP2: leave the model unwrapped."
             )
-        self.start_shared(trainer)
+        self._preemption = PreemptionHandler(trainer, self.timeout)  # first: collective when fitting
+        self._preemption.install()
+        if self.plan.compile_config is not None:
+            self.recompiles.start()
         self.accelerator.setup(trainer)
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
@@ -215,23 +236,49 @@ class FastFSDPStrategy(
         root, units, self.prepared, self._idle_experts = shard_model(
             model, self.device_mesh, self.plan, self.fsdp, precision, rank_zero_info
         )
+        self.recompiles.call_sites = self.prepared.compiled_call_sites  # a recompile's report names them
         if self._idle_experts.trackers and self._experts_group is None:
             self._experts_group = dist.new_group(backend="gloo")  # host-side flags: no device sync
         clock = ExposedCommClock(self.root_device)
         replicated = self.fsdp.mode == "hsdp"
-        self._comm_counted = count_fsdp_communication(units, self._comm_stats, replicated, clock)
-        self.exposed_comm = clock if self._comm_counted else None
+        stats = self.comm_stats if self.comm_stats is not None else CommStats()  # a second fit counts on
+        counted = count_fsdp_communication(units, stats, replicated, clock)  # not where torch cannot count them
+        self.comm_stats, self.exposed_comm = (stats, clock) if counted else (None, None)
         return root
-
-    @property
-    def comm_stats(self) -> CommStats | None:
-        """This rank's FSDP collective bytes and gradient rounds (``None`` when this torch cannot count them)."""
-        return self._comm_stats if self._comm_counted else None
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
         """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce."""
         return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.fsdp.mode == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
+
+    @property
+    def checkpointed_blocks(self) -> tuple[nn.Module, ...]:
+        """The blocks under activation checkpointing (empty until the plan is applied)."""
+        return self.prepared.checkpointed if self.prepared is not None else ()
+
+    @property
+    def compiled_regions(self) -> tuple[nn.Module, ...]:
+        """The modules whose ``forward`` is compiled (empty until the plan is applied)."""
+        return self.prepared.compiled if self.prepared is not None else ()
+
+    @override
+    def on_train_start(self) -> None:
+        self._comm_log.new_fit()
+        super().on_train_start()
+        assert self.lightning_module is not None
+        align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._resume.before_batch()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_comm_bytes:
+            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm)
+        return output
 
     @contextmanager
     @override
@@ -250,21 +297,28 @@ class FastFSDPStrategy(
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        with one_gradient_round(self.comm_stats):
+            output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._idle_experts is not None and self._idle_experts.trackers and not self._accumulating:
             # An optimizer step's last backward: experts no rank called keep no gradient, as under DDP.
             self._idle_experts.drop_gradients_of_experts_idle_everywhere(self._experts_group)
         return output
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        end_comm_step(self.comm_stats, self.exposed_comm)
+        return output
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
-        self.refuse_non_finite(checkpoint, filepath)
-        self._add_resume_state(checkpoint)
+        refuse_non_finite(self, checkpoint, filepath)
+        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         path = Path(self.broadcast(filepath))
         if self.checkpoint_format == "full":
-            self.save_one_file(checkpoint, path)
+            save_one_file(self, checkpoint, path)
             self.barrier()
             return
         tensors = {"state_dict": checkpoint.pop("state_dict")}
@@ -284,8 +338,8 @@ class FastFSDPStrategy(
         self._checkpoint_writer.wait()
         self.barrier()
         load = functools.partial(self._load_under_module_names, weights_only=weights_only)
-        checkpoint = self.load_or_fall_back(checkpoint_path, load, expects_folder=None)
-        self._take_resume_state(checkpoint)
+        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
+        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         return checkpoint
 
     def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -317,9 +371,17 @@ class FastFSDPStrategy(
             self.model = root
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        explain_lost_peer_of_job(exception, self.timeout, self.global_rank)
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
-        self.stop_shared()
+        self.recompiles.stop()
         self._checkpoint_writer.wait()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         super().teardown()
 
 
@@ -347,4 +409,4 @@ def _move_all_but_parameters(module: nn.Module, device: torch.device) -> None:
         _move_all_but_parameters(child, device)
 
 
-FastFSDPStrategy.register_once()
+register_once(FastFSDPStrategy, "fast_fsdp", "FSDP2 applied per block by lightning_fastdist")

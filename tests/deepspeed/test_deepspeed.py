@@ -255,7 +255,7 @@ def test_precision_comes_from_the_trainer_not_a_plugin():
             plugins=[FastMixedPrecision("bf16-mixed", device="cpu")], logger=False,
         )  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fast_deepspeed", precision="bf16-mixed", logger=False)
-    assert isinstance(trainer.strategy, FastDeepSpeedStrategy) and trainer.strategy.stage == 2
+    assert isinstance(trainer.strategy, FastDeepSpeedStrategy) and trainer.strategy.settings.stage == 2
 
 
 def test_without_deepspeed_the_package_imports_and_the_strategy_says_how_to_install():

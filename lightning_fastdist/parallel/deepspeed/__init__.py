@@ -1,1 +1,1 @@
-"""DeepSpeed without Lightning: its runtime on CPU and GPU, the ZeRO-3 trace, bytes per step."""
+"""DeepSpeed without Lightning: its settings, its runtime on CPU and GPU, the ZeRO-3 trace, bytes per step."""

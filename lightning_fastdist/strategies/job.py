@@ -1,0 +1,118 @@
+"""How a strategy's processes start, join and fail as one job.
+
+- **Launch.** :func:`check_names_at_launch` makes Lightning's launcher check the options' class names against the
+  model first (raised once, in this process, before another starts) and, where this launcher starts every rank
+  of the job (one node), hand the processes it starts a fresh run id, in the environment of the launch only (a
+  library leaves its user's environment as it found it). Under a multi-node launch by hand each node's launcher
+  would draw its own id, and the nodes would refuse each other.
+- **Joining.** :func:`join_process_group_once` joins through
+  :func:`~lightning_fastdist.parallel.faults.job_identity.join_process_group`: ranks of another launch on the
+  same port are refused, a port in use is named as such; Lightning's own setup then finds the group initialised
+  and keeps it.
+- **A lost peer** is named in one line (:func:`explain_lost_peer_of_job`).
+
+Preemption (SIGTERM / SIGUSR1 stop every rank at the same optimizer step, that step saved) is
+:class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, which each strategy installs in its ``setup``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeGuard
+
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_fastdist.parallel.faults.collective_timeout import explain_lost_peer
+from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
+
+
+def names_checkable(module: LightningModule | None) -> TypeGuard[LightningModule]:
+    """Whether ``module``'s layers exist before any process starts (not built later in ``configure_model``), so
+    that a class name of the options that it lacks (a misspelt block) can be refused now."""
+    return module is not None and not is_overridden("configure_model", module)
+
+
+def check_names_at_launch(
+    launcher: _Launcher | None,
+    strategy: ParallelStrategy,
+    check_names: Callable[[LightningModule | None], None],
+    num_nodes: int,
+) -> None:
+    """Make ``launcher.launch`` call ``check_names(strategy.lightning_module)`` first and run under the launch's
+    run id; an instance attribute, so the launcher's class (and isinstance checks) stay Lightning's.
+
+    Call once Lightning configured the launcher: ``strategy``'s cluster environment and ``num_nodes`` are final.
+    """
+    if launcher is None:
+        return
+    environment = strategy.cluster_environment
+    starts_every_rank = environment is not None and not environment.creates_processes_externally and num_nodes == 1
+    checked = functools.partial(_checked_launch, launcher.launch, strategy, check_names, starts_every_rank)
+    launcher.launch = checked  # type: ignore[method-assign]  # on this instance only, on purpose (see above)
+
+
+def _checked_launch(
+    launch: Callable[..., Any],
+    strategy: ParallelStrategy,
+    check_names: Callable[[LightningModule | None], None],
+    fresh_run_id: bool,
+    function: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    check_names(strategy.lightning_module)
+    with _fresh_run_id(fresh_run_id):
+        return launch(function, *args, **kwargs)
+
+
+@contextmanager
+def _fresh_run_id(wanted: bool) -> Generator[None, None, None]:
+    """The processes started inside inherit a fresh run id (if ``wanted``); the variable is then put back."""
+    if not wanted:
+        yield
+        return
+    before = os.environ.get(OWN_RUN_ID_VARIABLE)
+    os.environ[OWN_RUN_ID_VARIABLE] = new_run_id()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OWN_RUN_ID_VARIABLE, None)
+        else:
+            os.environ[OWN_RUN_ID_VARIABLE] = before
+
+
+def join_process_group_once(strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
+    """Join the job's process group with ``timeout`` as its collective timeout, unless this process already has.
+
+    Call after the strategy set its world ranks; the device is set up first, as Lightning does.
+    """
+    if dist.is_initialized():
+        return
+    assert strategy.accelerator is not None and isinstance(strategy.cluster_environment, ClusterEnvironment)
+    device = strategy.root_device
+    strategy.accelerator.setup_device(device)
+    os.environ["MASTER_ADDR"] = strategy.cluster_environment.main_address
+    os.environ["MASTER_PORT"] = str(strategy.cluster_environment.main_port)
+    join_process_group(
+        backend, strategy.global_rank, strategy.world_size, timeout, device if device.type != "cpu" else None
+    )
+    if backend == "nccl":
+        atexit.register(_destroy_dist_connection)  # as Lightning does: no warning about a live group at exit
+
+
+def explain_lost_peer_of_job(exception: BaseException, timeout: timedelta, rank: int) -> None:
+    """Name a peer lost during a collective in one line (:func:`explain_lost_peer`), for this job's backend."""
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    explain_lost_peer(exception, timeout, rank, backend)
