@@ -52,14 +52,3 @@ class DataWaitClock:
         self.waits.clear()
         self.steps.clear()
         self._last_end = self._start = None
-
-    @property
-    def mean_wait(self) -> float:
-        """Mean seconds waited per batch (0.0 before two batches were seen)."""
-        return sum(self.waits) / len(self.waits) if self.waits else 0.0
-
-    @property
-    def wait_fraction(self) -> float:
-        """Share of the training loop's time spent waiting for data: waits / (waits + steps)."""
-        total = sum(self.waits) + sum(self.steps)
-        return sum(self.waits) / total if total > 0 else 0.0

@@ -25,7 +25,6 @@ COMM_WARN = 0.30
 OPTIMIZER_WARN = 0.30
 MEMORY_WARN = 0.90
 MIN_BUCKET_BYTES = int(MIN_BUCKET_MB * 2**20)  # the auto rule's floor: smaller buckets only pay latency
-STATUSES = ("OK", "WARN", "N/A")
 
 
 @dataclass(frozen=True)
