@@ -1,11 +1,10 @@
 """Atomic checkpoint writes: a crash during a save never damages the checkpoint that was there before.
 
-Every save is written under ``<name>.partial`` and published onto the target once complete: a file by one atomic
-rename; a checkpoint folder by exchanging the two paths (``renameat2(RENAME_EXCHANGE)``, elsewhere two renames via
-``<name>.replaced``), then deleting the old checkpoint's files; any other folder is never replaced or deleted (a
-single-file save onto it is refused with :class:`IsADirectoryError`, as Lightning does; a sharded one is merged in
-file by file, its ``.metadata`` index removed first and moved in last, so a crash leaves a folder that refuses to
-load, never a silent mix). Only files of a checkpoint are ever deleted. ``docs/fault-tolerance.md`` has the table.
+Every save is written under ``<name>.partial`` and published onto the target once complete: a file by one rename, a
+checkpoint folder by exchanging the two paths (else two renames via ``<name>.replaced``), then the old checkpoint's
+files deleted. Any other folder is never replaced: a single-file save onto it raises :class:`IsADirectoryError` (as
+Lightning does), a sharded one is merged in, its ``.metadata`` index moved last so a crash leaves a folder that
+refuses to load. Only checkpoint files are ever deleted (``docs/fault-tolerance.md``).
 
 :class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders (optionally in a background thread);
 :func:`save_file_atomically` for a single file written by one rank;

@@ -223,12 +223,9 @@ def shard_model(
 ) -> ShardedModel:
     """Apply ``plan`` to ``model`` in place with FSDP as its wrapper; return the root, the units and the blocks.
 
-    The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
-
-    The wrapper shards every block first and the root last: a :class:`RootUnit` around ``model``
-    that takes what is left (embeddings, final norm, head). Parameters on the meta device stay
-    there; materialise each rank's shard afterwards. ``FastFSDPStrategy`` and ``doctor --simulate``
-    both run this function, so what is simulated is what trains.
+    Every block is sharded first, the root (a :class:`RootUnit` around ``model``, holding what is left) last; the order
+    of the plan's steps is ``docs/plan.md``'s. Meta-device parameters stay there: materialise each rank's shard
+    afterwards. ``FastFSDPStrategy`` and ``doctor --simulate`` both run this function, so what is simulated trains.
 
     Args:
         model: the model (a LightningModule or any ``nn.Module``).
