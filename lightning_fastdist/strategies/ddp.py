@@ -2,14 +2,11 @@
 and measured communication.
 
 Lightning's ``DDPStrategy`` takes a comm hook only as a callable and registers it only on CUDA. This subclass
-registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and backend (by default ``"auto"``,
-:mod:`~lightning_fastdist.parallel.ddp.auto_comm_hook`), checkpoints the hook's state
-(:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`), writes checkpoints atomically and logs the bytes
-each rank all-reduced per optimizer step. Accumulation needs nothing extra: Lightning runs non-final micro-batches
-under ``no_sync()``. Lightning's contract is kept: other keyword arguments go to ``DistributedDataParallel``, every
-``start_method`` works, the strategy pickles, and Lightning's callable comm-hook arguments are refused with the
-option to use instead (:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`).
-``docs/ddp.md`` has the rest.
+registers one of our hooks by name on any backend (``"auto"`` by default), checkpoints its state
+(:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`), writes checkpoints atomically and logs each step's
+all-reduced bytes. Lightning's contract is kept: other keyword arguments go to ``DistributedDataParallel`` and its
+callable comm-hook arguments are refused with the option to use instead
+(:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`). ``docs/ddp.md`` has the rest.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Stop on SIGTERM or SIGUSR1 as a job: every rank at the same step, the step saved, a non-zero exit status.
 
-Lightning 2.6 broadcasts from inside its signal handler (a collective on one rank only: a deadlock when the others
-are in an all-reduce), broadcasts again before every batch (a host sync per step), saves nothing and exits with
-status 0. :class:`PreemptionHandler` replaces that on one trainer during ``fit``: the handler only records the
-signal (:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`); before each optimizer step's
-first batch every rank starts a small gloo all-reduce of the recorded signals and reads the previous one's result
-(no waiting); once the ranks agree, each saves that step, prints one line and exits with ``128 + signal`` (with
-SLURM's auto-requeue, rank 0 also requeues after SIGUSR1). Optimizer-step boundaries keep accumulated gradients
-out of the question. During ``validate``/``test``/``predict`` the signal keeps its default action.
-``docs/fault-tolerance.md``, "Stopped by a signal", has the rest.
+Lightning 2.6 broadcasts from inside its signal handler (a deadlock when the other ranks are in an all-reduce) and
+before every batch (a host sync per step), saves nothing and exits 0. :class:`PreemptionHandler` replaces that
+during ``fit``: the handler only records the signal
+(:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`); at optimizer-step boundaries (so the
+checkpoint holds a whole step) the ranks agree without waiting, then each saves that step, prints one line and exits
+with ``128 + signal``. During ``validate``/``test``/``predict`` the signal keeps its default action.
+``docs/fault-tolerance.md``, "Stopped by a signal".
 """
 
 from __future__ import annotations
