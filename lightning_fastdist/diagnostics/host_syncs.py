@@ -3,18 +3,15 @@
 A host sync is any point where Python waits for the accelerator: a value read (``.item()``, ``float()``,
 ``bool()``, ``.tolist()``), a value-sized op (``nonzero``), a blocking host/device copy, an explicit
 ``synchronize()``. With ``device="cuda"`` only tensors on a non-CPU device count. With ``device="cpu"`` every
-tensor stands in for an accelerator one, except what torch keeps on the host in a GPU run too: the ``step``
-counters of unfused, non-capturable torch.optim optimizers, ``torch.utils.data``'s reads, and tensors made with
-the literal ``device="cpu"``. ``docs/sync-free.md`` says more.
-
-Usage::
+tensor stands in for an accelerator one, except what torch keeps on the host in a GPU run too (unfused optimizers'
+``step`` counters, ``torch.utils.data``'s reads, tensors made with the literal ``device="cpu"``). Usage::
 
     with count_host_syncs() as syncs:
         trainer.fit(model, data)
     print(syncs.count, syncs.report())
 
 A callback may enter the counter in one hook and leave it in a later one, and may set
-:attr:`HostSyncCounter.label` (for example to the step number) so that each recorded event carries it.
+:attr:`HostSyncCounter.label` so that each recorded event carries it. ``docs/sync-free.md`` says more.
 """
 
 from __future__ import annotations
@@ -256,10 +253,8 @@ def count_host_syncs(device: str | None = None, stack_depth: int = 8) -> HostSyn
     """Return a context manager that counts host syncs inside it and records where each came from.
 
     Args:
-        device: ``"cuda"`` counts reads of tensors on a GPU (and explicit
-            ``synchronize()`` calls); ``"cpu"`` lets a CPU run stand in for a GPU
-            run (every tensor counts except optimizer ``step`` counters that torch
-            keeps on the host anyway). ``None``: ``"cuda"`` if available, else ``"cpu"``.
+        device: ``"cuda"`` or ``"cpu"``: which reads count (the module docstring says which); ``None``: ``"cuda"`` if
+            available, else ``"cpu"``.
         stack_depth: calling frames outside torch kept per event (for :meth:`HostSyncCounter.report`).
 
     Raises:

@@ -186,10 +186,8 @@ def measure_setup(
 ) -> TracedStep:
     """Build the model, apply ``setup``'s plan, and measure its second training step on this rank.
 
-    With ``fake`` (inside :func:`fake_world`), the model is built on the meta device and runs
-    on fake tensors; without, it is built and trained for real in the current process group
-    (DDP then wraps it in a real ``DistributedDataParallel``): the reference a simulation is
-    checked against.
+    With ``fake`` (inside :func:`fake_world`) the model is built on the meta device and runs on fake tensors; without,
+    it trains for real in the current process group: the reference a simulation is checked against.
 
     Args:
         run: the recipe.
