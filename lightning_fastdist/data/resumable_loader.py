@@ -1,15 +1,12 @@
 """ResumableDataLoader: a DataLoader that continues a restarted epoch where the checkpoint left it.
 
-Lightning hands a training loader's ``state_dict()`` back through ``load_state_dict`` on resume; without one,
-Lightning 2.6 restarts a mid-epoch resume from the epoch's first batch (samples seen twice, others never). This
-loader saves its epoch, the batches handed out and, where the order is known (:mod:`.epoch_order`), how many
-positions of the epoch's global order all ranks have read; on resume it skips those by drawing indices without
-loading them. Counting positions keeps the resume exact at another world size or batch size; a resume that cannot
-find its place is refused with one line. Workers' base seeds come from the global seed and the epoch, not the
-global generator, so they match an uninterrupted run and starting an epoch leaves the global random state alone.
-The epoch is the sampler's ``epoch`` attribute where it has one. Skipping goes through the private
-``DataLoader._index_sampler``; if an iterator stops reading it, resuming raises. ``docs/fault-tolerance.md`` has
-the details.
+Without a loader state Lightning 2.6 restarts a mid-epoch resume from the epoch's first batch (samples seen twice,
+others never). This loader saves its epoch, the batches handed out and, where the order is known
+(:mod:`.epoch_order`), how many positions of the epoch's global order all ranks have read; on resume it skips those
+by drawing indices without loading them, so the resume is exact at another world size or batch size too (or is
+refused in one line). Workers' base seeds come from the global seed and the epoch, so they match an uninterrupted
+run and starting an epoch leaves the global random state alone. Skipping goes through the private
+``DataLoader._index_sampler``; if an iterator stops reading it, resuming raises. ``docs/fault-tolerance.md``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
 
-Per rank, with no per-step device sync: the mean optimizer step time over a window after warm-up (one device
-synchronisation at each end), samples and tokens per second, peak memory, the bytes of the strategy's collectives
-in the last step, the exposed communication per step (the strategy's ``exposed_comm`` clock over the same window),
-host syncs per step (counted after the window, as counting slows dispatch), the last loss and ``tail_loss`` (the
-mean over the last quarter of the steps, steadier for comparing setups). Rank 0 writes the results as JSON
-(``docs/bench.md``).
-
-Lightning's own strategies time and count nothing, so the probe attaches the measurement ours use
-(:mod:`lightning_fastdist.parallel.comm.exposed`) without changing what they compute: clock-reading gradient hooks
-on ``DDPStrategy``'s module, the counting collectives on ``ModelParallelStrategy``'s FSDP2 units, the counting
-backend on ``DeepSpeedStrategy``.
+Per rank, with no per-step device sync: step time over a window after warm-up (one sync at each end), samples and
+tokens per second, peak memory, the last step's collective bytes, exposed communication over the same window, host
+syncs per step (counted after the window: counting slows dispatch), the last loss and ``tail_loss``. Rank 0 writes
+them as JSON; ``docs/bench.md`` says what each column is. Lightning's own strategies time and count nothing, so the
+probe attaches ours (clock-reading gradient hooks on ``DDPStrategy``'s module, the counting collectives on
+``ModelParallelStrategy``'s FSDP2 units, the counting backend on ``DeepSpeedStrategy``) without changing what they
+compute.
 """
 
 from __future__ import annotations
