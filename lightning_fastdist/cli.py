@@ -1,24 +1,11 @@
 """The ``lightning-fastdist`` command: LightningCLI with the demo workload as default.
 
-``lightning-fastdist fit|validate|test|predict`` accept every LightningCLI
-flag. Without ``--model``/``--data`` they train the demo
-:class:`~lightning_fastdist.demo.TinyGPT` on
-:class:`~lightning_fastdist.demo.TextDataModule`; any LightningModule or
-LightningDataModule can be named instead (``--model my_pkg.MyModel``).
-``--config`` also accepts the name of a packaged recipe (``cpu_smoke``);
-``lightning-fastdist recipes`` lists them. Other subcommands
-(:data:`EXTRA_COMMANDS`) live in :mod:`lightning_fastdist.commands`.
-
-Mistakes (an unknown option, a missing or malformed recipe, a value a class
-rejects) end the command with exit status 2 and one message on stderr.
-
-As ``python -m`` does, the working directory is importable, so
-``--model mymodule.MyModel`` finds ``./mymodule.py`` (on every rank). The
-resolved config is saved next to the metrics without replacing a file we did
-not write (:mod:`lightning_fastdist.cli_config`); after a run rank 0 prints the
-final numbers and where the metrics, config and checkpoints went.
-``LIGHTNING_FASTDIST_QUIET=1`` hides Lightning's informational lines (device
-banners, model summary) and keeps the progress bar, warnings and errors.
+``lightning-fastdist fit|validate|test|predict`` accept every LightningCLI flag; without ``--model``/``--data``
+they train :class:`~lightning_fastdist.demo.TinyGPT` on :class:`~lightning_fastdist.demo.TextDataModule`.
+``--config`` also takes a packaged recipe's name; other subcommands (:data:`EXTRA_COMMANDS`) live in
+:mod:`lightning_fastdist.commands`. Mistakes end with exit status 2 and one message on stderr. The working
+directory is importable (as with ``python -m``), and ``LIGHTNING_FASTDIST_QUIET=1`` hides Lightning's
+informational lines. ``docs/getting-started.md`` has the rest.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What ``lightning-fastdist`` does to its arguments before LightningCLI parses them.
 
-- Each ``--config`` value becomes the file it names (a path or a packaged
-  recipe), checked as YAML first (:func:`resolve_config_paths`).
-- A recipe's ``init_args`` for ``model``/``data`` apply only to the class the
-  recipe names. jsonargparse carries every init arg the new class also accepts
-  over to a class given later (``--data my_pkg.MyData`` would inherit
-  ``batch_size: 16``); :func:`drop_init_args_of_replaced_classes` inserts
-  ``--data=null`` before such a switch, and returns a note saying so.
+- Each ``--config`` value becomes the file it names, checked as YAML first (:func:`resolve_config_paths`).
+- A recipe's ``init_args`` for ``model``/``data`` apply only to the class it names: jsonargparse would carry them
+  over to a class given later, so :func:`drop_init_args_of_replaced_classes` inserts ``--data=null`` (or
+  ``--model=null``) before such a switch, and returns a note saying so.
 - ``--ckpt_path`` naming a YAML file is refused (:func:`check_ckpt_path`).
 """
 

@@ -1,21 +1,11 @@
 """FastMixedPrecision: AMP whose fp16 loss scaling never waits for the GPU.
 
-torch's ``GradScaler`` decides whether to skip an optimizer step by reading the
-``found_inf`` flag on the host (one ``.item()`` per step) unless the optimizer
-is fused: fused Adam, AdamW and SGD take ``found_inf`` as a device tensor and
-skip the update inside the kernel. Lightning's ``MixedPrecision`` works with
-fused optimizers but then refuses gradient clipping. This plugin:
-
-- switches Adam, AdamW and SGD to their fused implementation under
-  ``"16-mixed"`` (and says so, or says why it cannot);
-- allows gradient clipping with fused optimizers (it unscales first, once);
-- counts skipped steps on the device and logs ``fp16/skipped_steps`` and
-  ``fp16/loss_scale`` every step, which costs no host sync;
-- refuses ``"16-mixed"`` on CPU unless a scaler is passed explicitly.
-
-Under :class:`~lightning_fastdist.FastFSDPStrategy`, the strategy reads
-:attr:`FastMixedPrecision.precision` and builds the FSDP2 mixed-precision
-policy from it (``bf16-mixed``: bf16 compute, fp32 gradient reduction).
+torch's ``GradScaler`` reads ``found_inf`` on the host every step unless the optimizer is fused (fused Adam, AdamW
+and SGD skip the update in the kernel), and Lightning's ``MixedPrecision`` refuses gradient clipping with fused
+optimizers. This plugin fuses Adam, AdamW and SGD under ``"16-mixed"`` (and says so, or why it cannot), allows
+clipping (it unscales first, once), logs ``fp16/skipped_steps`` and ``fp16/loss_scale`` with no host sync, and
+refuses ``"16-mixed"`` on CPU unless a scaler is passed. :class:`~lightning_fastdist.FastFSDPStrategy` builds its
+FSDP2 mixed-precision policy from :attr:`FastMixedPrecision.precision`. ``docs/precision.md``.
 """
 
 from __future__ import annotations

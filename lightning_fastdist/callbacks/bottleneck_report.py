@@ -1,21 +1,11 @@
 """BottleneckReport: measure a window of training steps and print a checklist with a fix per finding.
 
-Two consecutive windows, counted in training batches after ``start_step`` warm-up batches:
-
-1. ``num_steps`` timed batches: data wait (gap between one batch's end and the
-   next one's start), step and optimizer time (``on_before_optimizer_step`` to
-   the batch end), gradient sync rounds and collective bytes per optimizer step
-   (from FastDDPStrategy's or FastFSDPStrategy's ``comm_stats``), recompiles,
-   peak memory. At its end every rank re-sends one step's collectives, the same
-   bytes in the same number of calls, to time the communication alone
-   (:mod:`~lightning_fastdist.diagnostics.comm_probe`).
-2. ``host_sync_steps`` batches under :func:`~lightning_fastdist.count_host_syncs`
-   (kept apart because counting slows every op down).
-
-Then the ranks' measurements are gathered, the worst rank is reported, and
-rank 0 prints the checklist and writes ``<filename>.json`` and ``<filename>.md``
-into the trainer's log directory. Outside the windows each hook is one integer
-comparison. On CUDA the timings come from events read once at the window's end.
+After ``start_step`` warm-up batches: ``num_steps`` timed batches (data wait, step and optimizer time, gradient
+sync rounds and bytes, recompiles, peak memory; then every rank re-sends one step's collectives to time them
+alone, :mod:`~lightning_fastdist.diagnostics.comm_probe`), then ``host_sync_steps`` batches under
+:func:`~lightning_fastdist.count_host_syncs` (apart, because counting slows every op). The worst rank is reported;
+rank 0 prints the checklist and writes ``<filename>.json`` and ``.md`` into the log directory. Outside the windows
+each hook is one integer comparison. ``docs/bottlenecks.md`` has the checks.
 """
 
 from __future__ import annotations

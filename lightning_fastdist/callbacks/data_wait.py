@@ -1,14 +1,8 @@
 """Time the training loop spends waiting for batches, from two callback hooks.
 
-Between ``on_train_batch_end`` of one batch and ``on_train_batch_start`` of the
-next, Lightning fetches the next batch from the DataLoader (and does a little
-bookkeeping); everything from ``on_train_batch_start`` to ``on_train_batch_end``
-is the step itself. :class:`DataWaitClock` records both with the host's
-monotonic clock: two ``perf_counter`` calls per batch, no device access.
-
-On a GPU the host usually runs ahead of the device, so a host-side wait that is
-shorter than the queued device work costs nothing; the wait fraction is then an
-upper bound of the time the GPU starves.
+From one batch's ``on_train_batch_end`` to the next one's ``on_train_batch_start`` Lightning fetches a batch; the
+rest is the step. :class:`DataWaitClock` records both with two ``perf_counter`` calls per batch, no device access.
+On a GPU the host runs ahead of the device, so the wait measured is an upper bound of the time the GPU starves.
 """
 
 from __future__ import annotations
@@ -52,14 +46,3 @@ class DataWaitClock:
         self.waits.clear()
         self.steps.clear()
         self._last_end = self._start = None
-
-    @property
-    def mean_wait(self) -> float:
-        """Mean seconds waited per batch (0.0 before two batches were seen)."""
-        return sum(self.waits) / len(self.waits) if self.waits else 0.0
-
-    @property
-    def wait_fraction(self) -> float:
-        """Share of the training loop's time spent waiting for data: waits / (waits + steps)."""
-        total = sum(self.waits) + sum(self.steps)
-        return sum(self.waits) / total if total > 0 else 0.0

@@ -1,25 +1,12 @@
 """DataLoaderTuner: audit the train/val DataLoaders when fit starts, optionally rebuild them tuned, and time data waits.
 
-The audit rules are in :mod:`lightning_fastdist.diagnostics.dataloader_audit`
-(``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
-workers against the CPU cores of each local rank).
-
-How the loaders are reached: at ``on_fit_start`` the tuner wraps the
-``train_dataloader``/``val_dataloader`` methods *of this fit's DataModule (or,
-without one, of the LightningModule)* on the instance, so it sees each loader
-when Lightning asks for it, before Lightning adds its ``DistributedSampler``.
-With ``mode="auto"`` the wrapper returns a rebuilt loader (same dataset, sampler,
-collation; tuned settings), which Lightning then processes as if the user had
-returned it. The rebuild calls the loader's own class with the constructor
-arguments Lightning recorded while the hook ran (the mechanism Lightning uses
-to add its ``DistributedSampler``), with the tuned settings replacing the old
-ones, so DataLoader subclasses keep their behaviour. The wrappers are removed
-when fit ends. Loaders passed directly to ``trainer.fit(train_dataloaders=..., val_dataloaders=...)``
-are audited at ``on_train_start`` and reported only.
-
-Data wait: the host time from one training batch's end to the next batch's
-start (:class:`~lightning_fastdist.callbacks.data_wait.DataWaitClock`), kept
-per batch in :attr:`DataLoaderTuner.clock` and logged as ``data/wait_ms``.
+The rules are in :mod:`lightning_fastdist.diagnostics.dataloader_audit`. At ``on_fit_start`` the tuner wraps the
+``train_dataloader``/``val_dataloader`` methods of this fit's DataModule (else the LightningModule), so it sees
+each loader before Lightning adds its ``DistributedSampler``; with ``mode="auto"`` it returns a rebuilt loader: the
+loader's own class called with the arguments Lightning recorded, tuned settings replacing the old, so subclasses
+keep their behaviour. The wrappers are removed when fit ends. Loaders passed to ``trainer.fit`` directly are
+audited at ``on_train_start`` and reported only. Data wait (``data/wait_ms``): host time from one training batch's
+end to the next's start (:class:`~lightning_fastdist.callbacks.data_wait.DataWaitClock`). ``docs/bottlenecks.md``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """NonFiniteLoss: skip or stop on a NaN/inf training loss without reading the loss on the host every step.
 
-Lightning's ``detect_anomaly`` and the usual ``if not torch.isfinite(loss)``
-both wait for the device on every step. Here every check stays on the device:
-
-- each micro-batch's loss is tested with ``torch.isfinite`` into a device flag;
-- before each optimizer step the flag is all-reduced (max) over the ranks, so
-  every rank takes the same decision even when only one rank's loss was bad
-  (under FSDP each rank holds other gradient shards, so they must agree);
-- ``action="skip"``: the flag is handed to the optimizer as ``found_inf``, the
-  same device tensor ``torch.amp.GradScaler`` uses, and the fused Adam/AdamW/SGD
-  kernels skip the update (parameters, moments and step count untouched). The
-  optimizers are switched to their fused implementation for this;
-- ``action="skip"`` never skips most of a run silently: the longest run of
-  consecutive bad steps is kept on the device too, and once it reaches
-  ``max_consecutive_skips`` the next check stops training with
-  :class:`NonFiniteLossError` (a loss that stays NaN means the run diverged).
-- ``action="stop"``: nothing changes per step; at the check interval the count
-  of bad steps is read once and, if any, every rank raises :class:`NonFiniteLossError`
-  at the same step. A checkpoint due before that check reads the count first
-  and raises instead of saving the weights a bad step has spoiled (the
-  strategies of this package also refuse any checkpoint holding NaN/inf).
-
-The number of bad steps is logged as ``nonfinite_loss/steps`` on every step (a
-device tensor; it reaches the loggers at their interval) and, at the check
-interval, a warning names how many steps were skipped since the last check.
-The learning-rate scheduler still advances on a skipped step, as it does when
-the fp16 GradScaler skips one.
+Lightning's ``detect_anomaly`` and the usual ``if not torch.isfinite(loss)`` wait for the device every step; here
+every check stays on the device. Each micro-batch's loss goes into a device flag, all-reduced (max) before the
+optimizer step so every rank decides alike. ``action="skip"`` hands the flag to the fused optimizers as
+``found_inf`` (as ``torch.amp.GradScaler`` does) and stops with :class:`NonFiniteLossError` after
+``max_consecutive_skips`` bad steps in a row; ``action="stop"`` reads the count once per check interval (and before
+a checkpoint) and raises on every rank at the same step. ``docs/fault-tolerance.md``, "Non-finite loss", has the
+rest.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Where each rank reads in an epoch's global sample order, for the samplers whose order is known.
 
-``DistributedSampler`` deals one permutation (shuffled by ``seed + epoch``, or
-``0..n-1``; padded or cut to a multiple of the world size) out to the ranks in
-turn: rank ``r`` of ``W`` reads positions ``r, r + W, r + 2W, ...``. Its own
-batches then take consecutive items of that share. So when every rank has
-handed out ``k`` full batches of ``b``, the ranks together have read exactly the
-first ``k * b * W`` positions of the permutation, whatever ``W`` is. A resume
-at another world size finds the same place by counting positions, not batches.
-
-:class:`~lightning_fastdist.data.EpochShuffleSampler` and ``SequentialSampler``
-produce the same permutations as ``DistributedSampler`` with one replica, so a
-run that Lightning leaves on the module's own sampler (one process) and a run on
-``DistributedSampler`` (several) read one order.
+``DistributedSampler`` deals one permutation out to the ranks in turn (rank ``r`` of ``W`` reads positions
+``r, r + W, ...``), so when every rank has handed out ``k`` batches of ``b`` the ranks together have read the first
+``k * b * W`` positions, whatever ``W`` is: a resume at another world size finds its place by counting positions
+(``docs/fault-tolerance.md``, "Another world size"). :class:`~lightning_fastdist.data.EpochShuffleSampler` and
+``SequentialSampler`` give the same permutations as ``DistributedSampler`` with one replica, so one process and
+several read one order.
 """
 
 from __future__ import annotations

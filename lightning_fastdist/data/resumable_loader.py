@@ -1,39 +1,12 @@
 """ResumableDataLoader: a DataLoader that continues a restarted epoch where the checkpoint left it.
 
-Lightning saves the ``state_dict()`` of every training loader that has one in
-the checkpoint's loop state and hands it back through ``load_state_dict`` before
-the resumed epoch starts (without it, Lightning 2.6 restarts a mid-epoch resume
-from the epoch's first batch, so some samples are seen twice and others never).
-This loader's state is the epoch its sampler was on, the batches it handed out in
-it and, where the sampler's order is known (see :mod:`.epoch_order`), how many
-positions of the epoch's global order all ranks together have read. On resume it
-skips what was read by drawing indices from the sampler without loading them, so
-the resumed run sees exactly the samples an uninterrupted run would have seen next.
-
-Counting positions instead of batches makes the resume exact at another world
-size or batch size too: each rank skips the positions before the saved one that
-fall to it. Where the global batch (ranks x batch size) is unchanged, the resumed
-run's global batches are the uninterrupted run's. A resume that cannot find its
-place (an unknown or different order, ranks that would be left with different
-numbers of batches) is refused with one line rather than repeating or skipping data.
-
-Creating a DataLoader iterator draws its workers' base seed from the global torch
-generator. This loader draws it instead from a generator seeded by the global seed
-(``torch.initial_seed()``, which ``seed_everything`` sets) and the epoch, so epoch
-``e``'s workers get the same seeds in a resumed run as in an uninterrupted one,
-and starting an epoch does not move the global random state that training draws
-from (unless a ``generator`` is passed, which is then used as ``DataLoader`` does).
-
-The epoch is read from the sampler's ``epoch`` attribute (``DistributedSampler``
-and :class:`~lightning_fastdist.data.EpochShuffleSampler` have one; Lightning
-sets it before each epoch), so a checkpoint taken at the very end of an epoch
-does not make the next epoch skip anything. With a sampler that has no
-``epoch``, the saved position applies to the next epoch that starts.
-
-Skipping by index goes through ``DataLoader._index_sampler``, the (private,
-stable since torch 1.x) property every DataLoader iterator reads its batch
-indices from; if an iterator stops reading it, resuming raises instead of
-skipping nothing (and ``tests/checkpoint/test_resumable_loader.py`` fails).
+Without a loader state Lightning 2.6 restarts a mid-epoch resume from the epoch's first batch (samples seen twice,
+others never). This loader saves its epoch, the batches handed out and, where the order is known
+(:mod:`.epoch_order`), how many positions of the epoch's global order all ranks have read; on resume it skips those
+by drawing indices without loading them, so the resume is exact at another world size or batch size too (or is
+refused in one line). Workers' base seeds come from the global seed and the epoch, so they match an uninterrupted
+run and starting an epoch leaves the global random state alone. Skipping goes through the private
+``DataLoader._index_sampler``; if an iterator stops reading it, resuming raises. ``docs/fault-tolerance.md``.
 """
 
 from __future__ import annotations

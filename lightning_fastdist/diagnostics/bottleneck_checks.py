@@ -1,16 +1,7 @@
 """Turn measurements into checklist rows (what was measured, OK/WARN, the fix as recipe YAML) and render them.
 
-Thresholds, each a module constant:
-
-- data wait above :data:`DATA_WAIT_WARN` of the loop's time;
-- any host sync on an ordinary step (the median over the measured steps);
-- gradient buckets smaller than :data:`MIN_BUCKET_BYTES` when the gradients need more than one;
-- more than one gradient synchronisation per optimizer step (accumulation without ``no_sync``);
-- communication (re-sent without overlap) above :data:`COMM_WARN` of the step time;
-- optimizer step above :data:`OPTIMIZER_WARN` of the loop's time;
-- peak memory above :data:`MEMORY_WARN` of the device's memory;
-- any recompile inside the window;
-- fp32 training where bf16 mixed precision is available.
+Each threshold is a module constant (``*_WARN``, :data:`MIN_BUCKET_BYTES`); ``docs/bottlenecks.md`` tables the
+checks, what each measures and its fix.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ COMM_WARN = 0.30
 OPTIMIZER_WARN = 0.30
 MEMORY_WARN = 0.90
 MIN_BUCKET_BYTES = int(MIN_BUCKET_MB * 2**20)  # the auto rule's floor: smaller buckets only pay latency
-STATUSES = ("OK", "WARN", "N/A")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,8 @@
 """Time one optimizer step's communication by sending the same bytes, in the same number of calls, again.
 
-DDP overlaps its all-reduces with the backward pass and FSDP its all-gathers
-with compute, so their cost cannot be read off the step time.
-:func:`time_collectives` measures what the communication alone costs: for each
-collective it launches the step's calls together (as DDP and FSDP do), each of
-the step's mean size, waits for all, and keeps the fastest of ``repeats`` runs.
-Every rank of the group must call it at the same point with the same traffic.
+DDP and FSDP overlap their collectives with compute, so their cost cannot be read off the step time.
+:func:`time_collectives` launches, per collective, the step's calls together at the step's mean size, waits for
+all, and keeps the fastest of ``repeats`` runs. Every rank of the group must call it at the same point.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Check a ``torch.utils.data.DataLoader``'s settings against the machine and propose better ones.
 
-Rules (each finding names the setting, the value found, the value proposed and why):
-
-- ``num_workers == 0`` on a map-style dataset: batches are loaded in the
-  training process, between steps. Proposed: the rank's share of the CPU cores
-  minus one for the training loop, between 1 and 8. (Iterable datasets are only
-  reported: extra workers would each yield the whole stream unless the dataset
-  splits itself with ``get_worker_info()``.)
-- ``num_workers`` above the rank's share of the cores: workers of all ranks on
-  the node compete for the cores. Proposed: the share.
-- ``pin_memory`` off when training on a GPU: host-to-device copies cannot be
-  asynchronous from pageable memory. Proposed: on.
-- ``persistent_workers`` off with workers: the worker processes are started
-  again every epoch (and, for a validation loader, every validation run).
-  Proposed: on.
-- ``prefetch_factor`` below 2 with workers: a worker has at most one batch
-  ready, so any hiccup stalls the step. Proposed: 2 (torch's default).
+Each finding names the setting, the value found, the value proposed and why; the rules (``num_workers``,
+``pin_memory``, ``persistent_workers``, ``prefetch_factor`` against the rank's share of the CPU cores) are in the
+functions below and tabled in ``docs/bottlenecks.md``. Iterable datasets are only reported for ``num_workers``:
+extra workers would each yield the whole stream unless the dataset splits itself.
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 """Count device-to-host synchronisations and say where each one came from.
 
-A host sync is any point where Python waits for the accelerator to finish its
-queued work: reading a tensor's value (``.item()``, ``float()``, ``bool()``,
-``.tolist()``), an op whose output size depends on the values (``nonzero``),
-a blocking copy between host and device, or an explicit ``synchronize()``.
-
-How a read is judged, by ``device``:
-
-``"cuda"`` (the default when CUDA is available)
-    Only tensors that live on a non-CPU device count: value reads, value-sized
-    ops, and copies between host and device with ``non_blocking=False`` (both
-    directions block the host). Explicit ``torch.cuda.synchronize()``,
-    ``Event.synchronize()`` and ``Stream.synchronize()`` calls count too.
-    Untested on a GPU in this project; for a hard guarantee combine it with
-    ``torch.cuda.set_sync_debug_mode("error")``.
-
-``"cpu"`` (the default otherwise)
-    A CPU run stands in for a GPU run: every tensor is treated as if it lived
-    on the accelerator, *except* the ``step`` counters of torch.optim
-    optimizers that are neither fused nor capturable, which torch keeps on
-    the host in a GPU run too (torch.optim reads them with ``.item()`` every
-    step; in a GPU run that read costs nothing). A read is recognised as such
-    when a ``torch.optim`` optimizer's ``step`` frame is on the call stack and
-    the tensor read is one of that optimizer's ``state[p]["step"]`` tensors.
-    Reads made by ``torch.utils.data`` (samplers shuffling indices, collate)
-    are host-side as well and do not count.
-    Besides the reads above it counts ``.tolist()`` and ``.numpy()`` (no-ops
-    on the dispatcher for CPU tensors, so they are caught one level up) and
-    ``torch.tensor(..., device=d)`` with ``d`` a ``torch.device`` object (such
-    as ``module.device``), which on a GPU is a blocking host-to-device copy; the
-    literal string ``device="cpu"`` marks a deliberately host-side tensor and
-    does not count. ``.cpu()``/``.to("cpu")`` are no-ops on CPU and are not
-    seen.
-
-Usage::
+A host sync is any point where Python waits for the accelerator: a value read (``.item()``, ``float()``,
+``bool()``, ``.tolist()``), a value-sized op (``nonzero``), a blocking host/device copy, an explicit
+``synchronize()``. With ``device="cuda"`` only tensors on a non-CPU device count. With ``device="cpu"`` every
+tensor stands in for an accelerator one, except what torch keeps on the host in a GPU run too (unfused optimizers'
+``step`` counters, ``torch.utils.data``'s reads, tensors made with the literal ``device="cpu"``). Usage::
 
     with count_host_syncs() as syncs:
         trainer.fit(model, data)
     print(syncs.count, syncs.report())
 
-A callback may enter the counter in one hook and leave it in a later one, and
-may set :attr:`HostSyncCounter.label` (for example to the step number) so that
-each recorded event carries it.
+A callback may enter the counter in one hook and leave it in a later one, and may set
+:attr:`HostSyncCounter.label` so that each recorded event carries it. ``docs/sync-free.md`` says more.
 """
 
 from __future__ import annotations
@@ -283,10 +253,8 @@ def count_host_syncs(device: str | None = None, stack_depth: int = 8) -> HostSyn
     """Return a context manager that counts host syncs inside it and records where each came from.
 
     Args:
-        device: ``"cuda"`` counts reads of tensors on a GPU (and explicit
-            ``synchronize()`` calls); ``"cpu"`` lets a CPU run stand in for a GPU
-            run (every tensor counts except optimizer ``step`` counters that torch
-            keeps on the host anyway). ``None``: ``"cuda"`` if available, else ``"cpu"``.
+        device: ``"cuda"`` or ``"cpu"``: which reads count (the module docstring says which); ``None``: ``"cuda"`` if
+            available, else ``"cpu"``.
         stack_depth: calling frames outside torch kept per event (for :meth:`HostSyncCounter.report`).
 
     Raises:

@@ -1,14 +1,9 @@
 """Watch ``torch.compile`` recompiles and report each cause once, with the fix that matches it.
 
-A recompile (a new sequence length, a switch to evaluation, HuggingFace's KV
-cache passed through the blocks) silently costs a full compile, and after
-``torch._dynamo.config.recompile_limit`` of them a function falls back to
-eager. torch writes each one, with the guard that failed, to its
-``recompiles`` log artifact; :class:`RecompileWatcher` switches that artifact
-on (unless the user already configures torch logging through ``TORCH_LOGS``),
-counts the records, names the cause of the failed guard
-(:func:`explain_guard`) and passes one line per function and cause to
-``report`` instead of letting torch print every occurrence.
+A recompile silently costs a full compile, and after ``torch._dynamo.config.recompile_limit`` of them a function
+falls back to eager. :class:`RecompileWatcher` switches on torch's ``recompiles`` log artifact (unless the user
+configures ``TORCH_LOGS``), counts the records, names the cause of each failed guard (:func:`explain_guard`) and
+passes one line per function and cause to ``report`` instead of letting torch print every occurrence.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Pick a strategy, checkpointing, offload, precision and batch split for a model on given devices; write the recipe.
 
-The rule: walk :data:`PREFERENCE` (fastest first) and take the first
-configuration whose estimated peak (:mod:`~lightning_fastdist.planning.memory_model`)
-fits in ``(1 - HEADROOM)`` of one device's memory. If none fits, halve the
-micro-batch (raising gradient accumulation so the global batch stays the same)
-and try again; at micro-batch 1 the most frugal configuration is recommended
-with a warning that it does not fit.
-
-Order and why: DDP puts no collective in front of any forward and overlaps its
-one all-reduce with backward; ZeRO-2 shards the state at the cost of one
-all-gather per block per step; ZeRO-3 gathers twice per micro-batch but holds
-only two blocks' weights (bytes per mode:
-:mod:`~lightning_fastdist.planning.comm_model`); activation checkpointing
-costs about one extra forward (~33% more compute); CPU offload moves the
-optimizer step to the host (slowest).
-
-Which engine: FSDP2 for every sharded configuration without offload (it holds
-less than DeepSpeed at the same sharding: no fp32 master copy in fp32 training,
-no gradient buckets, only two blocks' weights gathered under ZeRO-3; and its
-ZeRO-2 sends a reduce-scatter where DeepSpeed's all-reduces). DeepSpeed when
-only offloading fits: ZeRO-2 with optimizer offload (ZeRO-Offload) keeps the
-weights and gradients on the device and moves gradients out and weights back
-once per optimizer step, where FSDP2's offload moves every block's weights in
-for each forward and backward of each micro-batch. As the last resort, FSDP2
-ZeRO-3 with offload, which leaves the device the least (two blocks' weights).
-On one device sharding saves nothing, so only DDP (a plain single-device run),
+The rule: walk :data:`PREFERENCE` (fastest first) and take the first configuration whose estimated peak
+(:mod:`~lightning_fastdist.planning.memory_model`) fits in ``(1 - HEADROOM)`` of one device's memory; if none fits,
+halve the micro-batch (accumulation keeps the global batch) and try again; at micro-batch 1 the most frugal
+configuration is recommended with a warning. Why that order and which engine for which row (FSDP2 unless only
+DeepSpeed's ZeRO-Offload fits): ``docs/doctor.md``. On one device sharding saves nothing, so only DDP,
 checkpointing and offload are considered.
 """
 

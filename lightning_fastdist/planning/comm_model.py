@@ -1,49 +1,11 @@
 """Estimate each device's communication per optimizer step under DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3.
 
-Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm.accounting`):
-each collective's full-size tensor, for ``N`` parameters, ``k`` micro-batches per
-optimizer step, compute bytes ``c`` (2 under a bf16/fp16 policy or bf16-true,
-else 4) and gradient bytes ``g`` (2 under bf16-true, else 4; FSDP reduces in
-fp32 under mixed precision, DDP all-reduces the fp32 gradients):
-
-- ``ddp``: one all-reduce of the gradients per step, ``g N``;
-- ``zero2``: an all-gather of the weights per optimizer step, ``c N`` (FastFSDPStrategy
-  keeps them gathered across accumulation micro-batches), and a reduce-scatter of
-  the gradients per step, ``g N``;
-- ``zero3``: the blocks' weights are gathered for every micro-batch's forward
-  and again for its backward, the root's (embeddings, final norm, head: ``R``
-  parameters) once, ``k c (2 N - R)``, plus ``g N``. ``R`` is taken as
-  ``(V + s) h + 2 h``: a GPT with learned positions and a tied head.
-
-- ``hsdp`` (``doctor --simulate`` only): ZeRO-3 within shard groups of ``G`` ranks,
-  ``k c (2 N - R)`` gathered and ``g N`` reduce-scattered there, then each rank's
-  gradient shard, ``g N / G``, all-reduced across the ``W / G`` replicas.
-
-DeepSpeed (``ds-zero*``) communicates in the weights' dtype, ``w`` bytes (4 under
-``32-true``, else 2), and reduces gradients with all-reduces of buckets (on NCCL
-and gloo alike), also at stage 2:
-
-- ``ds-zero1``: an all-reduce of the gradients per optimizer step, ``w N``, and an
-  all-gather of the updated weights, ``w N``;
-- ``ds-zero2``: the all-reduce on every micro-batch, ``k w N``, and the all-gather ``w N``;
-- ``ds-zero3``: a reduce-scatter of the gradients on every micro-batch, ``k w N``, and
-  an all-gather of every weight for each micro-batch's forward, ``k w N``; DeepSpeed
-  keeps up to ``stage3_max_live_parameters`` (1e9) gathered for the backward to reuse,
-  so only a larger model's backward gathers the rest again: ``k w (N + max(0, N - 1e9))``.
-  (FastDeepSpeedStrategy lets ZeRO-3 keep its trace under Lightning, see
-  :mod:`~lightning_fastdist.parallel.deepspeed.zero3_trace`; without that it gathers more.)
-
-(Plus a few bytes: the all-reduced gradient norm and overflow flag.)
-
-On a ring each device sends ``2 (W - 1) / W`` of an all-reduce and ``(W - 1) / W``
-of an all-gather or reduce-scatter (:attr:`CommEstimate.sent_per_device`), so at
-``k = 1`` in fp32 ZeRO-2 sends what DDP sends and ZeRO-3 1.5 times as much.
-FSDP pads each tensor's first dimension to a multiple of ``W``; that is left out.
-A single device communicates nothing.
-
-Checked exactly against the strategies' counters on 2 CPU ranks
-(``tests/fsdp/test_fsdp_sharding.py``, ``tests/ddp/test_fast_ddp.py``; DeepSpeed's stages in
-``tests/deepspeed/test_deepspeed.py``, where the model is far below 1e9 parameters).
+Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm.accounting`): each collective's
+full-size tensor. ``docs/doctor.md`` ("The communication formula") has the table per mode. ``hsdp`` (``doctor
+--simulate`` only) is ZeRO-3 within shard groups of ``G`` ranks, then each rank's gradient shard, ``g N / G``,
+all-reduced across the ``W / G`` replicas. FSDP's padding to a multiple of ``W`` is left out; a single device
+communicates nothing. The counts equal the strategies' counters on 2 CPU ranks (``tests/fsdp``, ``tests/ddp``,
+``tests/deepspeed``).
 """
 
 from __future__ import annotations
@@ -109,7 +71,7 @@ def _estimate_deepspeed(world_size: int, n: int, mode: str, accumulation: int, w
 
 
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
-    """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see the module docstring).
+    """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see docs/doctor.md).
 
     Args:
         shape: the run (parameters, world size and precision; for ZeRO-3 also vocabulary, sequence length
@@ -133,7 +95,7 @@ def comm_per_step(
     accumulation: int = 1,
     shard_group: int | None = None,
 ) -> CommEstimate:
-    """One optimizer step's communication from counted parameters (see the module docstring).
+    """One optimizer step's communication from counted parameters (see docs/doctor.md).
 
     Args:
         mode: one of :data:`COMM_MODES`.

@@ -1,73 +1,8 @@
 """Estimate training memory per GPU for DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3, with checkpointing and offload.
 
-The formula (``N`` parameters, ``W`` ranks, ``b`` micro-batch, ``s`` sequence
-length, ``h`` hidden width, ``L`` layers, ``V`` vocabulary):
-
-Model state, bytes per parameter (AdamW keeps two moments in the parameters' dtype):
-
-==============  =======  =========  ==========
-precision       weights  gradients  AdamW
-==============  =======  =========  ==========
-32-true         4        4          8
-bf16-mixed      4        4          8
-16-mixed        4        4          8
-bf16-true       2        2          4
-==============  =======  =========  ==========
-
-- ``ddp``: every rank holds all of it, ``16 N`` bytes in fp32 (plus ``4 N`` of
-  communication buckets when ``gradient_as_bucket_view`` is off; FastDDPStrategy
-  turns it on).
-- ``zero2`` / ``zero3`` (FSDP2): weights, gradients and AdamW state are split
-  across ranks: ``16 N / W``. What they hold *on top*, during a step, differs:
-  ``zero2`` keeps every block's gathered weights from its forward to its backward
-  (``N`` x compute bytes), ``zero3`` only the two blocks being computed or
-  prefetched (``2 N / L`` x compute bytes). Compute bytes are 2 under a bf16/fp16
-  policy, else the weights' bytes.
-- ``cpu_offload`` (FSDP): the sharded state lives in host memory; the GPU
-  keeps only the gathered weights and the activations.
-
-DeepSpeed (``ds-zero1``, ``ds-zero2``, ``ds-zero3``) keeps the weights in ``w``
-bytes (4 under ``32-true``; 2 under any 16-bit precision, which DeepSpeed runs by
-converting the model itself) and, in its optimizer, an fp32 master copy and the
-two AdamW moments: 12 bytes per parameter, whatever the precision, split across
-ranks at every stage (the ZeRO paper's accounting, plus the fp32 copy that
-DeepSpeed also keeps in fp32 training):
-
-- ``ds-zero1``: weights ``w N`` and gradients ``w N`` on every rank, optimizer ``12 N / W``;
-- ``ds-zero2``: weights ``w N``, gradients ``w N / W``, optimizer ``12 N / W``;
-- ``ds-zero3``: weights, gradients ``w N / W`` each, optimizer ``12 N / W``, and the
-  gathered weights DeepSpeed keeps alive: up to ``stage3_max_live_parameters``
-  (1e9) of them, and it keeps those a backward pass reuses, so ``w min(N, 1e9)``;
-- stages 1 and 2 reduce through two gradient buckets (``overlap_comm``) of
-  ``min(N, 2e8)`` elements (FastDeepSpeedStrategy's ``"auto"`` bucket size), counted
-  with the gradients: ``2 w min(N, 2e8)``;
-- ``cpu_offload``: the optimizer (and at stage 3 the weight partitions) in host memory;
-- activations are those of a model run in ``w``-byte precision throughout (no
-  fp32 residual copies: DeepSpeed converts the model rather than autocasting).
-
-Activations, per micro-batch, counted in units of ``b s h`` elements for a
-pre-norm GPT block with fused (flash / memory-efficient) attention and no
-dropout, which saves for backward: the block input, both LayerNorm outputs,
-the QKV projection (3), the attention output and its re-layout (2), the
-residual after attention, the MLP up-projection (4) and GELU output (4):
-:data:`UNITS_PER_LAYER` = 17 units, each 4 bytes in fp32. Under mixed precision
-the two residuals stay fp32 and the other 15 units are 2-byte copies that the
-matmuls save (38 bytes per ``b s h``), and autocast keeps a 2-byte copy of the
-weights (``2 N``). The head adds the final LayerNorm's input and output
-(2 units) plus the logits and cross-entropy's log-softmax (``2 b s V``).
-
-- Full activation checkpointing keeps only each block's input (1 unit per
-  layer) and rebuilds one block at a time in backward (one layer's activations
-  extra at the peak).
-- Selective checkpointing keeps the matmul and attention outputs (qkv 3,
-  attention 2, up-projection 4: 9 of the 17 units) and recomputes the rest.
-
-Not modelled: dropout masks, the CUDA context (~0.5-1 GiB), allocator
-fragmentation (the advisor keeps :data:`~lightning_fastdist.planning.advisor.HEADROOM`
-free for these), and attention implementations that materialise the ``s x s`` scores.
-
-Tested against measured per-rank bytes of TinyGPT under DDP, ZeRO-2 and ZeRO-3
-on 2 CPU ranks (``tests/planning/test_memory_model.py``).
+A closed formula for GPT-like models (state bytes per parameter by precision and mode, gathered weights, activations
+in units of ``b s h`` per block); ``docs/doctor.md`` ("The memory formula") writes it out and says what it leaves
+out. ``tests/planning/test_memory_model.py`` checks it against measured per-rank bytes.
 """
 
 from __future__ import annotations
@@ -178,7 +113,7 @@ def _compute_bytes(precision: str) -> int:
 
 
 def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none") -> int:
-    """Bytes a forward pass of one micro-batch saves for backward, at the backward peak (see the module docstring).
+    """Bytes a forward pass of one micro-batch saves for backward, at the backward peak (see docs/doctor.md).
 
     Args:
         shape: the run.
@@ -212,7 +147,7 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
 
 @dataclass(frozen=True)
 class DeepSpeedState:
-    """Bytes per GPU of DeepSpeed's model state at one stage (see the module docstring)."""
+    """Bytes per GPU of DeepSpeed's model state at one stage (see docs/doctor.md)."""
 
     weights: int
     gradients: int
@@ -253,7 +188,7 @@ def deepspeed_activation_precision(precision: str) -> str:
 
 
 def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu_offload: bool) -> MemoryEstimate:
-    """DeepSpeed's stages (see the module docstring)."""
+    """DeepSpeed's stages (see docs/doctor.md)."""
     state = deepspeed_state(shape.parameters, shape.world_size, shape.precision, int(mode[-1]), cpu_offload)
     activation_precision = deepspeed_activation_precision(shape.precision)
     return MemoryEstimate(
@@ -276,7 +211,7 @@ def estimate_memory(
     cpu_offload: bool = False,
     gradient_as_bucket_view: bool = True,
 ) -> MemoryEstimate:
-    """Estimate bytes per GPU for ``shape`` trained with ``mode`` (see the module docstring for the formula).
+    """Estimate bytes per GPU for ``shape`` trained with ``mode`` (the formula: docs/doctor.md).
 
     Args:
         shape: the run.

@@ -1,14 +1,9 @@
 """One vocabulary for a training setup: the engine, its sharding, activation checkpointing, offload and comm hook.
 
-A :class:`Setup` is written three ways, all derived here so that renaming a strategy
-option breaks every command at once, not one of them silently:
-
-- its strategy section (:meth:`Setup.strategy_section`): the class path and ``init_args``
-  a recipe names;
-- its plan key (:attr:`Setup.plan_key`): the row of the memory model, the advisor and
-  ``doctor --simulate`` that holds its memory, e.g. ``("zero3", "full", False)``
-  (``ddp``, ``zero2``, ``zero3``, ``hsdp``, ``ds-zero1/2/3`` in their tables and JSON);
-- its name in ``bench`` and ``tune`` (:attr:`Setup.name`), e.g. ``fsdp-zero3-ac``.
+A :class:`Setup` is written three ways, all derived here so that renaming a strategy option breaks every command at
+once, not one of them silently: its strategy section (:meth:`Setup.strategy_section`), its plan key
+(:attr:`Setup.plan_key`, e.g. ``("zero3", "full", False)``: the row of the memory model, the advisor and
+``doctor --simulate``), and its name in ``bench`` and ``tune`` (:attr:`Setup.name`, e.g. ``fsdp-zero3-ac``).
 """
 
 from __future__ import annotations

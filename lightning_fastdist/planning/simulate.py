@@ -1,29 +1,11 @@
 """``doctor --simulate``: trace one training step of the recipe's own model as rank 0 of a world of N ranks.
 
-For each setup (``ddp``, FSDP2's ``zero2``/``zero3``, ``hsdp`` when the world spans
-nodes, DeepSpeed's stages) and each activation checkpointing mode, the recipe's
-model is built on the meta device, changed as the strategies change it (the
-:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`, with FSDP as its wrapper through
-:func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors (shapes,
-no memory) and trained for two steps on one
-batch of the recipe's data with its own ``training_step`` and ``configure_optimizers``;
-the second step is measured (:func:`~lightning_fastdist.planning.step_memory.measure_step`).
-
-What each setup measures, per rank:
-
-- ``ddp``: the model as DDP trains it, whose gradients stay in its buckets between steps
-  (DDP's C++ reducer cannot run on fake tensors, so the buckets are the kept gradients).
-- ``zero2``, ``zero3``, ``hsdp``: FSDP2 itself, sharded over a fake process group.
-- ``ds-zero1/2/3``: DeepSpeed's engine cannot run on fake tensors either: its model state is
-  the formula's (:func:`~lightning_fastdist.planning.memory_model.deepspeed_state`, checked
-  against real DeepSpeed ranks), its activations are traced with the model in the dtype
-  DeepSpeed converts it to.
-- Offload rows (the advisor's last resorts): FSDP's ``zero3`` + ``full`` with the sharded
-  state moved to the host, and DeepSpeed's ``ds-zero2`` with the optimizer moved there,
-  derived from the traced rows.
-
-Communication per step comes from :mod:`~lightning_fastdist.planning.comm_model` with
-the model's counted parameters (``N``, and ``R`` outside the blocks).
+For each setup and activation checkpointing mode the model is built on the meta device, changed as the strategies
+change it (the :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`, FSDP through
+:func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors and trained for two
+steps with its own ``training_step``; the second is measured by
+:func:`~lightning_fastdist.planning.step_memory.measure_step`. What each setup stands for (DDP's buckets,
+DeepSpeed's formula state, the offload rows): ``docs/doctor.md``, "--simulate".
 """
 
 from __future__ import annotations
@@ -204,10 +186,8 @@ def measure_setup(
 ) -> TracedStep:
     """Build the model, apply ``setup``'s plan, and measure its second training step on this rank.
 
-    With ``fake`` (inside :func:`fake_world`), the model is built on the meta device and runs
-    on fake tensors; without, it is built and trained for real in the current process group
-    (DDP then wraps it in a real ``DistributedDataParallel``): the reference a simulation is
-    checked against.
+    With ``fake`` (inside :func:`fake_world`) the model is built on the meta device and runs on fake tensors; without,
+    it trains for real in the current process group: the reference a simulation is checked against.
 
     Args:
         run: the recipe.

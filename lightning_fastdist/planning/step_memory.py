@@ -1,14 +1,10 @@
 """Measure one training step's memory on one rank, with real tensors or fake ones (shapes, no memory).
 
-:func:`measure_step` runs a step once to create the optimizer state, then again under
-torch's memory tracker (``torch.distributed._tools``: ``MemTracker``, or ``FSDPMemTracker``
-for an FSDP2 model), which attributes every tensor to parameters, gradients, optimizer
-state, gathered parameters or activations. The same function measures a real run and a
-simulated one: under :func:`fake_world` and ``FakeTensorMode`` this process is rank 0
-of a world of N, and no tensor holds memory.
-
-Those tracker modules are private torch APIs (present from torch 2.5, used here as in
-torch 2.13): :func:`tracing_unavailable` says in one line why they cannot be used.
+:func:`measure_step` runs a step once to create the optimizer state, then again under torch's memory tracker
+(``MemTracker``, or ``FSDPMemTracker`` for an FSDP2 model), which attributes every tensor to parameters, gradients,
+optimizer state, gathered parameters or activations; under :func:`fake_world` and ``FakeTensorMode`` the same
+function simulates rank 0 of a world of N. The trackers are private torch APIs: :func:`tracing_unavailable` says
+in one line why they cannot be used.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """PowerSGD hook state in checkpoints: each rank's error feedback in a file of its own, beside the checkpoint.
 
-Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0:
-
-- the checkpoint holds what every rank shares: the step count and the ``Q`` factors, the world size;
-- each rank writes its error feedback to ``<checkpoint>.powersgd/rank00003.pt`` (staged under
-  ``.partial`` and renamed: atomic) before rank 0 publishes the checkpoint, with the step count it
-  belongs to;
-- a resume at the same world size gives each rank its own file back; a file that is missing or from
-  another save restarts that rank's error feedback (one line); at another world size error feedback
-  restarts from zero on every rank (one line) and the files are not read.
-
-Only files named like ours are ever replaced or removed there: ``rankNNNNN.pt`` (and the folder, once
-empty). Checkpoints written before this layout (every rank's state in the checkpoint) still load.
-:func:`gather_to_rank_zero` stays for small per-rank state (random states).
+Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0: the checkpoint
+holds what every rank shares (step count, ``Q`` factors, world size) and each rank writes its error feedback to
+``<checkpoint>.powersgd/rankNNNNN.pt`` (staged and renamed) before rank 0 publishes the checkpoint. What a resume
+does with a missing file or at another world size: ``docs/ddp.md``, Pitfalls. Only files named like ours are ever
+replaced or removed there. Checkpoints written before this layout still load. :func:`gather_to_rank_zero` stays for
+small per-rank state (random states).
 """
 
 from __future__ import annotations

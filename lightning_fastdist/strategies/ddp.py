@@ -1,27 +1,12 @@
 """FastDDPStrategy: Lightning's DDP with gradient compression by name on every backend, sized buckets
 and measured communication.
 
-Lightning's ``DDPStrategy`` takes a comm hook only as a Python callable and
-registers it only on CUDA (on CPU/gloo it is silently dropped). This subclass
-registers one of :mod:`lightning_fastdist.parallel`'s hooks on any device and
-backend (by default ``"auto"``: exact until it has measured that the network
-makes compression pay, :mod:`~lightning_fastdist.parallel.ddp.auto_comm_hook`),
-saves the hook's state in checkpoints (auto's level; PowerSGD's step count and
-``Q`` factors in the checkpoint, each rank's error feedback in its own file
-beside it: :mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`) and
-restores it on resume, writes checkpoints atomically (``<name>.partial`` renamed
-onto ``<name>``, so ``last.ckpt`` is always complete), and logs the bytes each
-rank all-reduced in the last optimizer step as ``comm/allreduce_bytes_per_step``.
-
-Gradient accumulation needs nothing extra: Lightning runs non-final
-micro-batches under DDP's ``no_sync()``, which the byte and round counters
-confirm (``tests/ddp/test_fast_ddp.py``).
-
-Lightning's contract is kept: other keyword arguments go to
-``DistributedDataParallel`` (``broadcast_buffers=False``, ``init_sync=False``, ...),
-every ``start_method`` works and the strategy pickles. Lightning's callable
-comm-hook arguments are refused with the option to use instead
-(:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`).
+Lightning's ``DDPStrategy`` takes a comm hook only as a callable and registers it only on CUDA. This subclass
+registers one of our hooks by name on any backend (``"auto"`` by default), checkpoints its state
+(:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`), writes checkpoints atomically and logs each step's
+all-reduced bytes. Lightning's contract is kept: other keyword arguments go to ``DistributedDataParallel`` and its
+callable comm-hook arguments are refused with the option to use instead
+(:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`). ``docs/ddp.md`` has the rest.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """FastDeepSpeedStrategy: DeepSpeed ZeRO through Lightning, on CUDA (NCCL) and on CPU (gloo), with our pieces.
 
-Lightning's ``DeepSpeedStrategy`` refuses every accelerator but CUDA, although
-DeepSpeed trains ZeRO stage 1, 2 and 3 on CPU processes over gloo. This
-subclass makes three changes for a CPU device (accept the accelerator, skip the
-CUDA device-index check, give DeepSpeed the local rank where Lightning passes
-the device index, which a CPU device does not have), keeps DeepSpeed from
-compiling anything on CPU (see :mod:`lightning_fastdist.parallel.deepspeed.runtime`;
-on a CUDA run, ZeRO-Offload's step uses DeepSpeed's compiled CPU Adam where it builds),
-and adds what the other strategies of this package do: activation checkpointing
-of the blocks, the collective ``timeout``, job identity and preemption, bytes
-per collective without a device sync, checkpoints published atomically, and
-exact resume. :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`
-turns a checkpoint folder into one file for inference.
+Lightning's ``DeepSpeedStrategy`` refuses every accelerator but CUDA, although DeepSpeed trains ZeRO 1-3 on CPU
+processes over gloo. This subclass makes the three changes a CPU device needs (``docs/deepspeed.md``), keeps
+DeepSpeed from compiling anything on CPU (:mod:`lightning_fastdist.parallel.deepspeed.runtime`), and adds what our
+other strategies do: activation checkpointing, the collective ``timeout``, job identity and preemption, bytes per
+collective without a device sync, atomic checkpoints and exact resume.
+:func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint` turns a checkpoint folder into
+one file for inference.
 """
 
 from __future__ import annotations

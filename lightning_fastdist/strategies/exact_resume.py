@@ -1,32 +1,15 @@
 """What a strategy adds to checkpoints so that a resumed run continues bit for bit.
 
-Lightning saves weights, optimizer, schedulers, loop progress and the training
-loader's position. :class:`ResumeState` adds the rest, for every strategy of this package:
-
-- **Every rank's random states** (:mod:`.rng_states`), gathered into the
-  checkpoint under :data:`RNG_KEY` (rank 0 writes the file; each rank's dropout
-  masks come from its own generator) and handed back to each rank on load.
-- **When they apply: the first training batch after a checkpoint was saved or
-  loaded starts from the states of the moment of the save**, in the run that saved
-  it as in the run that resumes from it. Between the save and that batch the two
-  runs draw differently: the uninterrupted run may validate and start the next
-  epoch's DataLoader iterator (which draws its workers' base seed from the global
-  generator), the resumed one runs its sanity check and creates its iterators anew.
-  Setting the states at the batch makes those draws irrelevant to training
-  (both runs then reuse, for that one batch, numbers that were drawn in between).
-- **The loop progress**: an epoch that ``max_steps`` ended early stays open in the
-  checkpoint, and after a change of world size Lightning's batch count moves to
-  where the data resumes (:mod:`.loop_state`).
+Lightning saves weights, optimizer, schedulers, loop progress and the training loader's position.
+:class:`ResumeState` adds every rank's random states (:mod:`.rng_states`, under :data:`RNG_KEY`), set back at the
+first training batch after a save or load (in both runs, so draws between the save and that batch, which differ
+between the runs, do not matter), and the loop progress (:mod:`.loop_state`). At another world size the data still
+continues at the next sample, but random draws follow this run's seed (a warning says so).
 
 A strategy owns a :class:`ResumeState` and calls :meth:`~ResumeState.add_to` in its ``save_checkpoint`` (after
 refusing a non-finite state), :meth:`~ResumeState.take_from` with the loaded checkpoint in ``load_checkpoint``,
 :meth:`~ResumeState.before_batch` first in ``on_train_batch_start``, and
 :func:`~.loop_state.align_resumed_batch_count` last in ``on_train_start``.
-
-At a different world size the data still continues at the next sample (see
-:class:`~lightning_fastdist.data.ResumableDataLoader`), but random draws follow
-this run's seed (a warning says so) and each step's gradient is summed over
-another split of the batch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """What every strategy of this package does so that a checkpoint is never half written, garbage, or a dead end.
 
-- **No non-finite checkpoint** (:func:`refuse_non_finite`). A save whose weights or optimizer state hold NaN
-  or inf (on any rank) is refused before anything is written, so the previous
-  checkpoints stay as they were and a restart never resumes garbage.
-- **One file published atomically** (:func:`save_one_file`): written under ``<name>.partial`` and renamed onto
-  ``<name>`` once complete, so ``last.ckpt`` is always complete.
-- **Unusable checkpoints** (truncated, a missing shard, not a checkpoint at all)
-  end in one line naming the file
-  (:func:`~lightning_fastdist.parallel.checkpoint.problems.describe_unloadable`);
-  a ``last*.ckpt`` checkpoint (what ``ckpt_path="last"`` finds) that does not
-  load is replaced by the newest checkpoint of the same folder that does, with a
-  warning saying so (:func:`load_or_fall_back`).
+- :func:`refuse_non_finite`: a save whose weights or optimizer state hold NaN or inf (on any rank) is refused
+  before anything is written, so a restart never resumes garbage.
+- :func:`save_one_file`: written under ``<name>.partial`` and renamed onto ``<name>`` once complete.
+- :func:`load_or_fall_back`: an unusable checkpoint ends in one line naming the file
+  (:func:`~lightning_fastdist.parallel.checkpoint.problems.describe_unloadable`); a ``last*.ckpt`` that does not
+  load is replaced by the newest checkpoint of its folder that does, with a warning.
 
 Each strategy calls :func:`refuse_non_finite` first in its ``save_checkpoint`` and loads through
 :func:`load_or_fall_back` in its ``load_checkpoint``. How the job starts, joins and stops is :mod:`.job`.

@@ -1,14 +1,10 @@
 """FastFSDPStrategy: FSDP2 applied automatically, with the parts Lightning leaves to the user.
 
-Lightning's ``ModelParallelStrategy`` runs FSDP2 but asks the user to call
-``fully_shard`` in ``configure_model`` and reduce-scatters gradients on every
-accumulation micro-batch. This strategy shards the unchanged model itself
-(see :meth:`FastFSDPStrategy.parallelize` for the order) inside a root unit
-around the LightningModule (:class:`~lightning_fastdist.parallel.fsdp.sharding.RootUnit`),
-so that a step may call ``self(...)``, ``self.model(...)`` or any submodule,
-skips gradient communication on non-final micro-batches,
-counts the bytes of every all-gather and reduce-scatter, and writes checkpoints
-atomically, optionally in the background.
+Lightning's ``ModelParallelStrategy`` asks the user to call ``fully_shard`` in ``configure_model`` and
+reduce-scatters gradients on every accumulation micro-batch. This strategy shards the unchanged model itself
+(:meth:`FastFSDPStrategy.parallelize`) inside a :class:`~lightning_fastdist.parallel.fsdp.sharding.RootUnit`, so a
+step may call ``self(...)`` or any submodule, skips gradient communication on non-final micro-batches, counts its
+collectives' bytes, and writes checkpoints atomically, optionally in the background.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """How a strategy's processes start, join and fail as one job.
 
-- **Launch.** :func:`check_names_at_launch` makes Lightning's launcher check the options' class names against the
-  model first (raised once, in this process, before another starts) and, where this launcher starts every rank
-  of the job (one node), hand the processes it starts a fresh run id, in the environment of the launch only (a
-  library leaves its user's environment as it found it). Under a multi-node launch by hand each node's launcher
-  would draw its own id, and the nodes would refuse each other.
+- **Launch.** :func:`check_names_at_launch` has Lightning's launcher check the options' class names against the
+  model before another process starts and, where it starts every rank (one node), hand them a fresh run id in the
+  launch's environment only (a hand-made multi-node launch would draw one id per node, refused by the others).
 - **Joining.** :func:`join_process_group_once` joins through
-  :func:`~lightning_fastdist.parallel.faults.job_identity.join_process_group`: ranks of another launch on the
-  same port are refused, a port in use is named as such; Lightning's own setup then finds the group initialised
-  and keeps it.
+  :func:`~lightning_fastdist.parallel.faults.job_identity.join_process_group`; Lightning then keeps that group.
 - **A lost peer** is named in one line (:func:`explain_lost_peer_of_job`).
 
-Preemption (SIGTERM / SIGUSR1 stop every rank at the same optimizer step, that step saved) is
-:class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, which each strategy installs in its ``setup``.
+Preemption is :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, installed in each ``setup``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Lightning's loop progress made to agree with where the training data stands, on save and on resume.
 
-Two places where Lightning 2.6's counters and the data position part ways:
-
-- **An epoch cut short.** When ``max_steps`` (or ``trainer.should_stop``) ends a
-  fit before the epoch's last batch, Lightning marks the epoch processed (and,
-  once ``fit`` returns, completed). A checkpoint written then (``trainer.save_checkpoint``
-  after ``fit``, or ``ModelCheckpoint`` in ``on_train_epoch_end``) makes the resumed
-  run start the next epoch: the rest of the epoch is never seen, although the
-  training loader's state says where it stopped. :func:`reopen_epoch_cut_short`
-  writes such a checkpoint's epoch as unfinished, the form Lightning itself gives
-  a checkpoint taken after a batch inside an epoch, so the resume continues with
-  the next batch. Plain Lightning reads it the same way.
-- **Another world size or batch size.** The checkpoint counts the batches each
-  rank ran; a :class:`~lightning_fastdist.data.ResumableDataLoader` resumes by
-  samples, which can be another number of this run's batches.
-  :func:`align_resumed_batch_count` moves Lightning's count there, so that the
-  epoch ends (and epoch-end validation and schedulers run) after its real last batch.
+- **An epoch cut short** by ``max_steps`` (or ``should_stop``): Lightning marks it processed, so a checkpoint
+  written then would resume at the next epoch. :func:`reopen_epoch_cut_short` writes its epoch as unfinished, the
+  form Lightning gives a checkpoint taken inside an epoch; plain Lightning reads it the same way.
+- **Another world size or batch size**: a :class:`~lightning_fastdist.data.ResumableDataLoader` resumes by samples,
+  which can be another number of batches; :func:`align_resumed_batch_count` moves Lightning's count there, so the
+  epoch ends after its real last batch.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A process's random states (torch CPU and CUDA, Python ``random``, NumPy) as checkpoint values.
 
-Lightning's ``_collect_rng_states``/``_set_rng_states`` read and write the CPU, Python and NumPy
-states; this module makes them loadable with ``torch.load(weights_only=True)`` (torch's default
-since 2.6), which refuses NumPy arrays: NumPy's key array travels as a tensor. The global torch
-generator also decides DataLoader worker seeds: every DataLoader iterator draws its workers' base
-seed from it when it is created.
-
-CUDA: a rank draws (dropout, ...) from the generator of the one GPU it computes on. Lightning
-saves every visible GPU's generator as a list and restores it by device index, which gives a rank
-the wrong state when the resumed job maps GPUs to ranks differently (each rank sees all eight GPUs
-and uses ``cuda:<local rank>`` in one run, sees only its own as ``cuda:0`` in the next, as under
-``srun --gpus-per-task=1``). Here a rank saves the state of its own device's generator alone, under
-:data:`OWN_CUDA_KEY`, and the checkpoint keeps it by rank (:mod:`.exact_resume`); on resume it goes
-to the generator of whatever device that rank now computes on.
+Lightning's ``_collect_rng_states``/``_set_rng_states`` read and write the CPU, Python and NumPy states; this module
+makes them loadable with ``torch.load(weights_only=True)``, which refuses NumPy arrays (NumPy's key array travels
+as a tensor). CUDA: Lightning saves every visible GPU's generator by device index, which gives a rank the wrong
+state when the resumed job maps GPUs to ranks differently (``srun --gpus-per-task=1``). Here a rank saves its own
+device's generator alone, under :data:`OWN_CUDA_KEY`, kept by rank (:mod:`.exact_resume`), and restores it to
+whatever device that rank now computes on.
 """
 
 from __future__ import annotations

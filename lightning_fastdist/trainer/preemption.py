@@ -1,34 +1,12 @@
 """Stop on SIGTERM or SIGUSR1 as a job: every rank at the same step, the step saved, a non-zero exit status.
 
-Schedulers stop jobs with a signal: SLURM preempts with SIGTERM (or SIGUSR1
-before the time limit, with ``--signal``), torchrun forwards SIGTERM, and any
-subset of the ranks may get it first. Lightning 2.6 broadcasts from inside its
-signal handler (a collective on one rank only: a deadlock when the other ranks
-are in a gradient all-reduce), broadcasts again before every batch (a host
-sync per step), saves nothing, and ends with ``SIGTERMException``, a
-``SystemExit`` without a code: status 0, so nothing restarts or requeues.
-
-:class:`PreemptionHandler` replaces that on one trainer during ``fit``:
-
-1. the signal handler only records the signal on the host
-   (:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`);
-2. before each optimizer step's first batch, every rank starts one small
-   all-reduce of the recorded signals on a gloo group of its own, and reads
-   the previous one's result (long finished: no waiting, no device sync);
-3. when the ranks agree that one of them was signalled, every rank saves a
-   checkpoint of that step (``last.ckpt`` of the ``ModelCheckpoint``, else
-   Lightning's ``hpc_ckpt_N.ckpt`` in the root folder), prints one line, and
-   exits with status ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1), which
-   torchrun restarts and SLURM ``--requeue`` requeues. With SLURM's auto-requeue
-   on, rank 0 also asks ``scontrol`` to requeue the job after SIGUSR1, as
-   Lightning does.
-
-Acting at optimizer-step boundaries keeps accumulated gradients out of the
-question: the checkpoint holds a whole step, so the resumed run matches an
-uninterrupted one. The stop comes at most two optimizer steps after the signal.
-A signal during validation, a checkpoint save or backward is recorded and acted
-on at the next boundary. During ``validate``/``test``/``predict`` (nothing to
-save) the signal keeps its default action: the process ends with it.
+Lightning 2.6 broadcasts from inside its signal handler (a deadlock when the other ranks are in an all-reduce) and
+before every batch (a host sync per step), saves nothing and exits 0. :class:`PreemptionHandler` replaces that
+during ``fit``: the handler only records the signal
+(:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`); at optimizer-step boundaries (so the
+checkpoint holds a whole step) the ranks agree without waiting, then each saves that step, prints one line and exits
+with ``128 + signal``. During ``validate``/``test``/``predict`` the signal keeps its default action.
+``docs/fault-tolerance.md``, "Stopped by a signal".
 """
 
 from __future__ import annotations

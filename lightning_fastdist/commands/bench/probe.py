@@ -1,29 +1,12 @@
 """BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
 
-Per rank it measures, with no per-step device sync: the mean optimizer step time
-(all its micro-batches under gradient accumulation) over a window after warm-up
-(the clock is read at the window's two ends, with one device synchronisation
-each), samples and tokens per second (tokens for batches of token ids, as
-:class:`~lightning_fastdist.SpeedMonitor` counts them), peak memory, the bytes of
-the strategy's collectives in the last step (FastDDPStrategy's all-reduces,
-FastFSDPStrategy's all-gathers and reduce-scatters), the communication each
-step waited for after its compute (exposed communication: the strategy's
-``exposed_comm`` clock, summed over the timing window and divided as the step
-time is: the part of ``step_time_s`` spent waiting for communication), host
-syncs per step (counted from the start of the third-to-last step to the start
-of the last, after the timing window because counting slows dispatch, and
-before the end-of-training flush), the last loss, and the mean loss over the
-last quarter of the steps (``tail_loss``: one batch's loss moves by about half a
-percent from step to step, so comparing two setups' mean over the same batches
-is steadier than comparing their last). Rank 0 writes the results as JSON.
-
-Lightning's own strategies time and count nothing, so the probe attaches the
-same measurement ours use (:mod:`lightning_fastdist.parallel.comm.exposed`),
-without changing what they compute: on ``DDPStrategy``'s DDP module gradient
-hooks that only read the clock; on the FSDP2 units of ``ModelParallelStrategy``
-the counting collectives, which do what FSDP2's own do; on ``DeepSpeedStrategy``
-the counting communication backend. Their rows then have bytes (but DDP's) and
-exposed communication like ours.
+Per rank, with no per-step device sync: step time over a window after warm-up (one sync at each end), samples and
+tokens per second, peak memory, the last step's collective bytes, exposed communication over the same window, host
+syncs per step (counted after the window: counting slows dispatch), the last loss and ``tail_loss``. Rank 0 writes
+them as JSON; ``docs/bench.md`` says what each column is. Lightning's own strategies time and count nothing, so the
+probe attaches ours (clock-reading gradient hooks on ``DDPStrategy``'s module, the counting collectives on
+``ModelParallelStrategy``'s FSDP2 units, the counting backend on ``DeepSpeedStrategy``) without changing what they
+compute.
 """
 
 from __future__ import annotations

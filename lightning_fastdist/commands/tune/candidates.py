@@ -1,11 +1,8 @@
 """The setups ``lightning-fastdist tune`` may try, and the memory plan that prunes them before any starts.
 
-A :class:`Candidate` is one of bench's setups of our strategies (the strategy and
-its options) with the axes tune varies around it: activation checkpointing,
-per-block compile, and the split of the recipe's global batch into micro-batch x
-accumulation. A :class:`MemoryPlan` traces the recipe's own step with ``doctor
---simulate``'s simulation at each micro-batch tune considers; :func:`memory_verdict`
-says whether a candidate fits one device.
+A :class:`Candidate` is one of bench's setups of our strategies with the axes tune varies around it (activation
+checkpointing, per-block compile, micro-batch x accumulation). A :class:`MemoryPlan` traces the recipe's own step
+as ``doctor --simulate`` does at each micro-batch; :func:`memory_verdict` says whether a candidate fits one device.
 """
 
 from __future__ import annotations

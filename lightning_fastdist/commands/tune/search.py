@@ -1,25 +1,11 @@
 """How ``lightning-fastdist tune`` spends its budget: the order of trials, the quality guard, successive halving.
 
-Round 1 trains every candidate the memory plan kept for ``steps`` optimizer steps,
-in this order: the exact setups; then the compressed ones, each after the exact
-setup it is compared with; then per-block compile of the two fastest accepted
-DDP or FSDP2 setups, each after its uncompiled self; then larger micro-batches
-(less accumulation, the same global batch) of the fastest. A candidate compared
-with another is accepted only if its loss lies within ``loss_tolerance``
-(relative) of that one's, trained on the same batches for the same steps (the loss:
-bench's ``tail_loss``, the mean over the last quarter of the steps); checked again
-in each later round where both trained on.
-
-Then successive halving: the fastest third of the accepted candidates (rounded
-up, at least two) trains again for three times the steps, and again, until two
-have been compared; the faster of those is the winner, unless its loss after its
-last round is not within tolerance of its exact root's after as many steps (that
-setup trains that long, if halving left it behind): then the other, then those
-halving left behind, latest round and fastest first. (A trial costs mostly its
-start-up, ~20 s on the 2-core CPU machine against ~0.3 s per step, so fewer,
-longer rounds: a third rather than a half.) A run is started only if the
-runs so far say it ends within the budget (seconds per step, measured, times its
-steps); what the budget leaves untried is listed as such.
+Round 1 trains every candidate the memory plan kept, exact setups first and each compared one after the setup it
+is compared with; a candidate is accepted only if its loss (bench's ``tail_loss``) lies within ``loss_tolerance``
+of that one's on the same batches, checked again in each later round. Then successive halving: the fastest third
+(at least two) trains again for three times the steps, until two are left; the faster wins unless its loss has
+left its exact root's tolerance. A third rather than a half because a trial costs mostly its start-up. A run starts
+only if the runs so far say it ends within the budget. ``docs/tune.md`` has the details.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Atomic checkpoint writes: a crash during a save never damages the checkpoint that was there before.
 
-Every save is written under a staging name next to its target
-(``<name>.partial``) and published onto the target only once complete. What
-publishing does depends on what the target already is:
+Every save is written under ``<name>.partial`` and published onto the target once complete: a file by one rename, a
+checkpoint folder by exchanging the two paths (else two renames via ``<name>.replaced``), then the old checkpoint's
+files deleted. Any other folder is never replaced: a single-file save onto it raises :class:`IsADirectoryError` (as
+Lightning does), a sharded one is merged in, its ``.metadata`` index moved last so a crash leaves a folder that
+refuses to load. Only checkpoint files are ever deleted (``docs/fault-tolerance.md``).
 
-- nothing, or a file: one atomic rename (``last.ckpt`` always names a complete
-  checkpoint);
-- a checkpoint folder (the shards and metadata of an earlier sharded save and
-  nothing else): swapped in atomically where the OS can exchange two paths
-  (Linux ``renameat2(RENAME_EXCHANGE)``), elsewhere moved aside to
-  ``<name>.replaced`` for the instant between two renames; then the old
-  checkpoint's files are deleted;
-- any other folder (a user's, or an empty one): never replaced or deleted. A
-  single-file checkpoint is refused with :class:`IsADirectoryError`, as
-  Lightning does; a sharded checkpoint is moved into it file by file, keeping
-  everything else there. That merge is not atomic: the shard index
-  (``.metadata``) is removed first and moved in last, so a crash in between
-  leaves a folder without an index, which refuses to load, never a silent mix
-  of two checkpoints.
-
-A process killed mid-save leaves at most a ``.partial`` entry; every checkpoint
-published earlier (outside a merge) is intact. Only files of a checkpoint are
-ever deleted.
-
-:class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders
-(every rank writes its own shards), optionally in a background thread;
+:class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders (optionally in a background thread);
 :func:`save_file_atomically` for a single file written by one rank;
 :func:`save_folder_atomically` for a folder that another library's writer fills on every rank (DeepSpeed's);
 :func:`check_save_target` refuses a single-file save onto a folder on every rank.

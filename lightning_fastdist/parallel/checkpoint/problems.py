@@ -1,12 +1,9 @@
 """Say in one line what is wrong with a checkpoint that does not load, naming the file.
 
-A truncated file, a missing shard or a YAML file passed as a checkpoint ends
-deep inside ``torch.load`` or ``torch.distributed.checkpoint`` with a long
-traceback that often does not name the file (``IndexError: pop from empty
-list``, ``EOFError``, ``CheckpointException``). :func:`describe_unloadable`
-looks at the path itself (is it there, a folder or a file, a zip or pickle
-archive, complete; for a sharded folder: its ``.metadata`` and every shard file
-that metadata names, with their sizes) and returns the first thing wrong.
+A truncated file, a missing shard or a YAML file passed as a checkpoint ends deep inside ``torch.load`` or
+``torch.distributed.checkpoint`` with a traceback that often does not name the file. :func:`describe_unloadable`
+looks at the path itself (present, folder or file, archive, complete; a sharded folder's ``.metadata`` and every
+shard it names) and returns the first thing wrong.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Count what a strategy's collectives send, without touching the device.
 
-FastDDPStrategy's comm hooks (:mod:`lightning_fastdist.parallel.ddp.comm_hooks`) and
-FastFSDPStrategy's all-gather / reduce-scatter
-(:mod:`lightning_fastdist.parallel.fsdp.comm_accounting`) pass every tensor they
-hand to a collective through :meth:`CommStats.record`. The count uses only
-tensor metadata (``numel() * element_size()``), so it costs no device-to-host sync.
-
-The bytes recorded for a collective are its full-size tensor: what is
-all-reduced, the gathered result of an all-gather, the input of a
-reduce-scatter. On a ring each rank sends about ``2 * (world - 1) / world``
-times an all-reduce's bytes and ``(world - 1) / world`` times an all-gather's
-or a reduce-scatter's.
+Every engine's counting collectives pass each tensor they hand to a collective through :meth:`CommStats.record`;
+the count uses only metadata (``numel() * element_size()``), so no device-to-host sync. The bytes recorded are the
+collective's full-size tensor: what is all-reduced, the gathered result of an all-gather, the input of a
+reduce-scatter (what each rank sends on a ring: ``docs/doctor.md``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Size DDP's gradient buckets from the model instead of using one fixed number.
 
-DDP groups gradients into buckets and starts a bucket's all-reduce as soon as
-the backward pass has filled it, overlapping communication with the rest of
-the backward. Two forces pull against each other:
-
-- Few, big buckets leave most communication exposed: the last bucket can only
-  start when the backward is over. A model smaller than DDP's fixed 25 MB
-  default gets a single bucket and no overlap at all.
-- Many, small buckets pay a fixed launch latency per all-reduce and do not
-  reach link bandwidth (below about 1 MB per message on NCCL).
-
-The ``"auto"`` rule therefore aims at :data:`TARGET_BUCKETS` buckets per step,
-clamped to ``[MIN_BUCKET_MB, MAX_BUCKET_MB]``: large models get buckets big
-enough to run at bandwidth, small ones still get several buckets to overlap.
-The first bucket decides when communication can start: over a slow link
-(the emulated cluster at 50 Mbit/s, docs/ddp.md) the 3.2 MiB demo model waited
-181 ms per step for bf16 gradients with 1 MB buckets and 133 ms with 0.25 MB
-ones, which start while more of the backward is left to hide them under; hence
-a floor of 0.25 MB (it binds only below 2 MiB of gradients: 8 x 0.25 MB).
+Few, big buckets leave most communication exposed (a model under DDP's fixed 25 MB default gets one bucket and no
+overlap); many, small ones pay a fixed latency per all-reduce and do not reach bandwidth. ``"auto"`` aims at
+:data:`TARGET_BUCKETS` buckets per step, clamped to ``[MIN_BUCKET_MB, MAX_BUCKET_MB]``; the floor is small because
+the first bucket decides when communication can start (``docs/ddp.md``, "The bucket rule").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """DDP gradient communication hooks, chosen by name, that run on every backend.
 
-torch ships comparable hooks, but its bf16 hook refuses any backend except
-NCCL although gloo all-reduces bf16 tensors correctly; these hooks use only
-``torch.distributed.all_reduce`` and so work on gloo (CPU) and NCCL (GPU) alike.
-Every hook also records its payload in a :class:`CommStats`, which is how
-"bytes per step" is measured rather than estimated.
-
-A hook receives one gradient bucket (a flat buffer of several parameters'
-gradients) and returns a future that resolves to that buffer holding the
-average over ranks.
+torch's bf16 hook refuses any backend but NCCL although gloo all-reduces bf16 correctly; these use only
+``torch.distributed.all_reduce``, so they work on gloo and NCCL alike, and record their payload in a
+:class:`CommStats` (bytes per step counted, not estimated). A hook receives one gradient bucket and returns a future
+that resolves to it holding the average over ranks.
 """
 
 # No "from __future__ import annotations": DDP compares the hooks' annotations

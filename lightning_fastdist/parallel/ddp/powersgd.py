@@ -1,28 +1,13 @@
 """PowerSGD gradient compression (Vogels et al., NeurIPS 2019) as a DDP hook, with checkpointable state.
 
-Each gradient matrix ``M`` (``n x m``) is sent as two thin factors instead of
-``n * m`` numbers: ``P = M Q`` (``n x r``) is averaged over ranks and
-orthonormalised, then ``Q = M^T P`` (``m x r``) is averaged, and every rank
-rebuilds ``M ~ P Q^T``. Vectors (biases, norms) and matrices too small to gain
-are averaged exactly. With error feedback, what compression dropped on a rank
-is added to that rank's next gradient, so nothing is lost over time; with warm
-start, ``Q`` carries over between steps so one power iteration per step tracks
-the top singular directions.
+Each gradient matrix ``M`` is sent as two thin factors, ``P = M Q`` then ``Q = M^T P``, each averaged over ranks,
+and rebuilt as ``P Q^T``; vectors and matrices too small to gain are averaged exactly. Error feedback adds what a
+rank's compression dropped to its next gradient; warm start carries ``Q`` over between steps.
 
-The hook never waits: it starts a batch of buckets' ``P`` all-reduce (with their exact part) and
-returns a future per bucket; orthonormalising ``P``, computing ``Q``, its all-reduce and the
-decompression run as callbacks of those futures (on a GPU on side streams, on gloo in its threads),
-so the rest of the backward goes on meanwhile. Results and bytes are the same as waiting for each
-round, bucket by bucket.
-
-DDP sizes its buckets for uncompressed gradients (``parallel/ddp/buckets.py``), and every all-reduce
-and callback costs a fixed time however few bytes it carries: the hook therefore batches
-consecutive buckets until a batch holds 1/:data:`BATCHES_PER_STEP` of what a step sends.
-
-The error and ``Q`` memories are kept per parameter (by its position in the
-model's parameter list), not per DDP bucket: DDP rebuilds its buckets after the
-first backward of every process, so bucket indices are not stable across a
-resume, while parameter positions are.
+The hook never waits: the rest of each round runs as callbacks of the ``P`` all-reduce's futures, and it batches
+consecutive buckets (1/:data:`BATCHES_PER_STEP` of a step's bytes each) since every all-reduce costs a fixed time
+(``docs/ddp.md``, Pitfalls). The error and ``Q`` memories are kept per parameter position, not per DDP bucket:
+DDP rebuilds its buckets after the first backward, so bucket indices are not stable across a resume.
 """
 
 # No "from __future__ import annotations": DDP compares the hooks' annotations
@@ -41,9 +26,8 @@ from lightning_fastdist.parallel.ddp.comm_hooks import HookState, launch_mean_al
 
 # A matrix is compressed only if its factors are this many times smaller than it.
 MIN_COMPRESSION_RATE = 2.0
-# Batches of buckets per step, each with one P and one Q all-reduce. Loopback, demo model (13 buckets
-# of 0.25 MB), 2 ranks: a batch per bucket took 285-314 ms per step where exact DDP took 240-249 and
-# one batch 253-268; more than one batch lets the first ones travel under the rest of the backward.
+# Batches of buckets per step, each with one P and one Q all-reduce: a batch per bucket pays each launch's
+# fixed cost (docs/bench.md), more than one lets the first ones travel under the rest of the backward.
 BATCHES_PER_STEP = 4
 # What the P and Q factors may travel in: the names a strategy's signature offers, and their dtypes.
 FactorDtypeName = Literal["fp32", "fp16", "bf16"]
@@ -55,9 +39,8 @@ class PowerSGDSettings:
     """PowerSGD's options and their one set of defaults (FastDDPStrategy's ``powersgd_*`` options).
 
     Attributes:
-        rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more. 16: on the demo
-            model (128-wide matrices) its mean loss stayed within 0.7% of exact DDP's over 72 steps where rank 4
-            lagged 2.7-4.4% (docs/tune.md); a 4096-wide matrix still travels 128x smaller.
+        rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more. 16 keeps the demo
+            model's loss close to exact DDP's where 4 lags (docs/ddp.md), and a wide matrix still travels far smaller.
         start_iter: optimizer steps averaged exactly before compression starts (>= 2): the first
             synchronisations are exact while DDP settles its buckets, and early training is
             sensitive to compression, so start after the learning-rate warm-up.

@@ -1,23 +1,12 @@
 """Count the collectives DeepSpeed's engine and ZeRO optimizers run, from tensor metadata only.
 
-Every collective DeepSpeed issues goes through ``deepspeed.comm``, which hands it
-to one backend object (``deepspeed.comm.comm.cdb``, a ``TorchBackend`` over
-``torch.distributed``). :func:`count_deepspeed_communication` replaces that
-object's collective methods with ones that record the bytes in a
-:class:`~lightning_fastdist.parallel.comm.accounting.CommStats` and then call
-the original; DeepSpeed's own communication logger is not used, as it
-synchronises the device after every call.
-
-What is recorded follows :mod:`~lightning_fastdist.parallel.comm.accounting`:
-what is all-reduced (or reduced to one rank, or broadcast), the gathered result
-of an all-gather, the full input of a reduce-scatter.
-
-Given an :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`, the same replacements time how
-long the training waits for each collective: a blocking call (``async_op=False``, DeepSpeed's default, as
-ZeRO-1/2 reduce gradients in ``stage_1_and_2.py``'s ``allreduce_bucket`` and gather updated weights with
-``all_gather_into_tensor``) whole, and the ``wait()`` of an asynchronous one's handle (ZeRO-3's parameter
-gathers). On CUDA a call issued on DeepSpeed's own reduction stream (``overlap_comm``) is left out: the
-compute stream waits for it later, in ``wait_stream`` or a device synchronise, where no hook of ours runs.
+Every collective DeepSpeed issues goes through one backend object (``deepspeed.comm.comm.cdb``);
+:func:`count_deepspeed_communication` replaces its collective methods with ones that record the bytes in a
+:class:`~lightning_fastdist.parallel.comm.accounting.CommStats` (as that module counts them) and call the original.
+DeepSpeed's own communication logger synchronises the device after every call, so it is not used. Given an
+:class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`, they also time the waits: a blocking call
+whole, an asynchronous one's ``wait()`` (ZeRO-3's gathers); on CUDA calls on DeepSpeed's own reduction stream are
+left out (``docs/exposed-comm.md``).
 """
 
 from __future__ import annotations

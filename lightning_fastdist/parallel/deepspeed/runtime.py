@@ -1,29 +1,17 @@
 """DeepSpeed as an optional dependency that runs on CPU (gloo) and CUDA (NCCL) without compiling anything.
 
 - :func:`import_deepspeed` imports it or says in one line how to install it.
-- :func:`skip_jit_built_comm_ops`: DeepSpeed's communication backend loads a
-  shared-memory all-reduce op (``deepspeed_shm_comm``) whenever its accelerator
-  offers one (the CPU accelerator does), and loading means compiling C++ at the
-  first ``init_distributed`` (about 75 s here, and an error without a compiler),
-  although gloo carries every collective anyway. Marking the op incompatible
-  makes DeepSpeed use ``torch.distributed`` alone.
+- :func:`skip_jit_built_comm_ops`: DeepSpeed would compile its shared-memory all-reduce op
+  (``deepspeed_shm_comm``) at the first ``init_distributed`` on the CPU accelerator (an error without a
+  compiler), although gloo carries every collective anyway; marking it incompatible avoids that.
 - :func:`auto_bucket_size`: buckets no larger than the model.
-- :func:`check_deepspeed_device`: DeepSpeed picks its accelerator once per process
-  (CUDA when a GPU is visible); a Trainer on another device would have DeepSpeed
-  put tensors where the model is not.
+- :func:`check_deepspeed_device`: DeepSpeed picks its accelerator once per process; a Trainer on another
+  device would have it put tensors where the model is not.
+- :func:`choose_offload_optimizer`: under ZeRO-Offload, DeepSpeed's ``DeepSpeedCPUAdam`` replaces torch's
+  Adam or AdamW where it can be built (CUDA, a compiler, ninja); elsewhere torch's keeps stepping, and one
+  line says which runs and why.
 
-- :func:`choose_offload_optimizer`: ZeRO-Offload runs the optimizer step on the CPU.
-  DeepSpeed's ``DeepSpeedCPUAdam`` (vectorised C++; DeepSpeed measures it 5-7x faster than
-  torch's Adam there, and its engine warns that a client optimizer "will yield poor
-  performance") is compiled just in time. On a CUDA run with a C++ compiler and ninja it replaces
-  torch's Adam or AdamW, keeping its parameter groups (the LR scheduler still steers them); where
-  it cannot (a CPU run, another optimizer, no compiler, a failed build) torch's keeps stepping,
-  and one line says which runs and why.
-
-Ops that would still be compiled just in time: optimizers named in a DeepSpeed
-``optimizer`` config section (``FusedAdam``), NVMe offload (``async_io``) and
-DeepSpeed's own kernels (inference, sparse attention). The strategy uses the
-LightningModule's torch optimizer and none of these.
+``docs/deepspeed.md`` lists the ops DeepSpeed would compile just in time and what the strategy does instead.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Let DeepSpeed ZeRO-3 record its parameter trace when the model calls itself inside its forward.
 
-ZeRO-3 records the order in which a forward and backward use the modules (its
-trace), then prefetches each module's parameters ahead of use from that order.
-It starts a new step whenever the root module's forward begins. A
-LightningModule is called twice, nested: Lightning routes ``training_step``
-through the engine by making it the root's ``forward`` for one call, and
-``training_step`` calls ``self(x)``. The inner call starts a new step in the
-middle of the outer one, so the recorded trace holds one module, every step
-finds the order changed and throws the trace away: no prefetch, and each step
-checks the new trace against the other ranks (a dozen host syncs and
-broadcasts per step on TinyGPT). Lightning's own ``DeepSpeedStrategy`` behaves
-the same.
-
-:func:`start_zero3_steps_at_the_outer_forward` replaces that root hook with one
-that starts a step only when no forward of the root is running already.
+ZeRO-3 records the order a step uses the modules in, to prefetch from it, and starts a new step whenever the root
+module's forward begins. Lightning runs ``training_step`` as the root's forward and ``training_step`` calls
+``self(x)``: the nested call starts a new step mid-step, so every step throws the trace away (no prefetch, and host
+syncs to check the new trace against the other ranks; Lightning's ``DeepSpeedStrategy`` too).
+:func:`start_zero3_steps_at_the_outer_forward` starts a step only when no forward of the root is running already.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """The ``timeout`` option of the strategies (how long a collective may wait before the process gives up), and the
 line said when a collective gave up because another rank died or stopped answering.
 
-A rank that dies (killed, out of memory, a lost node) leaves the others waiting in
-their next collective. gloo notices a closed connection at once; a peer that is
-alive but stuck (or a network that drops packets silently) is only noticed when
-the process group's timeout expires. Lightning's default is 30 minutes; a job that
-restarts itself (``torchrun --max-restarts``) wants a few minutes at most.
-
-What the survivors see, and the line this module puts in front of the error:
-
-- **gloo, a peer crashed or was killed**: the next collective fails at once ("Connection closed by
-  peer", "Connection reset by peer"). The line says a rank crashed; it never quotes the timeout.
-- **gloo, a peer is alive but stuck**: the collective fails once the process group's ``timeout``
-  expires ("Timed out waiting ... for recv"). The line quotes the timeout.
-- **NCCL**: a collective runs on the GPU and Python does not wait for it, so torch's watchdog
-  thread does: it reports a collective that failed (NCCL noticed the crash: "remote process exited
-  or there was a network error") or ran past the timeout ("Watchdog caught collective operation
-  timeout"), and then acts as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says (:func:`nccl_error_handling`).
-  With torch's default, 3, it ends the process at once (SIGABRT, no Python traceback, so no line
-  of ours: the watchdog's own line is the last one in the log); with 2 it only aborts the
-  communicator, and the next collective raises in Python ("NCCL communicator was aborted"), which
-  gets the line below with the setting in effect. ``NCCL_ASYNC_ERROR_HANDLING`` is the deprecated
-  spelling of the same variable.
-
-Either way the error then propagates and the process exits non-zero (under ``torchrun
---max-restarts`` the job then restarts from its last checkpoint).
+gloo notices a crashed peer at once ("Connection closed/reset by peer": the line says a rank crashed, never
+quoting the timeout) and a stuck one only when the timeout expires (the line quotes it). Under NCCL torch's
+watchdog acts as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says (:func:`nccl_error_handling`): with 3, the default, it
+ends the process with SIGABRT (no line of ours); with 2 the next collective raises and gets the line with the
+setting in effect. ``NCCL_ASYNC_ERROR_HANDLING`` is the deprecated spelling. Either way the process exits non-zero.
+``docs/fault-tolerance.md`` ("Timeouts and a rank that dies") has the rest.
 """
 
 from __future__ import annotations
@@ -104,11 +86,6 @@ def lost_peer_cause(exception: BaseException) -> str | None:
                 return cause
         seen = seen.__cause__ or seen.__context__
     return None
-
-
-def is_lost_peer(exception: BaseException) -> bool:
-    """Whether ``exception`` (or one it was raised from) is a collective that lost or timed out on a peer."""
-    return lost_peer_cause(exception) is not None
 
 
 def nccl_error_handling(environ: Mapping[str, str] = os.environ) -> str:

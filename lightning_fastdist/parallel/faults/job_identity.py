@@ -1,18 +1,10 @@
 """Join the process group only with the ranks of one's own launch.
 
-Ranks find each other through a TCP store at ``MASTER_ADDR:MASTER_PORT``. Two
-jobs given the same port mix: the second job's rank 0 cannot listen on the port,
-and its other ranks connect to the first job's store and take the places of that
-job's own ranks. Before the process group is created, :func:`join_process_group`
-therefore has rank 0 publish the launch's run id in the store and every other
-rank compare it with its own; a mismatch stops that process with one line
-naming the port, before it has touched the other job. A port that is already in
-use is reported as that.
-
-The run id comes from the launcher (:data:`RUN_ID_VARIABLES`): the strategies
-set ``LIGHTNING_FASTDIST_RUN_ID`` when Lightning starts the processes itself,
-torchrun sets ``TORCHELASTIC_RUN_ID`` and SLURM ``SLURM_JOB_ID``. Ranks launched
-without any of them (environment variables set by hand) are not checked.
+Two jobs given the same ``MASTER_PORT`` mix: the second job's ranks would connect to the first job's store. So
+:func:`join_process_group` has rank 0 publish the launch's run id in the store and every other rank compare it with
+its own; a mismatch stops that process with one line naming the port, and a port in use is reported as that. The
+run id comes from the launcher (:data:`RUN_ID_VARIABLES`); ranks launched without one are not checked.
+``docs/fault-tolerance.md``, "Job identity".
 """
 
 from __future__ import annotations

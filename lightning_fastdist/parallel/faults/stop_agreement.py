@@ -1,16 +1,11 @@
 """Agree across ranks on a stop request (a signal one rank received) without synchronising any device.
 
-A signal handler may not run collectives: the rank that got the signal would
-enter a collective the others are not in (the deadlock of Lightning's SIGTERM
-broadcast). Here the handler only records the request on the host
-(:meth:`StopAgreement.request`), and every rank calls :meth:`StopAgreement.poll`
-at the same points of training (step boundaries). Each poll starts one
-asynchronous all-reduce (max) of a one-element CPU tensor on a gloo group of its
-own and returns the result of the previous poll's all-reduce, which has long
-completed by then. Every rank therefore reads the same agreed value at the same
-boundary, one boundary after the request was included, and no device is ever
-waited for: the tensor is a view of a NumPy array on the host, and the value is
-read from that array, never through a tensor (so ``count_host_syncs`` sees no read).
+A signal handler may not run collectives (the rank that got the signal would enter one the others are not in). The
+handler only records the request on the host (:meth:`StopAgreement.request`); every rank calls
+:meth:`StopAgreement.poll` at the same step boundaries, which starts one asynchronous all-reduce (max) on a gloo
+group of its own and returns the previous poll's result, long completed. So every rank reads the same value at the
+same boundary, and nothing waits: the value is read from a host NumPy array, never through a tensor (so
+``count_host_syncs`` sees no read).
 """
 
 from __future__ import annotations

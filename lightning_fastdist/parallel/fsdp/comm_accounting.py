@@ -1,27 +1,12 @@
 """Count FSDP2's parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduces), and time their waits.
 
-FSDP2 lets each unit take its own all-gather and reduce-scatter objects
-(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch
->= 2.9). The ones here do what FSDP2's defaults do, allocate with
-``torch.empty`` and call the ``torch.distributed`` collective (torch 2.13's
-``all_gather_single`` / ``reduce_scatter_single``, the older names before it),
-and record the tensor's bytes in a
-:class:`~lightning_fastdist.parallel.comm.accounting.CommStats` first. Under
-HSDP the all-reduce across replica groups is counted from FSDP2's all-reduce
-hook, which receives the reduced gradient shard.
-
-Given an :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`, they also time how long the
-training waits for each collective. On CPU every FSDP2 collective blocks the training thread: FSDP2 calls
-the all-gather with ``async_op=False`` unless told otherwise (``FSDPParamGroup.unshard`` passes
-``unshard_async_op``, default ``False``), calls the reduce-scatter without ``async_op`` (``foreach_reduce``
-in ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), and its streams and events are no-ops
-on CPU (``torch.cpu.Stream``). So a blocking call is timed whole, and an asynchronous one's ``Work`` gets
-a timed ``wait()`` (``foreach_all_gather_copy_out`` waits on a ``Work``). HSDP's all-reduce is called by
-FSDP2 itself (``dist.all_reduce`` in ``foreach_reduce``) between the reduce-scatter (with shard groups of
-one, the allocation of its output) and the all-reduce hook: that gap is timed. On CUDA FSDP2 runs these
-collectives on its own streams and the compute stream waits for them with ``wait_event``
-(``foreach_all_gather_copy_out``, ``FSDPParamGroup.post_backward`` and ``finalize_backward`` in
-``_fsdp_param_group.py``), where no hook of ours runs: there only waits issued on the compute stream count.
+FSDP2 lets each unit take its own all-gather and reduce-scatter objects (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, torch >= 2.9). The ones here do what FSDP2's defaults do and record the tensor's
+bytes in a :class:`~lightning_fastdist.parallel.comm.accounting.CommStats` first; HSDP's all-reduce is counted
+from FSDP2's all-reduce hook. Given an :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock` they
+also time the training's waits: on CPU every FSDP2 collective blocks (timed whole; an asynchronous one's ``wait()``
+is timed), HSDP's all-reduce is the gap before the all-reduce hook, and on CUDA only waits issued on the compute
+stream count. Where in FSDP2's code each of these happens: ``docs/exposed-comm.md``.
 """
 
 from __future__ import annotations

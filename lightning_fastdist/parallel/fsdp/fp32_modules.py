@@ -1,16 +1,9 @@
 """Modules that keep their parameters in float32 under FSDP's mixed precision.
 
-Under ``bf16-mixed`` FSDP gathers every unit's parameters in bfloat16 and reduce-scatters one
-buffer per unit, which must hold gradients of one dtype. Some models keep a module in float32 on
-purpose: SwitchTransformers' router casts its classifier to float32 in every forward
-(``self.classifier = self.classifier.to(torch.float32)``), for a stable softmax. Inside a bfloat16
-unit that cast swaps the gathered parameter for a float32 copy, and the backward then hands FSDP
-gradients of two dtypes (torch: "FSDP reduce-scatter expects uniform gradient dtype").
-
-The ``keep_fp32`` option names such modules' classes; each instance becomes an FSDP unit of its own
-whose parameters are gathered and reduced in their own dtype (the cast is then a no-op). A module
-that changes its parameters' dtype without being named is refused at the first forward, before any
-gradient is reduced, with one line naming it and the option (:func:`refuse_dtype_changes`).
+Under ``bf16-mixed`` FSDP reduce-scatters one buffer of one dtype per unit. A module that casts itself to float32
+every forward (SwitchTransformers' router) hands FSDP gradients of two dtypes. The ``keep_fp32`` option names such
+classes: each instance becomes a unit of its own, gathered and reduced in its own dtype. An unnamed one is refused at
+the first forward, before any gradient is reduced (:func:`refuse_dtype_changes`). ``docs/models.md``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) applied per block, then to the root.
 
-Sharding modes:
-
-- ``"zero3"``: parameters, gradients and optimizer state are sharded; each
-  block's parameters are gathered for its forward and freed right after
-  (gathered again for backward). Least memory.
-- ``"zero2"``: as ``zero3``, but a block's gathered parameters stay between its
-  forward and its backward: one all-gather per block per step instead of two,
-  at the price of holding the full parameters during the step; they also stay
-  across accumulation micro-batches (:meth:`FSDPSharding.accumulating`).
-- ``"hsdp"``: hybrid sharding on a 2-D mesh ``(replicate, shard)``: shard
-  within groups of ``hsdp_group_size`` ranks (ZeRO-3 style), replicate across groups.
-
-FSDP2 gathers a unit's parameters in a forward pre-hook, which runs only when
-that module itself is called. A LightningModule as the root unit would have its
-parameters (embeddings, head) gathered only through ``self(...)``, never when a
-step calls ``self.model(...)`` or another submodule. :class:`RootUnit` is a
-root around the model instead: Lightning runs each step through its forward
-(forward redirection, as for DDP), so the root's hooks run around the whole step.
+Modes: ``"zero3"`` gathers each block's parameters for its forward and again for its backward (least memory);
+``"zero2"`` keeps them gathered from forward to backward and across accumulation micro-batches
+(:meth:`FSDPSharding.accumulating`); ``"hsdp"`` shards within groups of ``hsdp_group_size`` ranks and replicates
+across groups. FSDP2 gathers a unit's parameters only when that module itself is called, so the root unit is
+:class:`RootUnit` around the model, which Lightning runs every step through (``docs/fsdp.md``, "The root unit").
 """
 
 from __future__ import annotations
@@ -236,12 +223,9 @@ def shard_model(
 ) -> ShardedModel:
     """Apply ``plan`` to ``model`` in place with FSDP as its wrapper; return the root, the units and the blocks.
 
-    The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
-
-    The wrapper shards every block first and the root last: a :class:`RootUnit` around ``model``
-    that takes what is left (embeddings, final norm, head). Parameters on the meta device stay
-    there; materialise each rank's shard afterwards. ``FastFSDPStrategy`` and ``doctor --simulate``
-    both run this function, so what is simulated is what trains.
+    Every block is sharded first, the root (a :class:`RootUnit` around ``model``, holding what is left) last; the order
+    of the plan's steps is ``docs/plan.md``'s. Meta-device parameters stay there: materialise each rank's shard
+    afterwards. ``FastFSDPStrategy`` and ``doctor --simulate`` both run this function, so what is simulated trains.
 
     Args:
         model: the model (a LightningModule or any ``nn.Module``).

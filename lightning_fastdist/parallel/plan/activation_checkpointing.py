@@ -1,20 +1,9 @@
 """Activation checkpointing per block: trade recomputation in backward for activation memory.
 
-One implementation for every strategy (FSDP and DDP call the same function,
-before sharding / wrapping). It uses torch's composable, hook-based
-``checkpoint(module)``, so the model keeps its structure: parameter names,
-``state_dict`` keys and attribute access (``model.blocks[0].attn``) are the
-same with or without checkpointing, and checkpoints move freely between them.
-
-Modes:
-
-- ``"none"``: keep every activation (nothing changes).
-- ``"full"``: keep only each block's input; recompute the whole block in backward.
-- ``"selective"``: per-op, inside each block keep the outputs of the expensive
-  ops (matrix multiplies, attention) and recompute the cheap ones (norms,
-  activations, element-wise ops).
-- an integer ``n >= 1``: full checkpointing of every ``n``-th block (the
-  ``n``-th, ``2n``-th, ... in module order); ``1`` equals ``"full"``.
+One implementation for every strategy, before sharding or wrapping. torch's composable, hook-based
+``checkpoint(module)`` keeps the model's structure (parameter names, ``state_dict`` keys, attribute access), so
+checkpoints move freely between runs with and without it. The modes (``"none"``, ``"full"``, ``"selective"``, every
+``n``-th block) are described in :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`.
 """
 
 from __future__ import annotations

@@ -38,23 +38,11 @@ def _strict_ancestors(model: nn.Module) -> dict[int, list[nn.Module]]:
 def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
     """The classes ``"auto"`` picks: the outermost repeated modules that hold layers, in the order first met.
 
-    A class is a candidate when its instances own parameters through children
-    of their own (never a leaf layer: ``Linear``, norms, ``Embedding``,
-    activations, dropout) and it is repeated: two or more instances in
-    ``model``, or the only class of a ``ModuleList``/``Sequential`` (so a
-    one-layer model built like a deep one still has its block found). A
-    candidate nested inside another candidate's instance (a transformer
-    layer's attention, say) is left to the outer one. Several classes can
-    result (encoder and decoder layers). A model without such modules gives
-    ``[]``: it is one unit.
-
-    One exception to "outermost": a *stack*, a repeated module that holds the
-    model's layers in a list (T5's encoder and decoder are two ``T5Stack``
-    instances, each with a ``ModuleList`` of ``T5Block``), is looked into, and
-    the layers of its list are the blocks. The layer lists that count are the
-    outermost ``ModuleList``/``Sequential`` whose children are all instances of
-    one candidate class; a list inside another list's layer (a block's own list
-    of attention heads) does not make that block a stack.
+    A candidate owns parameters through children of its own (never a leaf layer) and is repeated (two or more
+    instances, or the only class of a ``ModuleList``/``Sequential``); a candidate nested in another is left to the
+    outer one, except inside a *stack* (a repeated module holding the model's layers in a list, as T5's ``T5Stack``),
+    whose list's layers are the blocks. A model without candidates gives ``[]``: it is one unit. The rules with
+    examples: ``docs/models.md``.
     """
     instances: dict[type[nn.Module], list[nn.Module]] = {}
     only_class_of_a_list: set[type[nn.Module]] = set()

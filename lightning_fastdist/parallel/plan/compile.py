@@ -1,23 +1,11 @@
 """``torch.compile`` applied to the right region: each repeated block (default) or the model's forward.
 
-Compiling each block separately ("regional" compilation) traces one block and
-reuses that graph for every identical block, so compile time does not grow
-with depth, and it keeps distributed machinery out of the graph: FSDP's
-all-gather hooks and activation checkpointing's hooks run in eager code around
-each compiled ``forward``. Only ``forward`` is compiled (not the module's
-``__call__``), so hooks, parameter names and ``state_dict`` keys are unchanged.
-
-Order (the strategies follow it): activation checkpointing, then compile, then
-FSDP ``fully_shard`` / DDP wrapping.
-
-CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``, ``backend="cudagraphs"``,
-``options={"triton.cudagraphs": True}``) are refused when the strategy is built: a replayed graph
-reads and writes fixed addresses, and here those addresses move between replays. Each block's
-graph is shared by every block (each with its own parameters), activation checkpointing runs a
-block's forward again inside backward (a second replay that overwrites outputs the first one still
-needs), and FSDP frees and re-allocates each block's gathered weights every step. What to use
-instead: ``mode="max-autotune-no-cudagraphs"`` (inductor's autotuned kernels without graphs) or
-the default mode.
+Per-block ("regional") compilation traces one block and reuses that graph for every identical block, so compile
+time does not grow with depth, and FSDP's and checkpointing's hooks run in eager code around each compiled
+``forward``. Only ``forward`` is compiled, so hooks, parameter names and ``state_dict`` keys are unchanged. Order:
+``docs/plan.md``. CUDA graphs are refused when the strategy is built: a replayed graph uses fixed addresses, which
+move here (one graph shared by every block, checkpointing's second replay, FSDP's re-allocated weights); use
+``mode="max-autotune-no-cudagraphs"`` or the default (``docs/compile.md``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Zero gradients for experts that sat idle in a step, so that every rank reduces the same gradients.
 
-A mixture-of-experts layer with one module per expert (SwitchTransformers, Qwen2-MoE, DeepSeek
-in HuggingFace) calls only the experts its router picked for the tokens of this rank's batch: an
-expert no token reached gets no gradient, and which experts those are differs between ranks.
-FSDP2 reduce-scatters the gradients a unit *has*, packed into one buffer, so two ranks with
-different idle experts hand gloo or NCCL buffers of different sizes (gloo aborts the process:
-"Received data size doesn't match expected size"). DDP has ``find_unused_parameters`` for it;
-FSDP2 has nothing.
-
-:class:`IdleExperts` hooks the layers that may leave experts idle. After such a layer's forward, a
-zero that depends on the idle experts' parameters (an autograd function that reads nothing from
-them) is added to the layer's output; in the backward it hands each of their parameters a zero
-gradient, before the unit's reduce-scatter (it is among the first nodes of the layer's backward;
-FSDP reduces once the whole unit's backward has run). Every rank then reduces every parameter: the
-result is the same mean gradient, with zeros from the ranks where an expert was idle. An expert no
-rank called would now get a zero gradient that AdamW still applies (momentum, weight decay), so
-after an optimizer step's last backward one small all-reduce of which experts ran drops those
-gradients again, as DDP's ``find_unused_parameters`` leaves them (FastFSDPStrategy does this;
-FastDeepSpeedStrategy, whose optimizer works on flat partitions, cannot).
-
-Which layers: a ``ModuleList``/``ModuleDict`` (or a subclass) holding two or more modules of one
-class that own parameters (the experts), inside a unit and not themselves units. The hooks sit on
-the experts and on the module that calls them (the container when it has a ``forward`` of its
-own, else its parent). A dense model has no such container inside its blocks (its layers are the
-blocks) and gets no hook.
+In a mixture-of-experts layer with one module per expert, an expert no token of this rank reached gets no
+gradient, and which differ between ranks; FSDP2 then reduce-scatters buffers of different sizes (gloo aborts).
+:class:`IdleExperts` adds to such a layer's output a zero that depends on the idle experts' parameters, so its
+backward gives each of them a zero gradient before the unit's reduce-scatter. After an optimizer step's last
+backward one small all-reduce of which experts ran drops the gradients of experts no rank called, as DDP's
+``find_unused_parameters`` leaves them (FastFSDPStrategy; FastDeepSpeedStrategy's flat partitions cannot).
+Which layers: a ``ModuleList``/``ModuleDict`` of two or more modules of one class that own parameters, inside a
+unit and not units themselves; hooks sit on the experts and on the module that calls them. ``docs/models.md``,
+"Mixture of experts".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """The plan every strategy applies to a model: its blocks, their activation checkpointing, compile, then a wrapper.
 
-:class:`ParallelPlan` holds the options all strategies share and is the one place they are
-described; a strategy builds one from its arguments (it checks itself once, there) and, when
-Lightning hands it the model, calls :meth:`ParallelPlan.apply` with its wrapper: FSDP's
-``fully_shard`` per block, DDP's ``DistributedDataParallel`` or nothing (DeepSpeed's engine
-wraps the model after Lightning's ``_setup_model``).
-
-The order, the same for every wrapper, and why:
-
-1. Resolve the blocks (:func:`~lightning_fastdist.parallel.plan.blocks.resolve_blocks`), only if a step
-   below or the wrapper uses them; one line says which were found (and, for a wrapper that makes
-   each block a unit, which blocks stay in their enclosing unit because they share a parameter
-   outside them: :mod:`~lightning_fastdist.parallel.plan.shared_parameters`).
-2. Turn off a HuggingFace model's KV cache when its blocks are checkpointed or compiled one by
-   one (:mod:`~lightning_fastdist.parallel.plan.kv_cache` says why).
-3. Activation checkpointing of each block: its hooks must sit inside the wrapper's units, so
-   that a block recomputed in backward finds its parameters gathered (FSDP) and its gradients
-   still reach the wrapper's reduction hooks (DDP).
-4. ``torch.compile`` of each block's ``forward`` (or the model's): after checkpointing, whose
-   hooks then run around the compiled code, and before wrapping, so that the wrapper's hooks
-   (FSDP's all-gathers, DDP's bucketed all-reduces) stay outside the graphs. Only ``forward``
-   is compiled: hooks, parameter names and ``state_dict`` keys are unchanged. A model compiled
-   whole and run inside DDP is still split at DDP's bucket boundaries: dynamo looks for the
-   running DDP module when the graph is traced, at the first step.
-5. The wrapper.
+:class:`ParallelPlan` holds the options all strategies share and is the one place they are described; a strategy
+builds one from its arguments (it checks itself once, there) and, when Lightning hands it the model, calls
+:meth:`ParallelPlan.apply` with its wrapper: FSDP's ``fully_shard`` per block, DDP's ``DistributedDataParallel``
+or nothing (DeepSpeed's engine wraps the model after Lightning's ``_setup_model``). The order (blocks, KV cache,
+checkpointing, compile, wrapper) and why each step comes where it does: ``docs/plan.md`` and
+:meth:`ParallelPlan.apply`.
 """
 
 from __future__ import annotations
@@ -129,7 +111,7 @@ class ParallelPlan:
         without_blocks: str = "",
         log: Callable[[str], object] = lambda line: None,
     ) -> tuple[Wrapped | nn.Module, PreparedBlocks]:
-        """Apply steps 1-5 to ``model`` in place; return what ``wrap`` returned (``model`` without one) and the blocks.
+        """Apply the plan to ``model`` in place, in docs/plan.md's order; return ``wrap``'s result and the blocks.
 
         Args:
             model: the model (a LightningModule or any ``nn.Module``).

@@ -1,12 +1,9 @@
 """Blocks that share a parameter with the rest of the model, and so cannot be FSDP units of their own.
 
-FSDP manages each parameter in exactly one unit: a unit gathers what it manages before its
-forward and frees it after. A parameter registered both inside a block and outside it (an
-embedding tied into a block, one weight reused by two layers) would belong to two units, which
-``fully_shard`` refuses ("shared with a parameter already managed by another FSDP group"). Such
-a parameter stays where every module that holds it is: the block is not made a unit, and its
-parameters belong to the next unit that encloses it (an enclosing block, or the root). The plan's
-blocks line says which blocks were kept that way and names one shared parameter of each class.
+FSDP manages each parameter in exactly one unit; a parameter registered inside a block and outside it (a tied
+embedding, one weight reused by two layers) would belong to two, which ``fully_shard`` refuses. Such a block is not
+made a unit: its parameters belong to the next enclosing unit (a block, or the root), and the plan's blocks line
+names it and one shared parameter.
 """
 
 from __future__ import annotations
