@@ -34,6 +34,7 @@ from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspee
 from lightning_fastdist.parallel.deepspeed.runtime import (
     check_deepspeed_device,
     choose_offload_optimizer,
+    engines_placed_on,
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
@@ -228,12 +229,10 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
         import deepspeed  # noqa: PLC0415 - optional; import_deepspeed checked it in __init__
 
-        # Lightning passes device_rank=root_device.index, which a CPU device does not have.
-        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
         if self.settings.offload_optimizer and optimizer is not None:
             optimizer = self._offloaded_optimizer(optimizer)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._device_rank),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -243,6 +242,16 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         )
         start_zero3_steps_at_the_outer_forward(engine)  # a LightningModule calls itself inside its forward
         return engine, deepspeed_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        with engines_placed_on(self._device_rank):  # validate, test and predict build an engine of their own
+            super()._initialize_deepspeed_inference(model)
+
+    @property
+    def _device_rank(self) -> int:
+        """Where DeepSpeed's engine goes: the device's index, and on CPU (no index) the local rank."""
+        return self.root_device.index if self.root_device.index is not None else self.local_rank
 
     def _offloaded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """DeepSpeed's CPU Adam for the offloaded step where every rank can build it, else ``optimizer`` (one line)."""
@@ -291,6 +300,9 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning's closure has already divided the loss by the accumulation (DDP's gradients are the mean over
+        # micro-batches); DeepSpeed's engine would divide it again, as if the learning rate were that much smaller.
+        kwargs.setdefault("scale_wrt_gas", False)
         with one_gradient_round(self.comm_stats):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

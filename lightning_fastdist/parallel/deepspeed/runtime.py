@@ -16,10 +16,12 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -52,6 +54,28 @@ def auto_bucket_size(model: torch.nn.Module) -> int:
     bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
     """
     return min(MAX_AUTO_BUCKET, sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+@contextmanager
+def engines_placed_on(device_rank: int) -> Iterator[None]:
+    """Make ``deepspeed.initialize`` place the engines built inside the block on ``device_rank`` where its caller
+    passes ``device_rank=None``: Lightning passes the device's index, which a CPU device does not have, and
+    DeepSpeed's engine compares it with 0."""
+    import deepspeed  # noqa: PLC0415 - optional; the strategy imported it already
+
+    initialize = deepspeed.initialize
+
+    def initialize_on_device_rank(*args, **kwargs):
+        given = kwargs.get("args")
+        if given is not None and getattr(given, "device_rank", 0) is None:
+            kwargs["args"] = argparse.Namespace(**{**vars(given), "device_rank": device_rank})
+        return initialize(*args, **kwargs)
+
+    deepspeed.initialize = initialize_on_device_rank
+    try:
+        yield
+    finally:
+        deepspeed.initialize = initialize
 
 
 def skip_jit_built_comm_ops() -> None:
