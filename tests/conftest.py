@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,6 +25,17 @@ def in_tmp_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@contextlib.contextmanager
+def environment_restored() -> Iterator[None]:
+    """Put ``os.environ`` back as it was on leaving the block."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def restore_environment():
     """Undo changes a test makes to ``os.environ``.
@@ -32,7 +45,13 @@ def restore_environment():
     even for one device; left behind, they make a later test's processes believe
     they are ranks of an external job (hangs, "address already in use").
     """
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with environment_restored():
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_environment_after_module():
+    """The same around each module: a module-scoped fixture (one fit shared by a module's tests) is set up before
+    the per-test fixture saves the environment, so what its fit wrote would otherwise outlive the module."""
+    with environment_restored():
+        yield
