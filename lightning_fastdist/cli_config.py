@@ -17,7 +17,6 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from jsonargparse import Namespace
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from typing_extensions import override
@@ -54,7 +53,7 @@ class OwnConfigSaver(SaveConfigCallback):
             self._save(log_dir)
         self.already_saved = True
 
-    def _save(self, log_dir: _PATH) -> None:
+    def _save(self, log_dir: str | os.PathLike) -> None:
         fs = get_filesystem(log_dir)
         path = os.path.join(log_dir, self.config_filename)
         if fs.exists(path) and not written_by_us(fs, path):

@@ -27,29 +27,31 @@ def in_tmp_dir(tmp_path, monkeypatch):
 
 @contextlib.contextmanager
 def environment_restored() -> Iterator[None]:
-    """Undo changes to ``os.environ`` made inside the block.
+    """Put ``os.environ`` back as it was on leaving the block."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Undo changes a test makes to ``os.environ``.
 
     Lightning's launcher writes MASTER_PORT, LOCAL_RANK, NODE_RANK, ... into the
     environment of the process that calls ``fit`` with a DDP or FSDP strategy,
     even for one device; left behind, they make a later test's processes believe
     they are ranks of an external job (hangs, "address already in use").
     """
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def restore_environment_of_module_fixtures():
-    """A module-scoped fixture that calls ``fit`` in-process runs before the per-test snapshot below: undo its
-    changes when the module ends, before another module's ``fit`` reads them."""
     with environment_restored():
         yield
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """Undo changes a test makes to ``os.environ``."""
+@pytest.fixture(autouse=True, scope="module")
+def restore_environment_after_module():
+    """The same around each module: a module-scoped fixture (one fit shared by a module's tests) is set up before
+    the per-test fixture saves the environment, so what its fit wrote would otherwise outlive the module."""
     with environment_restored():
         yield

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_fastdist.callbacks.step_clock import CudaEventClock, WallClock, clock_for
 from lightning_fastdist.diagnostics.peak_flops import TERA, matmul_dtype, peak_flops
-from lightning_fastdist.trainer.internals import require_internals
+from lightning_fastdist.trainer.internals import is_logging_step, require_internals
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
@@ -165,7 +165,7 @@ class SpeedMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._units.update(self.count_units(batch))
-        if trainer._logger_connector.should_update_logs:
+        if is_logging_step(trainer):
             self._close_window()
             self._log_finished_windows(trainer, pl_module)
 

@@ -41,7 +41,12 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_fastdist.callbacks.host_transfer import scalars_to_host
-from lightning_fastdist.trainer.internals import InstancePatches, require_internals
+from lightning_fastdist.trainer.internals import (
+    InstancePatches,
+    logger_connector,
+    require_internals,
+    strategy_timeout,
+)
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 # Lightning's suffixes: a metric logged with on_step=True and on_epoch=True appears as NAME_step / NAME_epoch,
@@ -71,13 +76,11 @@ class SyncFreeLogging(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         require_internals(trainer, type(self).__name__)
-        connector = trainer._logger_connector
+        connector = logger_connector(trainer)
         self._patches.replace(pl_module, "log", self._log_sync_free(pl_module))
         self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
         if not getattr(trainer.strategy, "handles_preemption", False):
-            timeout = (
-                getattr(trainer.strategy, "_timeout", None) or default_pg_timeout
-            )  # Lightning's DDP keeps it there
+            timeout = strategy_timeout(trainer.strategy) or default_pg_timeout
             self._preemption = PreemptionHandler(trainer, timeout)
             self._preemption.install()
 
@@ -140,7 +143,7 @@ class SyncFreeLogging(Callback):
 
     def _log_metrics_from_host(self, trainer: Trainer, original: Callable[..., None]) -> Callable[..., None]:
         """Lightning's ``log_metrics`` preceded by one batched transfer of logged and progress-bar values."""
-        connector = trainer._logger_connector
+        connector = logger_connector(trainer)
 
         def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
             bar = self.progress_bar_items(connector.metrics["callback"])

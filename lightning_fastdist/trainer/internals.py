@@ -1,20 +1,34 @@
-"""The private Lightning internals that the sync-free callbacks rely on, checked in one place.
+"""Every private Lightning name this package relies on, in one place, checked against the installed Lightning.
 
-Lightning has no public hook for "hand the loggers their values" or "check for
-SIGTERM before a batch", so :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
-:class:`~lightning_fastdist.trainer.preemption.PreemptionHandler` replace a few
-private methods *on one trainer's instances* (never on the classes) for the duration
-of a fit; the strategies' ``comm/`` metrics read whether a batch is a logging step
-(:class:`~lightning_fastdist.strategies.comm_metrics.CommBytesLogging`). Each is listed
-here with the versions it was verified on; :func:`require_internals` fails in one line
-naming the missing piece if an upgrade moved one (the optional preemption path only switches itself off,
-saying so: :func:`missing_internals_line`), and ``tests/callbacks/test_sync_free_logging.py``
-fails on the same check when the installed Lightning changes.
+Lightning has no public hook for "hand the loggers their values" or "check for SIGTERM before a batch", and its
+strategies' extension points are private methods, so the package uses names Lightning may move in any release.
+Each is listed here with the modules that use it and why:
+
+- :data:`INTERNALS`: what :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
+  :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler` replace or read *on one trainer's instances*
+  (never on the classes) for the duration of a fit, with the parameters each must take. :func:`require_internals`
+  fails in one line naming the missing piece if an upgrade moved one (the optional preemption path only switches
+  itself off, saying so: :func:`missing_internals_line`); ``tests/callbacks/test_sync_free_logging.py`` fails on
+  the same check when the installed Lightning changes.
+- :data:`PRIVATE_IMPORTS` and :data:`PRIVATE_ATTRIBUTES`: every private function, class and constant imported
+  from Lightning, and every private attribute read, set or overridden on its objects; :data:`CHECKPOINT_KEYS`:
+  the fit loop's progress as Lightning writes it into checkpoints. :func:`missing_private_names` says which of
+  them the installed Lightning lacks.
+
+The accessors below (:func:`logger_connector`, :func:`is_logging_step`, :func:`strategy_timeout`) are how the
+callbacks reach Lightning's private objects. ``tests/project/test_lightning_private_names.py`` reads the
+package's source and fails naming any private Lightning name not listed here (or listed with other modules than
+those that use it), and fails on :func:`missing_private_names` when the installed Lightning changes.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import lightning
 from lightning.pytorch import Trainer
@@ -44,6 +58,186 @@ INTERNALS = (
         "name the checkpoint of a stopped run without a ModelCheckpoint",
     ),
 )
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """Where a private Lightning name is used and why.
+
+    Attributes:
+        used_in: the modules of this package that use it directly (``"strategies.fsdp"``; ``"trainer.internals"``
+            for the names the accessors below reach for the others).
+        purpose: what the package uses it for.
+    """
+
+    used_in: tuple[str, ...]
+    purpose: str
+
+
+FABRIC = "lightning.fabric.utilities"
+# Private functions, classes and constants imported from Lightning, by the dotted path they are imported from.
+PRIVATE_IMPORTS = {
+    f"{FABRIC}.cloud_io._atomic_save": PrivateName(("strategies.comm_hook_checkpoint",), "write a hook's shard file"),
+    f"{FABRIC}.cloud_io._load": PrivateName(("strategies.comm_hook_checkpoint",), "read a hook's shard file"),
+    f"{FABRIC}.device_dtype_mixin._DeviceDtypeModuleMixin": PrivateName(
+        ("strategies.fsdp",), "set the device a LightningModule reports after sharding"
+    ),
+    f"{FABRIC}.distributed._destroy_dist_connection": PrivateName(
+        ("strategies.fault_tolerance",), "destroy the process group at exit, as Lightning does"
+    ),
+    f"{FABRIC}.init._materialize_distributed_module": PrivateName(
+        ("strategies.fsdp",), "materialise a meta-device model after fully_shard"
+    ),
+    f"{FABRIC}.load._METADATA_FILENAME": PrivateName(
+        ("strategies.fsdp",), "name the metadata file of a sharded checkpoint as Lightning does"
+    ),
+    f"{FABRIC}.optimizer._optimizers_to_device": PrivateName(("strategies.fsdp",), "move optimizer states"),
+    f"{FABRIC}.seed._collect_rng_states": PrivateName(("strategies.rng_states",), "save every rank's RNG states"),
+    f"{FABRIC}.seed._set_rng_states": PrivateName(("strategies.rng_states",), "restore every rank's RNG states"),
+    f"{FABRIC}.types._PATH": PrivateName(
+        ("strategies.deepspeed_checkpoint", "strategies.fsdp"), "type checkpoint paths as Lightning's hooks do"
+    ),
+    "lightning.fabric.strategies.deepspeed._validate_device_index_selection": PrivateName(
+        ("strategies.deepspeed",), "validate GPU indices, skipped on CPU"
+    ),
+    "lightning.pytorch.core.optimizer._configure_optimizers": PrivateName(
+        ("planning.simulate",), "read a model's optimizers as the Trainer does"
+    ),
+    "lightning.pytorch.strategies.strategy._ForwardRedirection": PrivateName(
+        ("planning.simulate",), "run training_step through the wrapped model, as the strategies do"
+    ),
+}
+
+TRAINER = "lightning.pytorch.trainer.trainer.Trainer"
+CONNECTORS = "lightning.pytorch.trainer.connectors"
+STRATEGIES = "lightning.pytorch.strategies"
+# Private attributes read, set or overridden on Lightning's objects, by the class that defines them.
+PRIVATE_ATTRIBUTES = {
+    f"{TRAINER}._accelerator_connector": PrivateName(("trainer.preemption",), "find SLURM's auto-requeue setting"),
+    f"{TRAINER}._checkpoint_connector": PrivateName(
+        ("strategies.fault_tolerance", "trainer.preemption"), "name and pick the checkpoint to resume from"
+    ),
+    f"{TRAINER}._logger_connector": PrivateName(
+        ("strategies.comm_metrics", "trainer.internals"), "hand values to the loggers; know a logging step"
+    ),
+    f"{TRAINER}._signal_connector": PrivateName(("trainer.preemption",), "install and restore signal handlers"),
+    f"{CONNECTORS}.checkpoint_connector._CheckpointConnector._ckpt_path": PrivateName(
+        ("strategies.fault_tolerance",), "resume from the newest checkpoint that loads"
+    ),
+    f"{CONNECTORS}.logger_connector.logger_connector._LoggerConnector._progress_bar_metrics": PrivateName(
+        ("callbacks.sync_free_logging",), "show the last transferred values in the progress bar"
+    ),
+    f"{CONNECTORS}.signal_connector._SignalConnector._get_current_signal_handlers": PrivateName(
+        ("trainer.preemption",), "remember the handlers to restore at teardown"
+    ),
+    f"{CONNECTORS}.signal_connector._SignalConnector._original_handlers": PrivateName(
+        ("trainer.preemption",), "have Lightning's teardown restore them"
+    ),
+    f"{CONNECTORS}.signal_connector._SignalConnector._register_signal": PrivateName(
+        ("trainer.preemption",), "install the signal handlers"
+    ),
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": PrivateName(
+        ("trainer.preemption",), "drop the per-batch SIGTERM broadcast (a host sync)"
+    ),
+    "lightning.pytorch.cli.LightningCLI._instantiate_trainer": PrivateName(
+        ("cli",), "give the trainer the recipe's callbacks"
+    ),
+    "lightning.pytorch.cli.LightningCLI._parse_ckpt_path": PrivateName(("cli",), "refuse a recipe given as ckpt_path"),
+    "lightning.pytorch.plugins.precision.precision.Precision._after_closure": PrivateName(
+        ("precision",), "run Lightning's after-closure hooks around the fused optimizer step"
+    ),
+    f"{STRATEGIES}.ddp.DDPStrategy._ddp_kwargs": PrivateName(("strategies.ddp",), "set the bucket size DDP gets"),
+    f"{STRATEGIES}.ddp.DDPStrategy._get_process_group_backend": PrivateName(
+        ("strategies.ddp", "strategies.fault_tolerance"), "check the comm hook against the backend"
+    ),
+    f"{STRATEGIES}.ddp.DDPStrategy._timeout": PrivateName(("trainer.internals",), "the collective timeout"),
+    f"{STRATEGIES}.parallel.ParallelStrategy._configure_launcher": PrivateName(
+        ("strategies.deepspeed", "strategies.fsdp", "strategies.shared_setup"), "choose the launcher"
+    ),
+    f"{STRATEGIES}.strategy.Strategy._launcher": PrivateName(("strategies.shared_setup",), "the launcher chosen"),
+    f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
+        ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"
+    ),
+    f"{STRATEGIES}.model_parallel.ModelParallelStrategy._setup_distributed": PrivateName(
+        ("strategies.fsdp",), "start the process group with our timeout and job identity"
+    ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._init_deepspeed_distributed": PrivateName(
+        ("strategies.deepspeed",), "start DeepSpeed's process group on CPU"
+    ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model": PrivateName(
+        ("strategies.deepspeed",), "apply the plan before DeepSpeed wraps the model"
+    ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer": PrivateName(
+        ("strategies.deepspeed",), "build the DeepSpeed engine with a torch optimizer"
+    ),
+    "lightning.fabric.utilities.device_dtype_mixin._DeviceDtypeModuleMixin._device": PrivateName(
+        ("strategies.fsdp",), "what LightningModule.device reports"
+    ),
+}
+
+# The fit loop's progress as Lightning writes it into a checkpoint's "loops" (not private names, but not
+# documented either), read and rewritten on save and on resume.
+CHECKPOINT_KEYS = {
+    "loops.fit_loop.epoch_progress": PrivateName(("strategies.loop_state",), "reopen an epoch cut short"),
+    "loops.fit_loop.epoch_loop.batch_progress": PrivateName(
+        ("strategies.loop_state",), "align the resumed batch count with the data"
+    ),
+}
+
+
+def _import_dotted(dotted: str) -> Any:
+    """The object at a dotted path (the longest importable module, then attributes); raises if there is none."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise ImportError(dotted)
+
+
+def _defines(owner: type, attribute: str) -> bool:
+    """Whether Lightning's class ``owner`` has ``attribute``, or a class in its MRO sets it on ``self``."""
+    assigned = re.compile(rf"self\.{attribute}\b")
+    return hasattr(owner, attribute) or any(
+        assigned.search(inspect.getsource(cls)) for cls in inspect.getmro(owner) if cls is not object
+    )
+
+
+def missing_private_names() -> list[str]:
+    """One line for each name in :data:`PRIVATE_IMPORTS` and :data:`PRIVATE_ATTRIBUTES` this Lightning lacks."""
+    missing = []
+    for names, attribute in ((PRIVATE_IMPORTS, False), (PRIVATE_ATTRIBUTES, True)):
+        for dotted, use in names.items():
+            owner, name = dotted.rsplit(".", 1)
+            try:
+                found = _defines(_import_dotted(owner), name) if attribute else _import_dotted(dotted) is not None
+            except (ImportError, AttributeError):
+                found = False
+            if not found:
+                missing.append(
+                    f"{dotted} (used in {', '.join(use.used_in)} to {use.purpose}) is not in Lightning "
+                    f"{lightning.__version__}"
+                )
+    return missing
+
+
+def logger_connector(trainer: Trainer) -> Any:
+    """The trainer's logger connector (:data:`INTERNALS` lists what is used on it)."""
+    return trainer._logger_connector
+
+
+def is_logging_step(trainer: Trainer) -> bool:
+    """Whether the loggers take this batch's values (``log_every_n_steps``)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def strategy_timeout(strategy: Any) -> timedelta | None:
+    """The collective timeout Lightning's strategies keep (``None`` where a strategy has none)."""
+    return getattr(strategy, "_timeout", None)
 
 
 def lightning_version_is_tested(version: str = lightning.__version__) -> bool:

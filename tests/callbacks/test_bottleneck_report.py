@@ -126,6 +126,7 @@ def all_cases(root: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_each_bottleneck_is_flagged_and_a_clean_run_is_not(tmp_path):
     results = run_function(all_cases, world_size=2, args=(str(tmp_path),), timeout=240, init_process_group=False)
     for rank, by_case in enumerate(results):

@@ -117,6 +117,7 @@ def three_fits() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_auto_rebuilds_loaders_keeps_the_data_and_measures_waits():
     for result in run_function(three_fits, world_size=2, timeout=240, init_process_group=False):
         audit, auto, slow = result["audit"], result["auto"], result["slow"]

@@ -144,6 +144,7 @@ def fit_and_report(sync_free: bool, root: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_csv_logger_receives_the_same_steps_and_values_as_plain_lightning(tmp_path):
     plain = run_function(fit_and_report, world_size=2, args=(False, str(tmp_path / "plain")), init_process_group=False)
     ours = run_function(fit_and_report, world_size=2, args=(True, str(tmp_path / "ours")), init_process_group=False)
@@ -174,6 +175,7 @@ def count_syncs_per_step(root: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_no_host_sync_on_ordinary_steps_under_fast_ddp_with_bf16_and_speed_monitor(tmp_path):
     for rank in run_function(count_syncs_per_step, world_size=2, args=(str(tmp_path),), init_process_group=False):
         steps = rank["steps"]
@@ -210,6 +212,7 @@ def fit_until_sigterm(root: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_on_one_rank_under_lightnings_ddp_stops_every_rank_at_the_same_step(tmp_path):
     # SyncFreeLogging brings the preemption handler to a strategy that lacks it (Lightning's own DDPStrategy).
     ranks = run_function(fit_until_sigterm, world_size=2, args=(str(tmp_path),), init_process_group=False, timeout=150)

@@ -73,6 +73,7 @@ def saved_step(kind: str, last: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_a_kill_while_replacing_last_leaves_the_previous_last_loadable(tmp_path, kind):
     folder = tmp_path / "checkpoints"

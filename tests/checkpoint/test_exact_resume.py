@@ -22,6 +22,8 @@ from lightning_fastdist.demo import TextDataModule, TinyGPT
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD = 2
 BATCHES_PER_EPOCH = 8  # per rank (what write_corpus holds)
 TOTAL_STEPS, RESUME_AT = 12, 6  # the resume falls in the middle of the first epoch

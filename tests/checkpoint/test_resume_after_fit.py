@@ -25,6 +25,8 @@ from lightning_fastdist.demo import TextDataModule, TinyGPT
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD = 2
 BATCHES_PER_EPOCH = 6  # per rank
 TOTAL_STEPS, STOP_AT = 10, 4  # the first fit stops inside epoch 0; the resumed one ends inside epoch 1

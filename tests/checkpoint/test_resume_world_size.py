@@ -24,6 +24,8 @@ from lightning_fastdist.demo import TextDataModule, TinyGPT
 from tests.support.fault_runs import BLOCK, write_corpus
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 SAMPLES = 64  # training windows in the corpus
 STOP_AT = 3  # steps before the checkpoint, inside the first epoch
 WARNING = "and is resumed by"

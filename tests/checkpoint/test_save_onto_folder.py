@@ -156,6 +156,7 @@ def test_a_full_checkpoint_onto_a_users_folder_raises_on_one_process(kind, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["ddp", "fsdp-full"])
 def test_a_full_checkpoint_onto_a_users_folder_raises_on_every_rank(kind, tmp_path):
     folder = user_folder(tmp_path)
@@ -167,6 +168,7 @@ def test_a_full_checkpoint_onto_a_users_folder_raises_on_every_rank(kind, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_sharded_checkpoint_is_written_into_a_users_folder_and_resumes(tmp_path):
     folder = user_folder(tmp_path)
     steps = run_function(

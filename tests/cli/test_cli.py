@@ -255,6 +255,7 @@ class MyModel(TinyGPT):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_cpu_smoke_with_a_model_from_the_working_directory_on_two_launched_processes(in_tmp_dir):
     (in_tmp_dir / "mymodel.py").write_text(MY_MODEL)  # imported by rank 0 and by the rank Lightning launches
     model = ["--model", "mymodel.MyModel", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2"]
@@ -285,6 +286,7 @@ def test_cpu_smoke_with_a_model_from_the_working_directory_on_two_launched_proce
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_externally_launched_ranks_fit_then_validate_test_and_predict_from_the_checkpoint(in_tmp_dir):
     common = ["--config", "cpu_smoke", "--model.n_layer", "1", "--trainer.enable_progress_bar", "false"]
     run_cli(["fit", *common, *SHORT_RUN], world_size=2, timeout=240)

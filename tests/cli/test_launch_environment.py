@@ -37,6 +37,7 @@ SCRIPT = """
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_fit_leaves_the_environment_of_the_launching_process_as_it_found_it(tmp_path):
     script = tmp_path / "fit_twice.py"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

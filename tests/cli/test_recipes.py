@@ -82,6 +82,7 @@ def accumulation(name: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(RECIPE_CPU_OVERRIDES))
 def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_last(name, in_tmp_dir):
     batches_per_step = accumulation(name)
@@ -101,6 +102,7 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
     port = str(free_port())
     nodes = [

@@ -25,6 +25,8 @@ from tests.support.emulated_cluster import (
     our_namespaces,
 )
 
+pytestmark = pytest.mark.emulated
+
 # fp32 gradients of the demo model: the all-reduce the issue measured.
 GRADIENT_BYTES = 3_370_000
 # Bytes a node may send while its ranks only talk among themselves: barriers, TCP keep-alive, ND.

@@ -38,6 +38,7 @@ def test_bad_arguments_name_the_flag(argv, message, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and_nothing_else(in_tmp_dir):
     users = "# the user's own config, with comments\ntrainer: {max_steps: 3}\n"
     (in_tmp_dir / "config.yaml").write_text(users)
@@ -140,6 +141,7 @@ def train_with_the_probe(output: str) -> list[float]:
     return losses.losses
 
 
+@pytest.mark.multiprocess
 def test_under_accumulation_the_probe_measures_optimizer_steps_and_the_tail_is_their_last_quarter(tmp_path):
     """tune's guard reads the tail loss; step time, tokens and syncs are per optimizer step, not per micro-batch.
     In a process of its own: a probe that left its sync counter entered would show in the next test there."""

@@ -168,6 +168,7 @@ def test_gpus_without_memory_on_a_machine_without_gpus_is_refused(in_tmp_dir, ca
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_written_recipe_trains_with_lightning_fastdist_fit(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = ["--params", "200K", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "3", "--output", "doctor.yaml"]

@@ -52,6 +52,7 @@ def real_memory(run: RecipeRun) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("model", "data"), [(TINY_GPT, TEXT), (LLAMA, TOKENS)], ids=["tinygpt", "hf-llama"])
 def test_simulated_state_and_peak_agree_with_two_real_ranks(tmp_path, model, data):
     recipe = write_recipe(tmp_path / "recipe.yaml", model, data)
@@ -91,6 +92,7 @@ def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_model_in_the_working_directory_is_simulated_and_the_recipe_it_gets_trains(tmp_path):
     (tmp_path / "my_models.py").write_text(
         textwrap.dedent(

@@ -86,6 +86,7 @@ def _usable_between(fits: str, does_not: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains(in_tmp_dir):
     """A real tune (the halving's decisions are held by the test below, whose trials are a table)."""
     recipe = write_recipe(in_tmp_dir / "recipe.yaml", accumulation=2)
@@ -134,6 +135,7 @@ def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_device_too_small_for_everything_starts_no_trial_and_writes_no_recipe(in_tmp_dir):
     write_recipe(in_tmp_dir / "recipe.yaml")
     argv = ["tune", "--config", "recipe.yaml", "--setups", "ddp,ddp-bf16,fsdp-zero3", "--gpu-memory", "0.0001"]

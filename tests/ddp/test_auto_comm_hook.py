@@ -1,8 +1,9 @@
 """``comm_hook="auto"``, FastDDPStrategy's default: exact on a fast network, compressed where the link is slow.
 
-Decisions are asserted, never times: under a shaped link of the emulated cluster it switches to bf16 and
-then to PowerSGD, at the steps its window says, on every rank alike, and a resume keeps the level; on
-loopback it stays exact, with the losses of Lightning's own DDP bit for bit.
+Decisions are asserted, never times: the decision on given measurements (a loopback's, a loaded machine's, a
+slow link's); a fit whose clocks are given (steps that wait for nothing, as on loopback) that stays exact, with
+the losses of Lightning's own DDP bit for bit; and under a shaped link of the emulated cluster, a switch to bf16
+and then to PowerSGD at the steps its window says, on every rank alike, and a resume that keeps the level.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import json
 import sys
 import time
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AutoCommState, AutoPolicy, Decision
-from lightning_fastdist.parallel.ddp.powersgd import compression_ratio
+from lightning_fastdist.parallel.ddp.powersgd import PowerSGDSettings, compression_ratio
+from tests.support.clocks import ManualClock
 from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate
 from tests.support.harness import run_function
 from tests.support.workloads import tiny_gpt
@@ -49,6 +52,26 @@ def test_a_decision_reads_as_one_line_and_a_saved_level_comes_back_with_powersgd
     assert state.state_dict() == saved
 
 
+@pytest.mark.parametrize(
+    ("level", "share", "exposed_ms", "allow_bf16", "decided"),
+    [
+        ("none", 0.05, 2.0, True, "none"),  # loopback: the all-reduce hides under the backward
+        ("none", 0.60, 5.0, True, "none"),  # a loaded machine's loopback: a large share of a short wait is latency
+        ("none", 0.30, 50.0, True, "bf16"),  # a slow link
+        ("none", 0.30, 50.0, False, "none"),  # a backend that does not reduce bfloat16
+        ("bf16", 0.30, 50.0, True, "powersgd"),  # still slow at half the bytes
+        ("bf16", 0.22, 50.0, True, "bf16"),  # bf16 was enough
+    ],
+)
+def test_the_decision_on_given_measurements(level, share, exposed_ms, allow_bf16, decided):
+    state = AutoCommState(
+        module=tiny_gpt(), powersgd_settings=PowerSGDSettings(rank=2), allow_bf16=allow_bf16, level=level
+    )
+    decision = state.decide(share, step_s=0.1, exposed_s=exposed_ms / 1000)
+    assert (decision.level_from, decision.level_to, state.level) == (level, decided, decided)
+    assert state.measuring == (decided not in (level, "powersgd"))  # a decision that stays is final
+
+
 def decide_after_one_rank_waited_for_the_other() -> tuple[str, float, float]:
     state = AutoCommState(module=tiny_gpt(), policy=AutoPolicy(warmup=1, window=1))
     waited_s = [0.0]  # the exposed-communication clock this rank reads
@@ -60,6 +83,7 @@ def decide_after_one_rank_waited_for_the_other() -> tuple[str, float, float]:
     return decision.level_to, decision.exposed_share, decision.step_s
 
 
+@pytest.mark.multiprocess
 def test_a_wait_for_a_slower_peer_is_not_counted_as_communication():
     # Summed over ranks, the step waited about half its time, which would switch to bf16: the slowest rank's 15 ms
     # of a 100 ms step is the communication, under the 20% from which bf16 pays.
@@ -67,6 +91,21 @@ def test_a_wait_for_a_slower_peer_is_not_counted_as_communication():
     assert decisions[0] == decisions[1]  # the same numbers everywhere
     level, share, step_s = decisions[0]
     assert level == "none" and step_s >= 0.1 and share == pytest.approx(0.015 / step_s)
+
+
+class LoopbackClocks(L.Callback):
+    """Auto's two clocks (a window's wall time, the exposed communication) read one manual clock that moves 100 ms
+    per batch, outside the backward: every step takes 100 ms and waits for nothing, as on loopback."""
+
+    def __init__(self) -> None:
+        self.now = ManualClock()
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.hook_state.wall_clock = self.now
+        trainer.strategy.exposed_comm.now = self.now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.now.advance(0.1)
 
 
 def exact_on_loopback() -> dict:
@@ -78,7 +117,8 @@ def exact_on_loopback() -> dict:
     runs = {}
     for name, strategy in (("lightning", DDPStrategy()), ("auto", FastDDPStrategy(comm_hook_window=WINDOW))):
         losses = LossRecorder()
-        trainer = make_trainer(strategy, max_steps=2 * (WARMUP + WINDOW), callbacks=[losses])
+        clocks = [LoopbackClocks()] if name == "auto" else []
+        trainer = make_trainer(strategy, max_steps=2 * (WARMUP + WINDOW), callbacks=[losses, *clocks])
         trainer.fit(tiny_gpt(), repeated_batches())
         runs[name] = losses.losses
     state = trainer.strategy.hook_state
@@ -87,6 +127,7 @@ def exact_on_loopback() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_on_loopback_auto_stays_exact_with_lightnings_losses_bit_for_bit():
     for runs in run_function(exact_on_loopback, 2, init_process_group=False):
         assert runs["decisions"] == [(WARMUP + WINDOW, "none", "none")]  # measured once, stayed, measures no more
@@ -94,6 +135,7 @@ def test_on_loopback_auto_stays_exact_with_lightnings_losses_bit_for_bit():
 
 
 @pytest.mark.slow
+@pytest.mark.emulated
 def test_under_a_slow_link_auto_switches_to_bf16_then_powersgd_and_a_resume_keeps_it(tmp_path):
     reason = cannot_emulate()
     if reason:

@@ -64,6 +64,7 @@ def check_precision_hook(name: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16"])
 def test_precision_hooks_average_within_their_precision_and_count_bytes(name):
     results = run_function(check_precision_hook, world_size=2, args=(name,))
@@ -119,6 +120,7 @@ def check_powersgd(start_iter: int, steps: int, factor_dtype: str = "fp32") -> d
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_powersgd_sends_low_rank_updates_and_error_feedback_loses_nothing():
     fp32, fp16 = (run_function(check_powersgd, world_size=2, args=(2, 6, dtype)) for dtype in ("fp32", "fp16"))
     full = gradient_bytes(tiny_model())

@@ -27,6 +27,7 @@ class LogDDPSettings(L.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_spawn_and_fork_train_and_extra_arguments_reach_distributed_data_parallel():
     # "forkserver" pickles the trainer as "spawn" does (the pickling tests below); "popen" is every other test.
     for start_method in ("spawn", "fork"):

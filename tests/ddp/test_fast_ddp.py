@@ -110,6 +110,7 @@ def bytes_per_step_by_hook() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bytes_per_step_half_for_fp16_bf16_and_tiny_for_powersgd():
     for result in run_function(bytes_per_step_by_hook, world_size=2, timeout=300):
         full = result["none"]["model_bytes"]
@@ -142,6 +143,7 @@ def rounds_with_accumulation(accumulate: int, micro_batches: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_accumulation_of_4_over_100_micro_batches_all_reduces_25_times():
     for result in run_function(rounds_with_accumulation, world_size=2, args=(4, 100), timeout=300):
         assert result["rounds"] == 25
@@ -175,6 +177,7 @@ def powersgd_state_after_two_epochs(checkpoint_dir: str, interrupted: bool) -> d
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_resume_continues_with_the_same_powersgd_state_as_an_uninterrupted_run(tmp_path):
     straight = run_function(powersgd_state_after_two_epochs, world_size=2, args=(str(tmp_path), False), timeout=300)
     resumed = run_function(powersgd_state_after_two_epochs, world_size=2, args=(str(tmp_path), True), timeout=300)
@@ -207,6 +210,7 @@ def losses_with_checkpointing(mode) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_activation_checkpointing_keeps_the_losses_and_wraps_every_block():
     reference = run_function(losses_with_checkpointing, world_size=2, args=("none",))
     checkpointed = run_function(losses_with_checkpointing, world_size=2, args=("full",))

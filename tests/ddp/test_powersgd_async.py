@@ -3,7 +3,9 @@
 Two real gloo ranks. The reference below is the hook as it was before its rounds were chained through
 futures: it waits for the P and then the Q all-reduce inside the hook, and draws Q's first values on a
 CPU generator, bucket by bucket. Both hooks average the same gradients; they must agree bit for bit, step
-for step, with the same bytes, though the hook batches buckets into fewer all-reduces.
+for step, with the same bytes, though the hook batches buckets into fewer all-reduces. That the hook returns
+before its all-reduces complete is shown without timing anything: rank 1 starts its backward only once rank 0's
+hook has returned for every bucket, so none of rank 0's all-reduces can have completed by then.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from tests.support.harness import run_function
 
 START_ITER = 2
 STEPS = 5
-LATE_RANK_SLEEP_S = 0.5  # rank 1 reaches the compressed backward this much later than rank 0
 
 
 def blocking_powersgd_hook(state, bucket):  # no annotations: DDP checks them against its own types
@@ -91,17 +92,25 @@ def compare_with_the_blocking_hook() -> dict:
 
     returned_done: list[bool] = []
     buckets_per_step: list[int] = [0] * STEPS
+    # Rank 0 lets rank 1 start its backward once its hook has returned for the last bucket (compressed steps).
+    all_hooks_returned = dist.new_group(backend="gloo")
 
     def recording_hook(hook_state, bucket):  # powersgd_hook, noting whether its future was done when it returned
         buckets_per_step[hook_state.iteration] += 1
+        compressed = hook_state.iteration >= START_ITER
         future = powersgd_hook(hook_state, bucket)
-        if hook_state.iteration >= START_ITER:
+        if compressed:
             returned_done.append(future.done())
+        if compressed and bucket.is_last() and dist.get_rank() == 0:
+            dist.barrier(group=all_hooks_returned)
         return future
 
     chained = DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = PowerSGDState(settings=settings)  # as CommHookSpec("powersgd").register builds it
     state.index_parameters(model)
+    # The Q rounds' group, which the hook would create at its first compressed bucket, up front: creating a group
+    # waits for every rank, and rank 1 waits for rank 0's hooks (below).
+    state.factor_group()
     chained.register_comm_hook(state, recording_hook)
 
     identical, bytes_chained, bytes_blocking, calls_chained, calls_blocking = [], [], [], [], []
@@ -113,7 +122,7 @@ def compare_with_the_blocking_hook() -> dict:
         bytes_blocking.append(sent.bytes)
         calls_blocking.append(sent.calls)
         if step >= START_ITER and dist.get_rank() == 1:
-            time.sleep(LATE_RANK_SLEEP_S)  # rank 0's all-reduces cannot finish before rank 1 joins them
+            dist.barrier(group=all_hooks_returned)  # rank 0's all-reduces cannot finish before rank 1 joins them
         before = state.stats.totals.get(ALL_REDUCE, Traffic())
         backward(chained, tokens)
         sent = state.stats.totals[ALL_REDUCE] - before
@@ -136,6 +145,7 @@ def compare_with_the_blocking_hook() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_chained_rounds_match_the_blocking_hook_and_return_before_the_all_reduce_completes():
     for rank, result in enumerate(run_function(compare_with_the_blocking_hook, world_size=2)):
         assert result["identical"] == [True] * STEPS, result["identical"]
@@ -152,7 +162,7 @@ def test_chained_rounds_match_the_blocking_hook_and_return_before_the_all_reduce
             assert buckets[step] > BATCHES_PER_STEP, buckets
             assert chained[step] % 2 == 0 and 2 <= chained[step] <= 2 * BATCHES_PER_STEP < blocking[step], result
         assert result["returned_done"] and len(result["returned_done"]) >= STEPS - START_ITER
-        if rank == 0:  # waiting for the late rank: every future was still pending when the hook returned
+        if rank == 0:  # rank 1 had not started: every future was still pending when the hook returned
             assert not any(result["returned_done"]), result["returned_done"]
 
 
@@ -178,6 +188,7 @@ def destroy_the_groups_while_a_callback_still_holds_its_batch() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_callback_that_outlives_the_process_group_does_not_abort_the_process():
     # Once CI's rank died here with "Resource deadlock avoided": the lingering callback held the last reference
     # to the Q rounds' group, which was then freed in that group's own thread.

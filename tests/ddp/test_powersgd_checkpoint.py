@@ -120,6 +120,7 @@ def train_and_keep_one_checkpoint(corpus: str, folder: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fast_ddp_writes_each_ranks_file_beside_its_checkpoint_and_removes_them_with_it(tmp_path):
     corpus = str(write_corpus(tmp_path / "corpus.bin", 8, WORLD))
     folder = tmp_path / "checkpoints"

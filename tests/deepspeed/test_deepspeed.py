@@ -141,6 +141,7 @@ def runs(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_n_steps_straight_equal_half_a_checkpoint_and_a_resume_bitwise(runs, stage):
     records, _ = runs
@@ -156,6 +157,7 @@ def test_n_steps_straight_equal_half_a_checkpoint_and_a_resume_bitwise(runs, sta
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoints_are_deepspeed_folders_published_whole(runs):
     _, tmp_path = runs
     folder = tmp_path / "split2"
@@ -172,6 +174,7 @@ def test_checkpoints_are_deepspeed_folders_published_whole(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_zero3_checkpoint_loads_as_one_file_for_inference(runs):
     records, tmp_path = runs
     loaded, trained = records[0]["one-file"], records[0]["zero3-resumed"]["weights"]
@@ -182,6 +185,7 @@ def test_a_zero3_checkpoint_loads_as_one_file_for_inference(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bytes_per_collective_follow_the_stage_and_accumulation(runs):
     records, _ = runs
     zero1, zero2 = records[0]["zero1-accumulate"], records[0]["zero2-accumulate"]
@@ -199,6 +203,7 @@ def test_bytes_per_collective_follow_the_stage_and_accumulation(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_weights_and_optimizer_state_per_rank_match_the_memory_model(runs, stage):
     records, _ = runs
@@ -211,6 +216,7 @@ def test_weights_and_optimizer_state_per_rank_match_the_memory_model(runs, stage
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["zero2-straight", "zero3-straight", "zero3-offload-bf16"])
 def test_no_host_sync_of_ours_only_deepspeeds_own_step_checks(runs, case):
     records, _ = runs
@@ -225,6 +231,7 @@ def test_no_host_sync_of_ours_only_deepspeeds_own_step_checks(runs, case):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_offload_and_bf16_train_in_bf16_without_compiling(runs):
     record = runs[0][0]["zero3-offload-bf16"]
     assert record["parameter_dtype"] == torch.bfloat16

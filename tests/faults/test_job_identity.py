@@ -61,6 +61,7 @@ def wait(processes: list[subprocess.Popen], deadline: float) -> list[int | None]
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_job_on_the_same_port_cannot_join_the_first(tmp_path):
     port = free_port()
     strategy = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}}

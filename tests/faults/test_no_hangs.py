@@ -17,6 +17,8 @@ import pytest
 from lightning_fastdist.parallel.faults.collective_timeout import lost_peer_message
 from tests.support.fault_runs import run_ranks, write_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 DEADLINE_S = 150  # the test's bound; a hang would run into it
 COLLECTIVE_TIMEOUT_S = 8  # long enough for start-up (both ranks start together), short for a test
 FAULT_STEP = 3

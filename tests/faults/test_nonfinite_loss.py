@@ -74,6 +74,7 @@ def read_metric(log_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_skip_leaves_the_bad_step_out_on_every_rank_and_never_syncs_between_log_steps(tmp_path, kind):
     results = run_function(train_with_nan, 2, args=("skip", str(tmp_path), kind), init_process_group=False, timeout=240)
@@ -88,6 +89,7 @@ def test_skip_leaves_the_bad_step_out_on_every_rank_and_never_syncs_between_log_
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_stop_raises_on_every_rank_at_the_check(tmp_path):
     with pytest.raises(DistributedRunError) as failure:
         run_function(train_with_nan, 2, args=("stop", str(tmp_path)), init_process_group=False, timeout=240)
@@ -160,6 +162,7 @@ def three_runs_into_checkpoints(root: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_nan_loss_never_reaches_a_checkpoint_and_skip_stops_a_diverged_run(tmp_path):
     ranks = run_function(three_runs_into_checkpoints, 2, args=(str(tmp_path),), init_process_group=False, timeout=300)
     for ends in ranks:

@@ -37,6 +37,8 @@ from lightning_fastdist.trainer.preemption import EXIT_STATUS_BASE, Preempted
 from tests.support.fault_runs import BATCH, BLOCK, run_ranks, saved_step, write_corpus, write_recipe
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 MAX_STEPS = 10
 MOMENTS = ("forward", "backward", "optimizer_step", "save", "batch_end")
 

@@ -27,6 +27,8 @@ import torch
 from tests.support.fault_runs import subprocess_environment, write_recipe
 from tests.support.harness import cli_command, free_port
 
+pytestmark = pytest.mark.multiprocess
+
 MAX_STEPS, KILL_AFTER = 12, 7
 DEADLINE_S = 240
 

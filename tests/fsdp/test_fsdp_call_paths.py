@@ -106,6 +106,7 @@ def every_call_path(folder: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_module_calling_self_model_trains_evaluates_predicts_and_resumes_under_fsdp(tmp_path):
     ranks = run_function(every_call_path, 2, args=(str(tmp_path),), init_process_group=False, timeout=300)
     for rank in ranks:

@@ -80,6 +80,7 @@ def train_with_checkpoints(
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("save_format", SAVE_FORMATS)
 def test_saved_at_two_ranks_resumes_at_one_and_two_with_identical_next_losses(tmp_path, save_format):
     saved = run_function(
@@ -105,6 +106,7 @@ def test_saved_at_two_ranks_resumes_at_one_and_two_with_identical_next_losses(tm
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, checkpoint_format):
     options = dict(checkpoint_format=checkpoint_format)

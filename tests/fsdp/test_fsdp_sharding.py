@@ -19,6 +19,8 @@ from lightning_fastdist.planning.memory_model import TrainingShape
 from tests.support.harness import run_function
 from tests.support.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -221,6 +221,7 @@ def eager_then_compiled_setups() -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_compiled_training_matches_eager():
     for rank in run_function(eager_then_compiled_setups, world_size=2, timeout=500):
         for strategy_name, (eager, *compiled_runs) in rank.items():

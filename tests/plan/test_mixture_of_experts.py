@@ -61,6 +61,7 @@ def train_each(setups: list[str]) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_each_engine_trains_the_experts_or_refuses_in_one_line():
     setups = ["ddp find_unused", "zero2 bf16", "zero2 bf16 keep_fp32", "deepspeed stage 2", "deepspeed stage 3"]
     for rank, runs in enumerate(run_function(train_each, 2, args=(setups,), init_process_group=False, timeout=400)):

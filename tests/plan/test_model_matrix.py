@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 4
 # The MLP stack has no block that "auto" could name: to checkpoint or compile per block, name its layers.
 NAMED_BLOCKS = {"mlp": ["Linear"]}

@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.harness import run_function
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 3
 
 

@@ -145,6 +145,7 @@ def measured_per_rank_bytes() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_estimate_within_10_percent_of_measured_bytes_under_ddp_zero2_zero3():
     shape = shape_of(TinyGPT(**TINY), world_size=2)
     for rank_result in run_function(measured_per_rank_bytes, world_size=2, timeout=240):

@@ -97,6 +97,7 @@ def record_training_inputs(corpus_path: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ranks_see_disjoint_shards_that_cover_the_training_split(tmp_path):
     corpus = tmp_path / "corpus.bin"  # 1282 bytes: the 80% training split holds 64 windows of 16 + 1
     generator = torch.Generator().manual_seed(0)

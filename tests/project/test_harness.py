@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.support.harness import DistributedRunError, run_command, run_function
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def all_reduce_rank_plus_one() -> tuple[int, float]:

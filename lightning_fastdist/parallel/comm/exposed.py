@@ -45,14 +45,17 @@ class ExposedCommClock:
 
     Args:
         device: the training device: ``cuda`` marks with events on the current stream, anything else with
-            ``time.perf_counter()``.
+            ``now()``.
+        now: the CPU clock, in seconds (a test gives one that only moves when it says, so that what is counted
+            does not depend on how busy the machine is).
 
     Attributes:
         steps: optimizer steps closed so far.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", now: Callable[[], float] = time.perf_counter) -> None:
         self.device = torch.device(device)
+        self.now = now
         self.on_cuda = self.device.type == "cuda"
         # The stream the training thread computes on; a wait issued on another (a collective's own stream)
         # is not a stall of the compute, so blocked() leaves it out.
@@ -64,9 +67,9 @@ class ExposedCommClock:
         self._unread: list[Interval] = []  # CUDA intervals not yet in _total_s
 
     def mark(self, reuse: Mark | None = None) -> Mark:
-        """Now: a ``perf_counter`` reading, or a CUDA event recorded on the current stream (``reuse`` re-recorded)."""
+        """Now: a :attr:`now` reading, or a CUDA event recorded on the current stream (``reuse`` re-recorded)."""
         if not self.on_cuda:
-            return time.perf_counter()
+            return self.now()
         event = reuse if isinstance(reuse, torch.cuda.Event) else torch.cuda.Event(enable_timing=True)
         event.record()
         return event

@@ -108,6 +108,8 @@ class AutoCommState(HookState):
         powersgd_settings: the strategy's ``powersgd_*`` options, used from the switch to PowerSGD on.
         decision_group: a CPU (gloo) group over the same ranks, for the decisions' all-reduce.
         allow_bf16: whether the backend and device reduce bfloat16 (else ``auto`` stays exact).
+        wall_clock: the clock a window's wall time is read from, in seconds (a test gives one of its own, so
+            that what is decided does not depend on how busy the machine is).
     """
 
     module: nn.Module | None = None
@@ -115,6 +117,7 @@ class AutoCommState(HookState):
     powersgd_settings: PowerSGDSettings = field(default_factory=PowerSGDSettings)
     decision_group: dist.ProcessGroup | None = None
     allow_bf16: bool = True
+    wall_clock: Callable[[], float] = time.perf_counter
     level: str = "none"
     decisions: list[Decision] = field(default_factory=list)
     powersgd: PowerSGDState | None = None
@@ -144,21 +147,28 @@ class AutoCommState(HookState):
         policy = self.policy
         if self._steps_at_level == policy.warmup:
             synchronize()
-            self._window_start = (time.perf_counter(), exposed_total_s())
+            self._window_start = (self.wall_clock(), exposed_total_s())
         elif self._steps_at_level == policy.warmup + policy.window and self._window_start is not None:
             synchronize()
             started, exposed_before = self._window_start
             # The maximum of (wall, -exposed): the longest wall time and the shortest wait, the same everywhere.
             measured = torch.tensor(
-                [time.perf_counter() - started, exposed_before - exposed_total_s()], dtype=torch.float64
+                [self.wall_clock() - started, exposed_before - exposed_total_s()], dtype=torch.float64
             )
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.decision_group)
             wall, exposed = measured[0].item(), -measured[1].item()
             share = exposed / wall if wall > 0 else 0.0
-            return self._decide(share, wall / policy.window, exposed / policy.window)
+            return self.decide(share, wall / policy.window, exposed / policy.window)
         return None
 
-    def _decide(self, share: float, step_s: float, exposed_s: float) -> Decision:
+    def decide(self, share: float, step_s: float, exposed_s: float) -> Decision:
+        """Decide on one window's measurements (combined over the ranks) and switch to the level decided.
+
+        Args:
+            share: the exposed share of the window's wall time.
+            step_s: the wall time per optimizer step.
+            exposed_s: the exposed communication per optimizer step.
+        """
         policy, level = self.policy, self.level
         target = level
         bandwidth_bound = 1000 * exposed_s >= policy.min_exposed_ms  # else latency: fewer bytes would not help
