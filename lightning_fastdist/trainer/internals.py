@@ -83,7 +83,7 @@ PRIVATE_IMPORTS = {
         ("strategies.fsdp",), "set the device a LightningModule reports after sharding"
     ),
     f"{FABRIC}.distributed._destroy_dist_connection": PrivateName(
-        ("strategies.fault_tolerance",), "destroy the process group at exit, as Lightning does"
+        ("strategies.job",), "destroy the process group at exit, as Lightning does"
     ),
     f"{FABRIC}.init._materialize_distributed_module": PrivateName(
         ("strategies.fsdp",), "materialise a meta-device model after fully_shard"
@@ -99,6 +99,12 @@ PRIVATE_IMPORTS = {
     ),
     "lightning.fabric.strategies.deepspeed._validate_device_index_selection": PrivateName(
         ("strategies.deepspeed",), "validate GPU indices, skipped on CPU"
+    ),
+    "lightning.fabric.connector._PRECISION_INPUT_STR_ALIAS_CONVERSION": PrivateName(
+        ("recipes.recipe",), "name a recipe's precision with Lightning's own aliases"
+    ),
+    "lightning.pytorch.strategies.launchers.launcher._Launcher": PrivateName(
+        ("strategies.job",), "type the launcher whose launch checks class names first"
     ),
     "lightning.pytorch.core.optimizer._configure_optimizers": PrivateName(
         ("planning.simulate",), "read a model's optimizers as the Trainer does"
@@ -148,13 +154,15 @@ PRIVATE_ATTRIBUTES = {
     ),
     f"{STRATEGIES}.ddp.DDPStrategy._ddp_kwargs": PrivateName(("strategies.ddp",), "set the bucket size DDP gets"),
     f"{STRATEGIES}.ddp.DDPStrategy._get_process_group_backend": PrivateName(
-        ("strategies.ddp", "strategies.fault_tolerance"), "check the comm hook against the backend"
+        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "check the comm hook; join the group"
     ),
     f"{STRATEGIES}.ddp.DDPStrategy._timeout": PrivateName(("trainer.internals",), "the collective timeout"),
     f"{STRATEGIES}.parallel.ParallelStrategy._configure_launcher": PrivateName(
-        ("strategies.deepspeed", "strategies.fsdp", "strategies.shared_setup"), "choose the launcher"
+        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "choose the launcher"
     ),
-    f"{STRATEGIES}.strategy.Strategy._launcher": PrivateName(("strategies.shared_setup",), "the launcher chosen"),
+    f"{STRATEGIES}.strategy.Strategy._launcher": PrivateName(
+        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "the launcher chosen"
+    ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
         ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"
     ),
@@ -163,6 +171,9 @@ PRIVATE_ATTRIBUTES = {
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._init_deepspeed_distributed": PrivateName(
         ("strategies.deepspeed",), "start DeepSpeed's process group on CPU"
+    ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._initialize_deepspeed_inference": PrivateName(
+        ("strategies.deepspeed",), "build the evaluation engine with a CPU device rank"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model": PrivateName(
         ("strategies.deepspeed",), "apply the plan before DeepSpeed wraps the model"
