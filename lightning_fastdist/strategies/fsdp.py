@@ -36,6 +36,7 @@ from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWrite
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
 from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, RootUnit, ShardingMode, shard_model
 from lightning_fastdist.parallel.plan.blocks import resolve_blocks
@@ -198,6 +199,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:  # Trainer(sync_batchnorm=True)
+                module = self._layer_sync.apply(module)  # before sharding, as Lightning's FSDPStrategy does
             self._root = self.parallelize(module)  # where ModelParallelStrategy expects configure_model to have sharded
             _materialize(self._root, self.root_device, self.fsdp.cpu_offload)
         # Lightning runs each step through ``self.model`` (its forward redirection), so the root's hooks run around it.
@@ -263,6 +266,26 @@ class FastFSDPStrategy(ModelParallelStrategy):
         super().on_train_start()
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._equal_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._equal_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._equal_buffers()
+
+    def _equal_buffers(self) -> None:
+        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP."""
+        if self.model is not None and dist.is_initialized():
+            broadcast_buffers(self.model)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,0 +1,20 @@
+"""Buffers made equal on every rank before evaluation, as DDP's ``broadcast_buffers`` makes them.
+
+FSDP shards parameters, not buffers: each rank's BatchNorm running statistics follow its own batches, so without
+this ``validate`` and ``predict`` would give a different answer on each rank. DDP broadcasts rank 0's buffers
+before a forward; rank 0's statistics evolve the same way under both, so broadcasting them before evaluation gives
+DDP's results.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+
+def broadcast_buffers(module: nn.Module) -> int:
+    """Overwrite every buffer of ``module`` with rank 0's; return how many were sent."""
+    buffers = list(module.buffers())
+    for buffer in buffers:
+        dist.broadcast(buffer, src=0)
+    return len(buffers)
