@@ -163,6 +163,9 @@ PRIVATE_ATTRIBUTES = {
     f"{STRATEGIES}.strategy.Strategy._launcher": PrivateName(
         ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "the launcher chosen"
     ),
+    f"{STRATEGIES}.parallel.ParallelStrategy._layer_sync": PrivateName(
+        ("strategies.fsdp",), "Trainer(sync_batchnorm=True): convert BatchNorm before sharding"
+    ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
         ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"
     ),
