@@ -177,6 +177,37 @@ class FSDPSharding:
         kept = {id(entry.block) for entry in blocks_sharing_parameters(model, blocks)}
         return [*reversed(own_dtype), *reversed([block for block in blocks if id(block) not in kept]), model]
 
+    def unsharded_by_a_step_backward(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str | None:
+        """The one-line refusal of a model trained with a backward inside its step (manual optimization) whose
+        root unit holds parameters, or ``None``.
+
+        The root unit's gradients are reduced when the step's output is backpropagated, after the step returns;
+        a ``manual_backward`` inside the step never reaches that point, so the root's parameters would not move
+        as DDP's do. Units whose forward the step calls (blocks) reduce their own gradients: the fix names the
+        classes of the model's children that hold the root's parameters as blocks too.
+        """
+        in_units = {id(p) for unit in self.units(model, block_classes)[:-1] for p in unit.parameters()}
+        owners: dict[str, str] = {}
+        for name, parameter in model.named_parameters():
+            if id(parameter) not in in_units:
+                child = name.split(".", 1)[0]
+                owners.setdefault(child, type(model.get_submodule(child)).__name__ if "." in name else "")
+        if not owners:
+            return None
+        if "" in owners.values():
+            own = [child for child, owner in owners.items() if not owner]
+            return (
+                f"blocks: under manual optimization every parameter must be in a block, but {type(model).__name__} "
+                f"holds {', '.join(own)} itself; move them into a submodule that the step calls and name its class "
+                "in blocks."
+            )
+        suggestion = sorted({cls.__name__ for cls in block_classes} | set(owners.values()))
+        held = ", ".join(f"{child} ({owner})" for child, owner in owners.items())
+        return (
+            f"blocks: under manual optimization every parameter must be in a block (the backward inside the step "
+            f"does not reach the root unit), but {held} are in none; use blocks: [{', '.join(suggestion)}]."
+        )
+
     def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
         if not self.keep_fp32:
             return []
