@@ -166,7 +166,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     def _refuse_a_root_a_step_cannot_reduce(self, module: nn.Module, block_classes: list[type[nn.Module]]) -> None:
         if not getattr(module, "automatic_optimization", True):
-            problem = self.fsdp.unsharded_by_a_step_backward(module, block_classes)
+            problem = self.fsdp.unreduced_by_a_step_backward(module, block_classes)
             if problem is not None:
                 raise ValueError(problem)
 

@@ -96,26 +96,27 @@ def test_with_the_named_blocks_a_gan_trains_as_under_ddp():
                 assert ours == pytest.approx(ddp, rel=EXACT), f"rank {rank}, {engine}"
 
 
-def test_a_gan_whose_parameters_no_block_holds_is_refused_in_one_line_before_any_process_starts(monkeypatch):
+def test_a_gan_with_no_block_is_refused_in_one_line_before_any_process_starts(monkeypatch):
     started: list[object] = []
     monkeypatch.setattr("subprocess.Popen", lambda *args, **kwargs: started.append(args))
     expected = (
-        r"^blocks: under manual optimization every parameter must be in a block \(the backward inside the step does "
-        r"not reach the root unit\), but G \(Sequential\), D \(Sequential\) are in none; use blocks: \[Sequential\]\.$"
+        r"^blocks: under manual optimization GAN needs blocks \(a backward inside the step does not reduce a model "
+        r"sharded as one unit\), and none were found; use blocks: \[Sequential\]\.$"
     )
     with pytest.raises(ValueError, match=expected):
         trainer(FastFSDPStrategy()).fit(GAN(), real_samples())
     assert started == []
 
 
-def test_parameters_of_the_module_itself_are_refused_with_what_to_do():
-    class OwnWeight(GAN):
+def test_a_module_with_parameters_of_its_own_only_is_told_to_move_them():
+    class OneWeight(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            self.automatic_optimization = False
             self.scale = nn.Parameter(torch.ones(1))
 
-    with pytest.raises(ValueError, match="^blocks: .* OwnWeight holds scale itself; move them into a submodule"):
-        FastFSDPStrategy(blocks=["Sequential"]).check_names(OwnWeight())
+    with pytest.raises(ValueError, match="; move its parameters into a submodule the step calls.$"):
+        FastFSDPStrategy().check_names(OneWeight())
 
 
 def test_automatic_optimization_keeps_its_root_unit():

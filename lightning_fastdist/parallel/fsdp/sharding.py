@@ -177,35 +177,27 @@ class FSDPSharding:
         kept = {id(entry.block) for entry in blocks_sharing_parameters(model, blocks)}
         return [*reversed(own_dtype), *reversed([block for block in blocks if id(block) not in kept]), model]
 
-    def unsharded_by_a_step_backward(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str | None:
-        """The one-line refusal of a model trained with a backward inside its step (manual optimization) whose
-        root unit holds parameters, or ``None``.
+    def unreduced_by_a_step_backward(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str | None:
+        """The one-line refusal of a model trained with a backward inside its step (manual optimization) that
+        would be one FSDP unit, or ``None``.
 
-        The root unit's gradients are reduced when the step's output is backpropagated, after the step returns;
-        a ``manual_backward`` inside the step never reaches that point, so the root's parameters would not move
-        as DDP's do. Units whose forward the step calls (blocks) reduce their own gradients: the fix names the
-        classes of the model's children that hold the root's parameters as blocks too.
+        FSDP reduces a unit's gradients from hooks on the outputs of its forward. The root's forward is the whole
+        step, so a ``manual_backward`` inside it reaches no hook of a one-unit model: the gradients are never
+        reduced and the parameters do not move as DDP's do. Any block called in the step starts FSDP's end-of-
+        backward reduction, the root's gradients included, so naming the classes of the model's children as
+        blocks fixes it.
         """
-        in_units = {id(p) for unit in self.units(model, block_classes)[:-1] for p in unit.parameters()}
-        owners: dict[str, str] = {}
-        for name, parameter in model.named_parameters():
-            if id(parameter) not in in_units:
-                child = name.split(".", 1)[0]
-                owners.setdefault(child, type(model.get_submodule(child)).__name__ if "." in name else "")
-        if not owners:
+        if len(self.units(model, block_classes)) > 1 or not any(True for _ in model.parameters()):
             return None
-        if "" in owners.values():
-            own = [child for child, owner in owners.items() if not owner]
-            return (
-                f"blocks: under manual optimization every parameter must be in a block, but {type(model).__name__} "
-                f"holds {', '.join(own)} itself; move them into a submodule that the step calls and name its class "
-                "in blocks."
-            )
-        suggestion = sorted({cls.__name__ for cls in block_classes} | set(owners.values()))
-        held = ", ".join(f"{child} ({owner})" for child, owner in owners.items())
+        children = sorted({type(child).__name__ for child in model.children() if any(True for _ in child.parameters())})
+        fix = (
+            f"use blocks: [{', '.join(children)}]"
+            if children
+            else "move its parameters into a submodule the step calls"
+        )
         return (
-            f"blocks: under manual optimization every parameter must be in a block (the backward inside the step "
-            f"does not reach the root unit), but {held} are in none; use blocks: [{', '.join(suggestion)}]."
+            f"blocks: under manual optimization {type(model).__name__} needs blocks (a backward inside the step "
+            f"does not reduce a model sharded as one unit), and none were found; {fix}."
         )
 
     def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
