@@ -161,8 +161,14 @@ class FastFSDPStrategy(ModelParallelStrategy):
         """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
         process starts (a model that builds its layers in ``configure_model`` is checked when it is sharded)."""
         if names_checkable(module):
-            resolve_blocks(module, self.plan.blocks)
+            self._refuse_a_root_a_step_cannot_reduce(module, resolve_blocks(module, self.plan.blocks))
             self.fsdp.units(module, [])  # resolves keep_fp32
+
+    def _refuse_a_root_a_step_cannot_reduce(self, module: nn.Module, block_classes: list[type[nn.Module]]) -> None:
+        if not getattr(module, "automatic_optimization", True):
+            problem = self.fsdp.unreduced_by_a_step_backward(module, block_classes)
+            if problem is not None:
+                raise ValueError(problem)
 
     @override
     def setup_environment(self) -> None:
@@ -232,6 +238,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
         """
         precision = self.precision_plugin.precision
+        self._refuse_a_root_a_step_cannot_reduce(model, resolve_blocks(model, self.plan.blocks))  # configure_model
         root, units, self.prepared, self._idle_experts = shard_model(
             model, self.device_mesh, self.plan, self.fsdp, precision, rank_zero_info
         )

@@ -177,6 +177,29 @@ class FSDPSharding:
         kept = {id(entry.block) for entry in blocks_sharing_parameters(model, blocks)}
         return [*reversed(own_dtype), *reversed([block for block in blocks if id(block) not in kept]), model]
 
+    def unreduced_by_a_step_backward(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str | None:
+        """The one-line refusal of a model trained with a backward inside its step (manual optimization) that
+        would be one FSDP unit, or ``None``.
+
+        FSDP reduces a unit's gradients from hooks on the outputs of its forward. The root's forward is the whole
+        step, so a ``manual_backward`` inside it reaches no hook of a one-unit model: the gradients are never
+        reduced and the parameters do not move as DDP's do. Any block called in the step starts FSDP's end-of-
+        backward reduction, the root's gradients included, so naming the classes of the model's children as
+        blocks fixes it.
+        """
+        if len(self.units(model, block_classes)) > 1 or not any(True for _ in model.parameters()):
+            return None
+        children = sorted({type(child).__name__ for child in model.children() if any(True for _ in child.parameters())})
+        fix = (
+            f"use blocks: [{', '.join(children)}]"
+            if children
+            else "move its parameters into a submodule the step calls"
+        )
+        return (
+            f"blocks: under manual optimization {type(model).__name__} needs blocks (a backward inside the step "
+            f"does not reduce a model sharded as one unit), and none were found; {fix}."
+        )
+
     def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
         if not self.keep_fp32:
             return []
