@@ -276,3 +276,15 @@ def test_without_deepspeed_the_package_imports_and_the_strategy_says_how_to_inst
     assert result.stdout == (
         "FastDeepSpeedStrategy needs DeepSpeed, which is not installed: pip install lightning-fastdist[deepspeed]\n"
     )
+
+
+def test_auto_buckets_count_zero3_partitioned_parameters_by_their_full_size():
+    """A model ZeRO-3 partitioned (validated after fit, or after ``GatheredParameters``) holds empty tensors whose
+    size is ``ds_numel``: the buckets it gets are its size, not 0 (DeepSpeed refuses a bucket of 0)."""
+    from lightning_fastdist.parallel.deepspeed.runtime import auto_bucket_size
+
+    model = torch.nn.Linear(8, 4)
+    for parameter in model.parameters():
+        parameter.ds_numel = parameter.numel()
+        parameter.data = torch.empty(0)
+    assert auto_bucket_size(model) == 8 * 4 + 4

@@ -52,8 +52,10 @@ def auto_bucket_size(model: torch.nn.Module) -> int:
 
     DeepSpeed allocates its buckets at full size on every micro-batch (one or two per bucket kind), so a
     bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
+    A parameter ZeRO-3 partitioned (a model validated after fit, or after ``GatheredParameters``) holds an empty
+    tensor on every rank; its size is ``ds_numel`` (counting ``numel()`` sized the buckets 0, which DeepSpeed refuses).
     """
-    return min(MAX_AUTO_BUCKET, sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return min(MAX_AUTO_BUCKET, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad))
 
 
 @contextmanager
