@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +50,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     PreparedBlocks,
 )
 from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
+from lightning_fastdist.strategies.deepspeed_checkpoint import full_weights_of_folder
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
 from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite
 from lightning_fastdist.strategies.job import (
@@ -144,6 +145,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         self.prepared: PreparedBlocks | None = None
         self._comm_log = CommMetricsLog()
         self._resume = ResumeState()
+        self._full_weights_to_load = False  # set by load_checkpoint for an evaluation from a ZeRO-3 folder
         self._preemption: PreemptionHandler | None = None
 
     @override
@@ -329,11 +331,33 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        self._full_weights_to_load = self._evaluates_from_zero3_folder(checkpoint_path)
+        if self._full_weights_to_load:
+            load = full_weights_of_folder
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.
         checkpoint[RNG_KEY] = self.broadcast(checkpoint.get(RNG_KEY))
         self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         return checkpoint
+
+    def _evaluates_from_zero3_folder(self, checkpoint_path: Any) -> bool:
+        """validate/test/predict from a ZeRO-3 checkpoint folder: DeepSpeed's inference engine has no ZeRO optimizer,
+        and its ``load_checkpoint`` then calls the missing ``_restore_from_bit16_weights`` of the
+        ``DeepSpeedZeRoOffload`` in its place (DeepSpeed 0.19); the weights are assembled from the folder instead."""
+        from lightning.pytorch.trainer.states import TrainerFn  # noqa: PLC0415
+
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self.zero_stage_3 and not self.load_full_weights and not fitting and Path(checkpoint_path).is_dir()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._full_weights_to_load:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        self._full_weights_to_load = False
+        self.model_to_device()
+        self._restore_zero_state(checkpoint, strict=strict)  # Lightning's: gathers each module's weights to load
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -44,3 +44,34 @@ def consolidate_checkpoint(folder: _PATH, output: _PATH) -> dict[str, Any]:
 
     save_file_atomically(write, Path(output))
     return converted
+
+
+def full_weights_of_folder(folder: _PATH) -> dict[str, Any]:
+    """The DeepSpeed checkpoint ``folder`` as :func:`consolidate_checkpoint` writes it (Lightning's state and the full
+    fp32 ``state_dict``), in memory: every rank reads every rank's partition."""
+    import_deepspeed("full_weights_of_folder")
+    import torch  # noqa: PLC0415
+    from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415
+        get_fp32_state_dict_from_zero_checkpoint,
+        get_model_state_file,
+        get_optim_files,
+    )
+    from lightning.pytorch.utilities.deepspeed import ds_checkpoint_dir  # noqa: PLC0415
+
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints what it reads
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(folder)
+    tag_folder = ds_checkpoint_dir(folder)
+    zero_stage = torch.load(get_optim_files(tag_folder)[0], map_location="cpu", weights_only=False)[
+        "optimizer_state_dict"
+    ]["zero_stage"]
+    client_state = torch.load(get_model_state_file(tag_folder, zero_stage), map_location="cpu", weights_only=False)
+    checkpoint = {key: value for key, value in client_state.items() if key not in _DEEPSPEED_STATES}
+    checkpoint["state_dict"] = {key.removeprefix("_forward_module."): value for key, value in state_dict.items()}
+    return checkpoint
+
+
+# What DeepSpeed adds to a rank's model-states file beside Lightning's checkpoint (Lightning's converter drops them).
+_DEEPSPEED_STATES = (
+    "module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
+    "dp_world_size", "mp_world_size",
+)  # fmt: skip
