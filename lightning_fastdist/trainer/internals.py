@@ -178,6 +178,9 @@ PRIVATE_ATTRIBUTES = {
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._initialize_deepspeed_inference": PrivateName(
         ("strategies.deepspeed",), "build the evaluation engine with a CPU device rank"
     ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._restore_zero_state": PrivateName(
+        ("strategies.deepspeed",), "load full weights into ZeRO-3 partitions, evaluating from a checkpoint folder"
+    ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model": PrivateName(
         ("strategies.deepspeed",), "apply the plan before DeepSpeed wraps the model"
     ),
