@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,48 +31,25 @@ def consolidate_checkpoint(folder: _PATH, output: _PATH) -> dict[str, Any]:
     One process, no process group; the file is written under ``<output>.partial`` and renamed into place.
     The weights are fp32 whatever the training precision; the optimizer state is left out.
     """
-    import_deepspeed("consolidate_checkpoint")
-    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict  # noqa: PLC0415
-
     folder = Path(folder)
     if not (folder / "latest").is_file():
         raise FileNotFoundError(f"consolidate_checkpoint: {folder} is not a DeepSpeed checkpoint (no 'latest' file).")
     converted: dict[str, Any] = {}
-
-    def write(staged: Path) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):  # the converter prints the staging name
-            converted.update(convert_zero_checkpoint_to_fp32_state_dict(folder, staged))
-
-    save_file_atomically(write, Path(output))
+    save_file_atomically(lambda staged: converted.update(_convert(folder, staged)), Path(output))
     return converted
 
 
 def full_weights_of_folder(folder: _PATH) -> dict[str, Any]:
     """The DeepSpeed checkpoint ``folder`` as :func:`consolidate_checkpoint` writes it (Lightning's state and the full
-    fp32 ``state_dict``), in memory: every rank reads every rank's partition."""
-    import_deepspeed("full_weights_of_folder")
-    import torch  # noqa: PLC0415
-    from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415
-        get_fp32_state_dict_from_zero_checkpoint,
-        get_model_state_file,
-        get_optim_files,
-    )
-    from lightning.pytorch.utilities.deepspeed import ds_checkpoint_dir  # noqa: PLC0415
-
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints what it reads
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(folder)
-    tag_folder = ds_checkpoint_dir(folder)
-    zero_stage = torch.load(get_optim_files(tag_folder)[0], map_location="cpu", weights_only=False)[
-        "optimizer_state_dict"
-    ]["zero_stage"]
-    client_state = torch.load(get_model_state_file(tag_folder, zero_stage), map_location="cpu", weights_only=False)
-    checkpoint = {key: value for key, value in client_state.items() if key not in _DEEPSPEED_STATES}
-    checkpoint["state_dict"] = {key.removeprefix("_forward_module."): value for key, value in state_dict.items()}
-    return checkpoint
+    fp32 ``state_dict``), without keeping the file: every rank reads every rank's partition."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return _convert(Path(folder), Path(scratch) / "full.ckpt")
 
 
-# What DeepSpeed adds to a rank's model-states file beside Lightning's checkpoint (Lightning's converter drops them).
-_DEEPSPEED_STATES = (
-    "module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
-    "dp_world_size", "mp_world_size",
-)  # fmt: skip
+def _convert(folder: Path, output: Path) -> dict[str, Any]:
+    """Lightning's converter, quiet: it prints what it reads."""
+    import_deepspeed("consolidate_checkpoint")
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict  # noqa: PLC0415
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return convert_zero_checkpoint_to_fp32_state_dict(folder, output)
