@@ -97,10 +97,6 @@ class MemoryEstimate:
         """Peak bytes per GPU during a step."""
         return self.state + self.gathered_weights + self.activations
 
-    def as_dict(self) -> dict:
-        """The fields plus ``state`` and ``total``, for JSON."""
-        return {**asdict(self), "state": self.state, "total": self.total}
-
 
 def _state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
     """(weight, gradient, AdamW-state) bytes per parameter."""
