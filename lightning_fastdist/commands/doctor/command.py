@@ -333,11 +333,10 @@ SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given an
 
 def _simulated_cluster(args: argparse.Namespace, recipe: Recipe, environment: Environment) -> tuple[int, int, int]:
     """``(world_size, gpus_per_node, memory_bytes)`` to simulate, from the flags, the recipe and this machine."""
-    recipe_devices = recipe.devices
-    world_size = args.world_size or (args.gpus or recipe_devices or 0) * (args.nodes or recipe.nodes or 1)
+    world_size = args.world_size or (args.gpus or recipe.devices or 0) * (args.nodes or recipe.nodes or 1)
     if not world_size:
         raise DoctorError("--world-size: needed with --simulate (ranks to plan for, e.g. 64).")
-    gpus_per_node = min(args.gpus or recipe_devices or len(environment.gpus) or 8, world_size)
+    gpus_per_node = min(args.gpus or recipe.devices or len(environment.gpus) or 8, world_size)
     if world_size % gpus_per_node:
         raise DoctorError(f"--world-size: {world_size} is not a multiple of --gpus {gpus_per_node} (GPUs per node).")
     memory = device_memory(args.gpu_memory, environment)
