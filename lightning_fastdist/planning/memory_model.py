@@ -98,12 +98,6 @@ class MemoryEstimate:
         return self.state + self.gathered_weights + self.activations
 
 
-def _state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, AdamW-state) bytes per parameter."""
-    weight = 2 if precision == "bf16-true" else 4
-    return weight, weight, ADAMW_STATES * weight
-
-
 def _compute_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
@@ -208,7 +202,8 @@ def estimate_memory(
             replace(shape, precision=deepspeed_activation_precision(shape.precision)), activation_checkpointing
         )
         return MemoryEstimate(mode, activation_checkpointing, cpu_offload, activations=activations, **asdict(state))
-    weight_b, grad_b, optim_b = _state_bytes_per_parameter(shape.precision)
+    weight_b = grad_b = 2 if shape.precision == "bf16-true" else 4  # per parameter; AdamW keeps two states of each
+    optim_b = ADAMW_STATES * weight_b
     n = shape.parameters
     shards = 1 if mode == "ddp" else shape.world_size
     weights, gradients, optimizer = (-(-n * per // shards) for per in (weight_b, grad_b, optim_b))

@@ -56,6 +56,8 @@ from lightning_fastdist.recipes.recipe import Recipe, RecipeError, build
 PARALLEL_FROM_PARAMETERS = 10**9
 FSDP_SETUPS = (*FSDP_MODES, "hsdp")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+# StepMemory's fields in the order the JSON's per_rank lists them (docs/doctor.md)
+PER_RANK_JSON = ("params", "grads", "optimizer", "activations_peak", "peak", "gathered_peak")
 
 
 class NotTraceable(Exception):
@@ -94,14 +96,7 @@ class SimulatedSetup:
             "setup": self.setup,
             "activation_checkpointing": self.activation_checkpointing,
             "cpu_offload": self.cpu_offload,
-            "per_rank": {
-                "params": m.params,
-                "grads": m.grads,
-                "optimizer": m.optimizer,
-                "activations_peak": m.activations_peak,
-                "peak": m.peak,
-                "gathered_peak": m.gathered_peak,
-            },
+            "per_rank": {key: getattr(m, key) for key in PER_RANK_JSON},
             "fits": m.peak <= usable_bytes,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "method": self.method,
