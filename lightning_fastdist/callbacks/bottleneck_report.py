@@ -82,7 +82,6 @@ class BottleneckReport(Callback):
         self._paused = False
         self._counter: HostSyncCounter | None = None
         self._counting = False
-        self._watching = False
         self._watcher = RecompileWatcher(report=lambda message: None)
         self._at_start: dict = {}
         self._timing: dict = {}
@@ -165,7 +164,6 @@ class BottleneckReport(Callback):
             "totals": dict(stats.totals) if stats is not None else None,
         }
         self._watcher.start()
-        self._watching = True
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
@@ -228,9 +226,7 @@ class BottleneckReport(Callback):
         if self._counting:
             self._counter.__exit__(None, None, None)
             self._counting = False
-        if self._watching:
-            self._watcher.stop()
-            self._watching = False
+        self._watcher.stop()  # a no-op when it is not watching
 
     # ------------------------------------------------------------ reporting
 
