@@ -209,9 +209,8 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe_de
         memory = device_memory(args.gpu_memory, environment)
         if memory is None:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
-        bf16 = (
-            all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True
-        ) and not args.no_bf16
+        # planned GPUs (--gpus) are taken to have bf16 unless --no-bf16; this machine's must all have it
+        bf16 = not args.no_bf16 and (args.gpus is not None or all(gpu.bf16 for gpu in environment.gpus))
         return Target("gpu", devices, memory, bf16, environment.cpu_cores, args.nodes)
     devices = min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
