@@ -82,7 +82,6 @@ class BottleneckReport(Callback):
         self._paused = False
         self._counter: HostSyncCounter | None = None
         self._counting = False
-        self._watching = False
         self._watcher = RecompileWatcher(report=lambda message: None)
         self._at_start: dict = {}
         self._timing: dict = {}
@@ -165,7 +164,6 @@ class BottleneckReport(Callback):
             "totals": dict(stats.totals) if stats is not None else None,
         }
         self._watcher.start()
-        self._watching = True
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
@@ -217,26 +215,18 @@ class BottleneckReport(Callback):
     def _peak_memory(self, trainer: Trainer) -> dict:
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            return {
-                "peak_bytes": torch.cuda.max_memory_allocated(device),
-                "capacity_bytes": total,
-                "memory_what": "allocated on the GPU",
-            }
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB  # Linux reports KiB
-        return {
-            "peak_bytes": peak,
-            "capacity_bytes": host_memory_bytes(),
-            "memory_what": "peak RSS of this process vs host memory",
-        }
+            peak, what = torch.cuda.max_memory_allocated(device), "allocated on the GPU"
+            capacity = torch.cuda.get_device_properties(device).total_memory
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB  # Linux reports KiB
+            capacity, what = host_memory_bytes(), "peak RSS of this process vs host memory"
+        return {"peak_bytes": peak, "capacity_bytes": capacity, "memory_what": what}
 
     def _stop_measuring(self) -> None:
         if self._counting:
             self._counter.__exit__(None, None, None)
             self._counting = False
-        if self._watching:
-            self._watcher.stop()
-            self._watching = False
+        self._watcher.stop()  # a no-op when it is not watching
 
     # ------------------------------------------------------------ reporting
 
@@ -257,17 +247,10 @@ class BottleneckReport(Callback):
             ranks = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(ranks, mine)
         self.rows = self._rows(trainer, ranks)
-        self.details = {
-            "window": {
-                "start_step": self.start_step,
-                "num_steps": self.num_steps,
-                "host_sync_steps": self.host_sync_steps,
-            },
-            "ranks": ranks,
-        }
-        directory = Path(
-            trainer.log_dir or trainer.default_root_dir
-        )  # log_dir is a collective under DDP: every rank asks
+        window = {"start_step": self.start_step, "num_steps": self.num_steps, "host_sync_steps": self.host_sync_steps}
+        self.details = {"window": window, "ranks": ranks}
+        # log_dir is a collective under DDP: every rank asks
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
             self._write(trainer, directory)
 

@@ -64,7 +64,7 @@ class DataLoaderTuner(Callback):
         self._accelerator = trainer.strategy.root_device.type
         source: Any = trainer.datamodule if trainer.datamodule is not None else pl_module
         for name, hook in LOADER_HOOKS.items():
-            if _defines(source, hook):
+            if is_overridden(hook, source):  # the module or data module implements it itself
                 self._patches.replace(source, hook, self._tuned(name, getattr(source, hook)))
 
     @override
@@ -100,12 +100,9 @@ class DataLoaderTuner(Callback):
         return findings
 
     def _report(self) -> None:
-        lines = []
-        for name, findings in self.findings.items():
-            applied = self.applied.get(name, [])
-            lines += [f"  [{'changed' if f in applied else 'advice'}] {f.describe()}" for f in findings]
+        lines = self.report().splitlines()
         if lines:
-            rank_zero_info("DataLoaderTuner:\n" + "\n".join(lines))
+            rank_zero_info("DataLoaderTuner:\n" + "\n".join(f"  {line}" for line in lines))
         else:
             rank_zero_info("DataLoaderTuner: the train/val DataLoader settings look right.")
 
@@ -156,11 +153,6 @@ def rebuild_with(loader: DataLoader, settings: dict) -> DataLoader:
     if arguments["prefetch_factor"] is None:
         del arguments["prefetch_factor"]  # DataLoader refuses an explicit value without workers
     return type(loader)(**arguments)
-
-
-def _defines(source: object, hook: str) -> bool:
-    """Whether ``source`` (a LightningModule or DataModule) implements the loader ``hook`` itself."""
-    return is_overridden(hook, source)
 
 
 def _map_loaders(loaders: Any, tune: Callable[[DataLoader], DataLoader]) -> Any:

@@ -139,17 +139,11 @@ class NonFiniteLoss(Callback):
     def _check(self, trainer: Trainer) -> None:
         """The one host read: report new bad steps (``skip``) or stop (``stop``, or ``skip`` with too long a run)."""
         assert self._bad_steps is not None and self._longest_bad_run is not None
-        bad_steps, longest_run = (
-            int(value) for value in torch.stack([self._bad_steps, self._longest_bad_run]).tolist()
-        )
+        bad_steps, longest_run = (int(n) for n in torch.stack([self._bad_steps, self._longest_bad_run]).tolist())
         self._longest_bad_run = self._bad_run  # the next window starts with the run still going on
         total = self._restored + bad_steps
-        new, first, self._reported, self._last_check_step = (
-            total - self._reported,
-            self._last_check_step,
-            total,
-            trainer.global_step,
-        )
+        new, first = total - self._reported, self._last_check_step
+        self._reported, self._last_check_step = total, trainer.global_step
         if new == 0:
             return
         where = f"{new} optimizer step(s) between steps {first} and {trainer.global_step} had a NaN/inf training loss"

@@ -36,14 +36,11 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
     """The first tensor in ``batch`` (a tensor, or nested sequences and mappings), depth first."""
     if isinstance(batch, torch.Tensor):
         return batch
-    items = (
-        batch.values()
-        if isinstance(batch, Mapping)
-        else batch
-        if isinstance(batch, Sequence) and not isinstance(batch, str)
-        else ()
-    )
-    for item in items:
+    if isinstance(batch, Mapping):
+        batch = batch.values()
+    elif not isinstance(batch, Sequence) or isinstance(batch, str):
+        return None
+    for item in batch:
         found = first_tensor(item)
         if found is not None:
             return found

@@ -127,14 +127,8 @@ class SyncFreeLogging(Callback):
         chosen: dict[tuple[str, str], tuple[str, Tensor]] = {}
         for key, value in metrics.items():
             base, _, loader = key.partition(_DATALOADER_MARK)
-            forked_from = next(
-                (
-                    base[: -len(s)]
-                    for s in _FORK_SUFFIXES
-                    if base.endswith(s) and base[: -len(s)] in self.progress_bar_names
-                ),
-                None,
-            )
+            stems = [base.removesuffix(suffix) for suffix in _FORK_SUFFIXES if base.endswith(suffix)]
+            forked_from = next((stem for stem in stems if stem in self.progress_bar_names), None)
             if forked_from is not None:
                 chosen[(forked_from, loader)] = (key, value)
             elif base in self.progress_bar_names:

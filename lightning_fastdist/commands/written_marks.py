@@ -4,6 +4,7 @@ first line, a JSON document by its ``written_by`` key."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -13,6 +14,16 @@ def first_line_starts_with(path: Path, header: str) -> bool:
     """Whether the file at ``path`` begins with ``header`` on its first line."""
     with path.open("rb") as file:
         return file.readline().decode(errors="replace").startswith(header)
+
+
+def refusal(flag: str, path: Path, example: str, ours: Callable[[Path], bool], writer: str, advice: str) -> str | None:
+    """Why ``flag``'s ``path`` is not replaced: it is a folder (give ``example`` inside it), or a file ``writer``
+    did not write (``ours`` is false for it; ``advice`` says what to do instead); ``None`` when it may be."""
+    if path.is_dir():
+        return f"{flag}: {path} is a folder; give a file path such as {path / example}"
+    if path.exists() and not ours(path):
+        return f"{flag}: {path} exists and was not written by {writer}, so it is kept; {advice}"
+    return None
 
 
 def write_recipe(path: Path, comments: list[str], config: dict) -> None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 MAX_WORKERS = 8
 MIN_PREFETCH = 2
+TUNED_SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 
 
 @dataclass(frozen=True)
@@ -56,19 +57,17 @@ def audit_dataloader(loader: DataLoader, name: str, accelerator: str, cores_per_
     """
     findings: list[DataLoaderFinding] = []
     workers = loader.num_workers
-    iterable = isinstance(loader.dataset, IterableDataset)
-    if workers == 0:
-        if iterable:
-            findings.append(DataLoaderFinding(
-                name, "num_workers", 0, None,
-                "batches load in the training process; an IterableDataset needs to split its stream with "
-                "get_worker_info() before workers can be added",
-            ))  # fmt: skip
-        else:
-            findings.append(DataLoaderFinding(
-                name, "num_workers", 0, workers_for(cores_per_rank),
-                f"batches load in the training process between steps; {cores_per_rank} core(s) per rank allow workers",
-            ))  # fmt: skip
+    if workers == 0 and isinstance(loader.dataset, IterableDataset):
+        findings.append(DataLoaderFinding(
+            name, "num_workers", 0, None,
+            "batches load in the training process; an IterableDataset needs to split its stream with "
+            "get_worker_info() before workers can be added",
+        ))  # fmt: skip
+    elif workers == 0:
+        findings.append(DataLoaderFinding(
+            name, "num_workers", 0, workers_for(cores_per_rank),
+            f"batches load in the training process between steps; {cores_per_rank} core(s) per rank allow workers",
+        ))  # fmt: skip
     elif workers > cores_per_rank:
         findings.append(DataLoaderFinding(
             name, "num_workers", workers, max(1, cores_per_rank),
@@ -97,12 +96,7 @@ def tuned_settings(loader: DataLoader, findings: list[DataLoaderFinding]) -> dic
 
     Consistent for DataLoader's checks: without workers, ``persistent_workers`` is off and ``prefetch_factor`` unset.
     """
-    settings = {
-        "num_workers": loader.num_workers,
-        "pin_memory": loader.pin_memory,
-        "persistent_workers": loader.persistent_workers,
-        "prefetch_factor": loader.prefetch_factor,
-    }
+    settings = {key: getattr(loader, key) for key in TUNED_SETTINGS}
     for finding in findings:
         if finding.proposed is not None:
             settings[finding.setting] = finding.proposed

@@ -141,13 +141,7 @@ def host_memory_bytes() -> int | None:
 def _backends() -> list[str]:
     if not dist.is_available():
         return []
-    checks = {
-        "nccl": "is_nccl_available",
-        "gloo": "is_gloo_available",
-        "mpi": "is_mpi_available",
-        "ucc": "is_ucc_available",
-    }
-    return [name for name, check in checks.items() if getattr(dist, check, lambda: False)()]
+    return [name for name in ("nccl", "gloo", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()]
 
 
 def cpu_bf16_autocast_available() -> bool:

@@ -138,8 +138,7 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
         while global_batch % (micro_batch * target.world_size):
             micro_batch -= 1
         reasons.append(f"micro-batch lowered to {micro_batch}: nothing fitted with a larger one")
-    trial = replace(shape, micro_batch=1)
-    estimate = estimate_memory(trial, *preference[-1][:2], cpu_offload=preference[-1][2])
+    # the loop's last estimate: the most frugal configuration at micro-batch 1
     reasons.append(
         f"does not fit: even {describe_setup(*preference[-1])} at micro-batch 1 needs an estimated "
         f"{estimate.total / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB; use more or larger devices"

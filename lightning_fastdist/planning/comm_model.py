@@ -61,15 +61,6 @@ def root_parameters(shape: TrainingShape) -> int:
     return (shape.vocab_size + shape.seq_len) * shape.hidden + 2 * shape.hidden
 
 
-def _estimate_deepspeed(world_size: int, n: int, mode: str, accumulation: int, weight_bytes: int) -> CommEstimate:
-    w, stage = weight_bytes, int(mode[-1])
-    if stage == 3:
-        gathered = accumulation * (n + max(0, n - MAX_LIVE_PARAMETERS))
-        return CommEstimate(mode, world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
-    reductions = 1 if stage == 1 else accumulation
-    return CommEstimate(mode, world_size, allreduce=reductions * w * n, allgather=w * n)
-
-
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
     """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see docs/doctor.md).
 
@@ -115,19 +106,22 @@ def comm_per_step(
     n = parameters
     compute_bytes = 4 if precision == "32-true" else 2
     gradient_bytes = 2 if precision == "bf16-true" else 4
-    if mode in DEEPSPEED_MODES:
-        return _estimate_deepspeed(world_size, n, mode, accumulation, weight_bytes=compute_bytes)
+    if mode in DEEPSPEED_MODES:  # its model runs in 16 bits (or 32): its gradients are in that dtype too
+        w, stage = compute_bytes, int(mode[-1])
+        if stage == 3:
+            gathered = accumulation * (n + max(0, n - MAX_LIVE_PARAMETERS))
+            return CommEstimate(mode, world_size, allgather=w * gathered, reduce_scatter=accumulation * w * n)
+        reductions = 1 if stage == 1 else accumulation
+        return CommEstimate(mode, world_size, allreduce=reductions * w * n, allgather=w * n)
     if mode == "ddp":
         return CommEstimate(mode, world_size, allreduce=gradient_bytes * n)
     gathered = n if mode == "zero2" else accumulation * (2 * n - min(n, root_params))
-    if mode == "hsdp":
-        group = shard_group or world_size
-        return CommEstimate(
-            mode,
-            world_size,
-            allreduce=0 if group == world_size else -(-gradient_bytes * n // group),
-            allgather=gathered * compute_bytes,
-            reduce_scatter=gradient_bytes * n,
-            shard_group=group,
-        )
-    return CommEstimate(mode, world_size, allgather=gathered * compute_bytes, reduce_scatter=gradient_bytes * n)
+    group = (shard_group or world_size) if mode == "hsdp" else None  # FSDP's replicas all-reduce the shards
+    return CommEstimate(
+        mode,
+        world_size,
+        allreduce=0 if group in (None, world_size) else -(-gradient_bytes * n // group),
+        allgather=gathered * compute_bytes,
+        reduce_scatter=gradient_bytes * n,
+        shard_group=group,
+    )

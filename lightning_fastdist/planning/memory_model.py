@@ -97,16 +97,6 @@ class MemoryEstimate:
         """Peak bytes per GPU during a step."""
         return self.state + self.gathered_weights + self.activations
 
-    def as_dict(self) -> dict:
-        """The fields plus ``state`` and ``total``, for JSON."""
-        return {**asdict(self), "state": self.state, "total": self.total}
-
-
-def _state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, AdamW-state) bytes per parameter."""
-    weight = 2 if precision == "bf16-true" else 4
-    return weight, weight, ADAMW_STATES * weight
-
 
 def _compute_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
@@ -124,18 +114,13 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
             f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {activation_checkpointing!r}."
         )
     tokens_x_hidden = shape.micro_batch * shape.seq_len * shape.hidden
-    if shape.precision in ("32-true", "bf16-true"):
-        unit = _compute_bytes(shape.precision) if shape.precision == "bf16-true" else 4
-        per_layer = UNITS_PER_LAYER * unit * tokens_x_hidden
-        selective = SELECTIVE_UNITS_PER_LAYER * unit * tokens_x_hidden
-        residual_unit = unit
-    else:  # mixed: two fp32 residuals, the other units are 2-byte copies saved by the matmuls
-        per_layer = (2 * 4 + (UNITS_PER_LAYER - 2) * 2) * tokens_x_hidden
-        selective = SELECTIVE_UNITS_PER_LAYER * 2 * tokens_x_hidden
-        residual_unit = 4
-    logits_bytes = 2 if shape.precision in ("bf16-mixed", "16-mixed", "bf16-true") else 4
+    unit = _compute_bytes(shape.precision)  # of the saved tensors (and the logits)
+    # mixed: the two residuals stay fp32, the other units are 2-byte copies saved by the matmuls
+    residual_unit = 4 if shape.precision in ("bf16-mixed", "16-mixed") else unit
+    per_layer = (2 * residual_unit + (UNITS_PER_LAYER - 2) * unit) * tokens_x_hidden
+    selective = SELECTIVE_UNITS_PER_LAYER * unit * tokens_x_hidden
     head = HEAD_UNITS * residual_unit * tokens_x_hidden + shape.micro_batch * shape.seq_len * shape.vocab_size * (
-        logits_bytes + 4
+        unit + 4
     )
     if activation_checkpointing == "none":
         return shape.layers * per_layer + head
@@ -187,23 +172,6 @@ def deepspeed_activation_precision(precision: str) -> str:
     return "32-true" if precision == "32-true" else "bf16-true"
 
 
-def _estimate_deepspeed(shape: TrainingShape, mode: str, checkpointing: str, cpu_offload: bool) -> MemoryEstimate:
-    """DeepSpeed's stages (see docs/doctor.md)."""
-    state = deepspeed_state(shape.parameters, shape.world_size, shape.precision, int(mode[-1]), cpu_offload)
-    activation_precision = deepspeed_activation_precision(shape.precision)
-    return MemoryEstimate(
-        mode=mode,
-        activation_checkpointing=checkpointing,
-        cpu_offload=cpu_offload,
-        weights=state.weights,
-        gradients=state.gradients,
-        optimizer=state.optimizer,
-        gathered_weights=state.gathered_weights,
-        activations=activation_bytes(replace(shape, precision=activation_precision), checkpointing),
-        host_bytes=state.host_bytes,
-    )
-
-
 def estimate_memory(
     shape: TrainingShape,
     mode: str,
@@ -228,15 +196,20 @@ def estimate_memory(
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
     if cpu_offload and mode == "ddp":
         raise ValueError("cpu_offload needs a sharded mode (DDP keeps a full replica on every GPU).")
-    if mode in DEEPSPEED_MODES:
-        return _estimate_deepspeed(shape, mode, activation_checkpointing, cpu_offload)
-    weight_b, grad_b, optim_b = _state_bytes_per_parameter(shape.precision)
+    if mode in DEEPSPEED_MODES:  # see docs/doctor.md; its activations run in DeepSpeed's own dtype
+        state = deepspeed_state(shape.parameters, shape.world_size, shape.precision, int(mode[-1]), cpu_offload)
+        activations = activation_bytes(
+            replace(shape, precision=deepspeed_activation_precision(shape.precision)), activation_checkpointing
+        )
+        return MemoryEstimate(mode, activation_checkpointing, cpu_offload, activations=activations, **asdict(state))
+    weight_b = grad_b = 2 if shape.precision == "bf16-true" else 4  # per parameter; AdamW keeps two states of each
+    optim_b = ADAMW_STATES * weight_b
     n = shape.parameters
     shards = 1 if mode == "ddp" else shape.world_size
     weights, gradients, optimizer = (-(-n * per // shards) for per in (weight_b, grad_b, optim_b))
     if mode == "ddp" and not gradient_as_bucket_view:
         gradients += n * grad_b
-    compute_b = weight_b if shape.precision in ("32-true", "bf16-true") else _compute_bytes(shape.precision)
+    compute_b = _compute_bytes(shape.precision)
     if mode == "ddp":
         # Autocast caches a low-precision copy of every weight for the forward pass.
         gathered = 0 if compute_b == weight_b else n * compute_b
@@ -248,16 +221,9 @@ def estimate_memory(
     if cpu_offload:
         host = weights + gradients + optimizer
         weights = gradients = optimizer = 0
+    activations = activation_bytes(shape, activation_checkpointing)
     return MemoryEstimate(
-        mode=mode,
-        activation_checkpointing=activation_checkpointing,
-        cpu_offload=cpu_offload,
-        weights=weights,
-        gradients=gradients,
-        optimizer=optimizer,
-        gathered_weights=gathered,
-        activations=activation_bytes(shape, activation_checkpointing),
-        host_bytes=host,
+        mode, activation_checkpointing, cpu_offload, weights, gradients, optimizer, gathered, activations, host
     )
 
 

@@ -56,6 +56,8 @@ from lightning_fastdist.recipes.recipe import Recipe, RecipeError, build
 PARALLEL_FROM_PARAMETERS = 10**9
 FSDP_SETUPS = (*FSDP_MODES, "hsdp")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+# StepMemory's fields in the order the JSON's per_rank lists them (docs/doctor.md)
+PER_RANK_JSON = ("params", "grads", "optimizer", "activations_peak", "peak", "gathered_peak")
 
 
 class NotTraceable(Exception):
@@ -94,14 +96,7 @@ class SimulatedSetup:
             "setup": self.setup,
             "activation_checkpointing": self.activation_checkpointing,
             "cpu_offload": self.cpu_offload,
-            "per_rank": {
-                "params": m.params,
-                "grads": m.grads,
-                "optimizer": m.optimizer,
-                "activations_peak": m.activations_peak,
-                "peak": m.peak,
-                "gathered_peak": m.gathered_peak,
-            },
+            "per_rank": {key: getattr(m, key) for key in PER_RANK_JSON},
             "fits": m.peak <= usable_bytes,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "method": self.method,
@@ -153,10 +148,6 @@ def first_batch(data_section: dict) -> Any:
 def _build(run: RecipeRun, fake: bool) -> LightningModule:
     with torch.device("meta") if fake else nullcontext():
         return _instantiate("model", run.model)
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    return output["loss"] if isinstance(output, dict) else output
 
 
 def _first_optimizer(model: LightningModule) -> torch.optim.Optimizer:
@@ -229,7 +220,8 @@ def measure_setup(
         if fake:
             batch = tree_map_only(torch.Tensor, fake_mode.from_tensor, batch)
         if precision in _TRUE_DTYPES:
-            batch = tree_map_only(torch.Tensor, _to_dtype(_TRUE_DTYPES[precision]), batch)
+            dtype = _TRUE_DTYPES[precision]
+            batch = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
         step = _forward_backward(trained, module, batch, _autocast(precision))
         inputs = tuple(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
         memory = measure_step(
@@ -241,10 +233,6 @@ def measure_setup(
             warm_up_on_zero_gradients=fake,
         )
     return TracedStep(memory, parameters, root_parameters)
-
-
-def _to_dtype(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: t.to(dtype) if t.is_floating_point() else t
 
 
 def _autocast(precision: str) -> Callable[[], AbstractContextManager]:
@@ -266,7 +254,7 @@ def _forward_backward(
                 output = module.training_step(batch, 0)
             else:
                 output = redirect(trained, module, "training_step", batch, 0)
-        loss = _loss_of(output)
+        loss = output["loss"] if isinstance(output, dict) else output
         if not isinstance(loss, torch.Tensor):
             raise NotTraceable("training_step returned no loss tensor (manual optimization is not simulated)")
         loss.backward()
@@ -410,8 +398,7 @@ def simulate(
     parameters = 0
     for (setup, mode, _), result in zip(tasks, results):
         if isinstance(result, str):
-            for name in DEEPSPEED_MODES if setup == "ds" else (setup,):
-                not_traced.append((name, mode, result))
+            not_traced += [(name, mode, result) for name in (DEEPSPEED_MODES if setup == "ds" else (setup,))]
             continue
         parameters = result.parameters
         if setup == "ds":
@@ -433,21 +420,12 @@ def _deepspeed_rows(run: RecipeRun, traced: TracedStep, checkpointing: str, worl
     rows = []
     for setup in DEEPSPEED_MODES:
         state = deepspeed_state(traced.parameters, world_size, run.precision, int(setup[-1]), cpu_offload=False)
-        memory = StepMemory(
-            params=state.weights,
-            grads=state.gradients,
-            optimizer=state.optimizer,
-            gathered_peak=state.gathered_weights,
-            activations_peak=traced.memory.activations_peak,
-            peak=state.weights + state.gradients + state.optimizer + state.gathered_weights
-            + traced.memory.activations_peak,
-        )  # fmt: skip
+        parts = (state.weights, state.gradients, state.optimizer, state.gathered_weights)
+        activations = traced.memory.activations_peak
+        memory = StepMemory(*parts, activations_peak=activations, peak=sum(parts) + activations)
         comm = comm_per_step(
             setup, world_size, traced.parameters, traced.root_parameters, run.precision, run.accumulation
         )
-        rows.append(
-            SimulatedSetup(
-                setup, checkpointing, False, memory, comm.sent_per_device, "formula state, traced activations"
-            )
-        )
+        method = "formula state, traced activations"
+        rows.append(SimulatedSetup(setup, checkpointing, False, memory, comm.sent_per_device, method))
     return rows

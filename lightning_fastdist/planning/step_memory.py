@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,6 @@ class StepMemory:
     def state(self) -> int:
         """Parameters + gradients + optimizer state."""
         return self.params + self.grads + self.optimizer
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def tracing_unavailable() -> str | None:

@@ -150,9 +150,10 @@ def run_setup(
 ) -> dict:
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
     ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
+    row = {"setup": setup.name, "engine": setup.engine}
     unavailable = setup.unavailable(args.recipe.config, world_size(args))
     if unavailable:
-        return {"setup": setup.name, "engine": setup.engine, "skipped": unavailable}
+        return {**row, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"
     earlier = _modified_ns(probe_output)  # an earlier run's numbers must not pass for this one's
     overlay = output / f"{setup.name}.yaml"
@@ -170,10 +171,8 @@ def run_setup(
     with open(log, "w") as handle:
         returncode = _run_training(command, args, handle)
     if returncode != 0 or _modified_ns(probe_output) in (None, earlier):
-        tail = log.read_text()[-1500:]
-        failure = {"failed": f"exit {returncode}; see {log}", "log_tail": tail}
-        return {"setup": setup.name, "engine": setup.engine, **failure}
-    return {"setup": setup.name, "engine": setup.engine, "exact": setup.exact, **json.loads(probe_output.read_text())}
+        return {**row, "failed": f"exit {returncode}; see {log}", "log_tail": log.read_text()[-1500:]}
+    return {**row, "exact": setup.exact, **json.loads(probe_output.read_text())}
 
 
 def _run_training(command: list[str], args: argparse.Namespace, log: IO) -> int:

@@ -25,6 +25,7 @@ ENGINES = tuple(STRATEGY_CLASSES)
 # Options the rows of our strategies compare besides their Setup's, at their defaults where a row does not set them:
 # a recipe's own values would otherwise reach every row of the same class.
 COMPARED_OPTIONS = {STRATEGY_CLASSES["DDP"]: {"compile": False}, STRATEGY_CLASSES["FSDP2"]: {"compile": False}}
+DEEPSPEED_ROWS = (("zero1", False), ("zero2", False), ("zero3", False), ("zero2", True), ("zero3", True))  # offload
 BASELINES = {"DDP": "lightning-ddp", "FSDP2": "lightning-fsdp2", "DeepSpeed": "lightning-deepspeed"}
 
 
@@ -140,15 +141,6 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         ours(Setup("FSDP2", "zero3")),
         ours(Setup("FSDP2", "zero3", activation_checkpointing="full")),
         ours(Setup("FSDP2", "hsdp")),  # shards within a node
-        *(
-            ours(Setup("DeepSpeed", sharding, offload=offload), needs=no_deepspeed)
-            for sharding, offload in (
-                ("zero1", False),
-                ("zero2", False),
-                ("zero3", False),
-                ("zero2", True),
-                ("zero3", True),
-            )
-        ),
+        *(ours(Setup("DeepSpeed", stage, offload=offload), needs=no_deepspeed) for stage, offload in DEEPSPEED_ROWS),
     ]
     return {setup.name: setup for setup in setups}

@@ -15,6 +15,7 @@ replace its ``model:``/``data:`` sections with yours, keeping the trainer sectio
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -25,7 +26,13 @@ import torch
 
 from lightning_fastdist.commands.arguments import device_memory
 from lightning_fastdist.commands.doctor import simulate as doctor_simulate
-from lightning_fastdist.commands.written_marks import first_line_starts_with, write_json, write_recipe
+from lightning_fastdist.commands.written_marks import (
+    first_line_starts_with,
+    json_written_by,
+    refusal,
+    write_json,
+    write_recipe,
+)
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
@@ -62,24 +69,18 @@ class _Parser(argparse.ArgumentParser):
         raise DoctorError(message)
 
 
-def _positive_int(text: str) -> int:
+def _positive(kind: type[int] | type[float], bound: str, text: str) -> int | float:
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
+_positive_int = functools.partial(_positive, int, "an integer >= 1")
+_positive_float = functools.partial(_positive, float, "a number > 0")
 
 
 def parse_parameter_count(text: str) -> int:
@@ -208,9 +209,8 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe_de
         memory = device_memory(args.gpu_memory, environment)
         if memory is None:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
-        bf16 = (
-            all(gpu.bf16 for gpu in environment.gpus) if environment.gpus and args.gpus is None else True
-        ) and not args.no_bf16
+        # planned GPUs (--gpus) are taken to have bf16 unless --no-bf16; this machine's must all have it
+        bf16 = not args.no_bf16 and (args.gpus is not None or all(gpu.bf16 for gpu in environment.gpus))
         return Target("gpu", devices, memory, bf16, environment.cpu_cores, args.nodes)
     devices = min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
@@ -267,15 +267,17 @@ def format_estimates(shape: TrainingShape, usable: int, accumulation: int) -> st
 HEADER_START = f"# Written by: {PROG}"
 
 
-def check_output_is_ours(output: Path) -> None:
-    """Refuse an ``--output`` that is a folder or a file doctor did not write (it is never replaced)."""
-    if output.is_dir():
-        raise DoctorError(f"--output: {output} is a folder; give a file path such as {output / 'doctor-recipe.yaml'}.")
-    if output.exists() and not first_line_starts_with(output, HEADER_START):
-        raise DoctorError(
-            f"--output: {output} exists and was not written by doctor, so it is kept; "
-            "give another --output or move that file."
-        )
+def check_ours(path: Path, json: bool) -> None:
+    """Refuse an ``--output`` (``--json``) that is a folder or a file doctor did not write (it is never replaced)."""
+    if json:
+        mark = doctor_simulate.JSON_MARKER["written_by"]
+        ours, writer, advice = (lambda p: json_written_by(p) == mark), "doctor --simulate", "give another --json path"
+        problem = refusal("--json", path, "simulation.json", ours, writer, advice)
+    else:
+        ours, advice = (lambda p: first_line_starts_with(p, HEADER_START)), "give another --output or move that file"
+        problem = refusal("--output", path, "doctor-recipe.yaml", ours, "doctor", advice)
+    if problem:
+        raise DoctorError(problem + ".")
 
 
 def _recipe_comments(recommendation: Recommendation, target: Target, argv: list[str]) -> list[str]:
@@ -330,11 +332,10 @@ SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given an
 
 def _simulated_cluster(args: argparse.Namespace, recipe: Recipe, environment: Environment) -> tuple[int, int, int]:
     """``(world_size, gpus_per_node, memory_bytes)`` to simulate, from the flags, the recipe and this machine."""
-    recipe_devices = recipe.devices
-    world_size = args.world_size or (args.gpus or recipe_devices or 0) * (args.nodes or recipe.nodes or 1)
+    world_size = args.world_size or (args.gpus or recipe.devices or 0) * (args.nodes or recipe.nodes or 1)
     if not world_size:
         raise DoctorError("--world-size: needed with --simulate (ranks to plan for, e.g. 64).")
-    gpus_per_node = min(args.gpus or recipe_devices or len(environment.gpus) or 8, world_size)
+    gpus_per_node = min(args.gpus or recipe.devices or len(environment.gpus) or 8, world_size)
     if world_size % gpus_per_node:
         raise DoctorError(f"--world-size: {world_size} is not a multiple of --gpus {gpus_per_node} (GPUs per node).")
     memory = device_memory(args.gpu_memory, environment)
@@ -350,10 +351,7 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
         raise DoctorError("--simulate: needs --config RECIPE (the recipe whose model, data and step are traced).")
     json_path = Path(args.json) if args.json else None
     if json_path is not None:
-        try:
-            doctor_simulate.check_json_is_ours(json_path)
-        except doctor_simulate.JsonNotOurs as error:
-            raise DoctorError(str(error)) from None
+        check_ours(json_path, json=True)
     recipe = _read_recipe(args.config)
     world_size, gpus_per_node, memory = _simulated_cluster(args, recipe, environment)
     run = RecipeRun.of(recipe)
@@ -386,7 +384,7 @@ def run(argv: list[str]) -> int:
     on bad input."""
     args = build_parser().parse_args(argv)
     output = Path(args.output)
-    check_output_is_ours(output)
+    check_ours(output, json=False)
     environment = detect_environment()
     print(format_environment(environment))
     if args.simulate:

@@ -8,9 +8,6 @@ devices and nodes replaced.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from lightning_fastdist.commands.written_marks import json_written_by
 from lightning_fastdist.planning.advisor import (
     PREFERENCE,
     SINGLE_DEVICE_PREFERENCE,
@@ -23,20 +20,6 @@ from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
 from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
-
-
-class JsonNotOurs(Exception):
-    """``--json`` names a folder or a file doctor did not write; the message says what to do."""
-
-
-def check_json_is_ours(path: Path) -> None:
-    """Refuse a ``--json`` path that is a folder, or a file without doctor's ``written_by`` key (it is kept)."""
-    if path.is_dir():
-        raise JsonNotOurs(f"--json: {path} is a folder; give a file path such as {path / 'simulation.json'}.")
-    if path.exists() and json_written_by(path) != JSON_MARKER["written_by"]:
-        raise JsonNotOurs(
-            f"--json: {path} exists and was not written by doctor --simulate, so it is kept; give another --json path."
-        )
 
 
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:

@@ -132,21 +132,16 @@ def add_planned_candidates(
 ) -> tuple[list[Candidate], tuple[int | None, int]]:
     """Add the base candidates to ``search``, pruned by the plan before any trains; while none fits, the same
     global batch in micro-batches half as large. Returns the candidates and the batch split they use."""
-    split = None
-    micro_batch, accumulation = args.recipe.micro_batch, args.recipe.accumulation
-    candidates = base_candidates(args, plan, split)
-    for candidate in candidates:
-        search.add(candidate)
-    while all(t.status == "pruned" for t in search.trials.values()):
-        split = smaller_micro_batch(micro_batch, accumulation)
-        if split is None:
-            break
-        micro_batch, accumulation = split
-        print(f"nothing fits: the same global batch as micro-batch {micro_batch} x {accumulation} accumulated")
+    micro_batch, accumulation, split = args.recipe.micro_batch, args.recipe.accumulation, None
+    while True:
         candidates = base_candidates(args, plan, split)
         for candidate in candidates:
             search.add(candidate)
-    return candidates, (micro_batch, accumulation)
+        split = smaller_micro_batch(micro_batch, accumulation)
+        if split is None or not all(t.status == "pruned" for t in search.trials.values()):
+            return candidates, (micro_batch, accumulation)
+        micro_batch, accumulation = split
+        print(f"nothing fits: the same global batch as micro-batch {micro_batch} x {accumulation} accumulated")
 
 
 def progress_line(trial: Trial, round_number: int, elapsed_s: float) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
-from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, write_recipe
+from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, refusal, write_recipe
 from lightning_fastdist.recipes.recipe import Recipe
 
 WRITTEN_BY = "lightning-fastdist tune"
@@ -23,16 +23,15 @@ WORKDIR_MARK = ".written-by-lightning-fastdist-tune"
 
 def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> list[str]:
     """One line per output path that holds something tune did not write (so it would not be replaced)."""
-    problems = []
-    if output.is_dir():
-        problems.append(f"--output: {output} is a folder; give a file path such as {output / 'tuned.yaml'}")
-    elif output.exists() and not first_line_starts_with(output, RECIPE_HEADER):
-        problems.append(f"--output: {output} exists and was not written by tune, so it is kept; give another path")
-    if json_path is not None:
-        if json_path.is_dir():
-            problems.append(f"--json: {json_path} is a folder; give a file path such as {json_path / 'tune.json'}")
-        elif json_path.exists() and json_written_by(json_path) != WRITTEN_BY:
-            problems.append(f"--json: {json_path} exists and was not written by tune, so it is kept; give another path")
+    recipe_ours, json_ours = (
+        lambda p: first_line_starts_with(p, RECIPE_HEADER),
+        lambda p: json_written_by(p) == WRITTEN_BY,
+    )
+    problems = [
+        refusal("--output", output, "tuned.yaml", recipe_ours, "tune", "give another path"),
+        json_path and refusal("--json", json_path, "tune.json", json_ours, "tune", "give another path"),
+    ]
+    problems = [problem for problem in problems if problem]
     if workdir.exists() and not workdir.is_dir():
         problems.append(f"--workdir: {workdir} is a file; give a folder")
     elif workdir.is_dir() and any(workdir.iterdir()) and not (workdir / WORKDIR_MARK).exists():
