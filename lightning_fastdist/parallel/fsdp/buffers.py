@@ -12,9 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 
-def broadcast_buffers(module: nn.Module) -> int:
-    """Overwrite every buffer of ``module`` with rank 0's; return how many were sent."""
-    buffers = list(module.buffers())
-    for buffer in buffers:
+def broadcast_buffers(module: nn.Module) -> None:
+    """Overwrite every buffer of ``module`` with rank 0's."""
+    for buffer in module.buffers():
         dist.broadcast(buffer, src=0)
-    return len(buffers)
