@@ -24,6 +24,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -344,8 +345,6 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         """validate/test/predict from a ZeRO-3 checkpoint folder: DeepSpeed's inference engine has no ZeRO optimizer,
         and its ``load_checkpoint`` then calls the missing ``_restore_from_bit16_weights`` of the
         ``DeepSpeedZeRoOffload`` in its place (DeepSpeed 0.19); the weights are assembled from the folder instead."""
-        from lightning.pytorch.trainer.states import TrainerFn  # noqa: PLC0415
-
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return self.zero_stage_3 and not self.load_full_weights and not fitting and Path(checkpoint_path).is_dir()
