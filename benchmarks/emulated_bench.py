@@ -39,6 +39,7 @@ DDP_SETUPS = "lightning-ddp,ddp,ddp-bf16,ddp-powersgd"
 FSDP_SETUPS = "lightning-fsdp2,fsdp-zero2,fsdp-zero3"
 HSDP_SETUPS = "fsdp-zero3,fsdp-hsdp"
 AUTO_SETUPS = "lightning-ddp,ddp-auto"
+SEMI_SYNC_SETUPS = "lightning-ddp,ddp,ddp-bf16,ddp-powersgd,ddp-diloco,ddp-streaming-diloco"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ CASES = {
     "fsdp-accumulate-unshaped": Case(2, 1, None, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
     "hsdp-2x2-50": Case(2, 2, 50, HSDP_SETUPS),
     "hsdp-2x2-unshaped": Case(2, 2, None, HSDP_SETUPS),
+    # Semi-synchronous across nodes: 40 steps hold 4 outer syncs of each form (a fragment every 10 steps).
+    "semi-sync-10": Case(2, 1, 10, SEMI_SYNC_SETUPS, steps=42),
+    "semi-sync-50": Case(2, 1, 50, SEMI_SYNC_SETUPS, steps=42),
+    "semi-sync-unshaped": Case(2, 1, None, SEMI_SYNC_SETUPS, steps=42),
 }
 
 

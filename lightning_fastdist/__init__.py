@@ -12,6 +12,7 @@ from lightning_fastdist.callbacks import (
     SyncFreeLogging,
 )
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
+from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.precision import FastMixedPrecision
 from lightning_fastdist.strategies import FastDDPStrategy, FastDeepSpeedStrategy, FastFSDPStrategy
 
@@ -25,6 +26,7 @@ __all__ = [
     "FastFSDPStrategy",
     "FastMixedPrecision",
     "NonFiniteLoss",
+    "OuterSync",
     "SpeedMonitor",
     "SyncFreeLogging",
     "count_host_syncs",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS, OuterSyncForm, form_of
 from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES
 
 Engine = Literal["DDP", "FSDP2", "DeepSpeed"]
@@ -31,6 +32,8 @@ class Setup:
         activation_checkpointing: ``none``, ``full``, ``selective`` (or every n-th block).
         offload: FSDP2's ``cpu_offload``; DeepSpeed's optimizer offload (and, at ZeRO-3, its parameters').
         comm_hook: DDP's gradient hook, or ``None`` for the strategy's default.
+        outer_sync: across nodes, ``"diloco"`` or ``"streaming-diloco"``
+            (:data:`~lightning_fastdist.parallel.semi_sync.settings.OUTER_SYNC_FORMS`), or ``None``: every step.
     """
 
     engine: Engine
@@ -38,6 +41,7 @@ class Setup:
     activation_checkpointing: str | int = "none"
     offload: bool = False
     comm_hook: str | None = None
+    outer_sync: OuterSyncForm | None = None
 
     @classmethod
     def from_plan_key(cls, mode: str, activation_checkpointing: str, offload: bool) -> Setup:
@@ -53,8 +57,10 @@ class Setup:
         """The setup a strategy section of ours trains (its defaults where an option is not given), else ``None``."""
         engine = next((engine for engine, path in STRATEGY_CLASSES.items() if path == class_path), None)
         checkpointing = init_args.get("activation_checkpointing", "none")
+        outer = init_args.get("outer_sync")
+        outer_sync = form_of(outer) if outer else None
         if engine == "DDP":
-            return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"))
+            return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"), outer_sync=outer_sync)
         if engine == "FSDP2":
             return cls("FSDP2", init_args.get("sharding", "zero3"), checkpointing, bool(init_args.get("cpu_offload")))
         if engine == "DeepSpeed":
@@ -82,12 +88,15 @@ class Setup:
     def name(self) -> str:
         """The name ``bench`` and ``tune`` give it: ``ddp-bf16``, ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``."""
         parts = [_NAME_PREFIX[self.engine], self.sharding, self.comm_hook if self.comm_hook != "none" else None]
+        parts.append(self.outer_sync)
         parts += ["ac" if self.activation_checkpointing == "full" else None, "offload" if self.offload else None]
         return "-".join(part for part in parts if part)
 
     def strategy_options(self) -> dict:
         """The strategy's ``init_args`` that make this setup."""
         options: dict = {"activation_checkpointing": self.activation_checkpointing}
+        if self.outer_sync is not None:
+            options["outer_sync"] = dict(OUTER_SYNC_FORMS[self.outer_sync])
         if self.engine == "DDP":
             return options if self.comm_hook is None else {"comm_hook": self.comm_hook, **options}
         if self.engine == "FSDP2":
@@ -112,4 +121,6 @@ class Setup:
         if self.offload:
             optimizer_only = self.engine == "DeepSpeed" and self.sharding in ("zero1", "zero2")
             parts.append("optimizer offload" if optimizer_only else "CPU offload")
+        if self.outer_sync is not None:
+            parts.append(f"{'Streaming ' if self.outer_sync == 'streaming-diloco' else ''}DiLoCo across nodes")
         return " + ".join(parts)

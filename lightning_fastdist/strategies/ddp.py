@@ -35,7 +35,7 @@ from lightning_fastdist.parallel.ddp.comm_hook_spec import CommHookName, CommHoo
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.plan.blocks import resolve_blocks
+from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
     CheckpointingOption,
@@ -44,6 +44,8 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
+from lightning_fastdist.parallel.semi_sync.settings import OuterSync
+from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_hook_checkpoint import (
     remember_location,
@@ -62,6 +64,8 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.outer_sync import OuterSyncJob
+from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
@@ -98,6 +102,10 @@ class FastDDPStrategy(DDPStrategy):
         blocks: the plan's: the blocks that activation checkpointing and per-block compile act on.
         compile: the plan's.
         compile_scope: the plan's.
+        outer_sync: synchronise across nodes every ``every`` steps with DiLoCo instead of every step
+            (:class:`~lightning_fastdist.parallel.semi_sync.settings.OuterSync` describes its options; a mapping of
+            them in a recipe); inside a node every step stays synchronous. ``None`` (the default): every step, exact.
+            ``docs/semi-sync.md`` says when it pays.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
             (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
@@ -132,6 +140,7 @@ class FastDDPStrategy(DDPStrategy):
         blocks: BlocksOption = "auto",
         compile: CompileOption = False,
         compile_scope: CompileScope = "blocks",
+        outer_sync: OuterSync | dict | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -152,9 +161,13 @@ class FastDDPStrategy(DDPStrategy):
                 warm_start=powersgd_warm_start,
                 factor_dtype=powersgd_factor_dtype,
             )
+            outer = OuterSync.of(outer_sync)
+            if outer is not None:
+                comm_hook = _intra_node_hook(comm_hook)
             self.comm = CommHookSpec(comm_hook, powersgd, AutoPolicy(window=comm_hook_window))
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
+        self.outer_sync = OuterSyncJob(outer, "FastDDPStrategy") if outer is not None else None
         check_bucket_cap_mb(bucket_cap_mb)
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
         self.timeout = collective_timeout(timeout, type(self).__name__)
@@ -194,6 +207,8 @@ class FastDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
+        if self.outer_sync is not None:
+            self.outer_sync.check_launch(self.num_nodes)
 
     def check_names(self, module: LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
@@ -210,6 +225,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()
+        if self.outer_sync is not None:
+            self.outer_sync.join_node_group(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         super().setup_distributed()  # finds the group initialised and keeps it
 
@@ -245,13 +262,41 @@ class FastDDPStrategy(DDPStrategy):
         if self.plan.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
+        if self.outer_sync is not None and trainer.training:
+            module = self.lightning_module
+            blocks = outermost_block_modules(module, resolve_blocks(module, self.plan.blocks))
+            self.outer_sync.start(
+                self.model, blocks, self.optimizers, self.timeout, stats=self.comm_stats, clock=self.exposed_comm
+            )
 
     @override
     def on_train_start(self) -> None:
         self._comm_log.new_fit()
         super().on_train_start()
+        if self.outer_sync is not None:  # after Lightning restored the checkpoint's optimizer state: this node's own
+            node_rng = self.outer_sync.resume(self.model, self.optimizers)
+            if node_rng is not None:
+                self._resume.take_from(node_rng, self.local_rank, self.num_processes)
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.outer_sync is not None:
+            self.outer_sync.evaluate_on_global_weights(self.model)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.outer_sync is not None:
+            self.outer_sync.back_to_own_weights(self.model)
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        if self.outer_sync is not None:
+            self.outer_sync.finish()
+        super().on_train_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -284,9 +329,23 @@ class FastDDPStrategy(DDPStrategy):
             torch.cuda.synchronize(self.root_device)
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's weights; under outer_sync the global ones (the same on every node), so that a checkpoint
+        loads into a plain model as what the nodes agreed on."""
+        if self.outer_sync is None:
+            return super().lightning_module_state_dict()
+        with self.outer_sync.global_weights(self.model):
+            return {name: value.clone() for name, value in super().lightning_module_state_dict().items()}
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         refuse_non_finite(self, checkpoint, filepath)
-        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
+        if self.outer_sync is not None:  # each node's ranks gather in their node; each node writes its own state
+            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
+            steps = self.lightning_module.trainer.global_step
+            self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, steps)
+        else:
+            self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         powersgd = self.hook_state
         if isinstance(powersgd, AutoCommState):
             checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
@@ -305,7 +364,12 @@ class FastDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(self._load_noting_location, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=False)
-        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
+        if self.outer_sync is not None:
+            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
+            if self.lightning_module.trainer.training:
+                self.outer_sync.load(checkpoint, checkpoint_path)
+        else:
+            self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
         if saved:
             if self.hook_state is None:
@@ -325,6 +389,7 @@ class FastDDPStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any
+            remove_node_files(filepath)  # the nodes' files of an outer_sync checkpoint, if any
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -334,6 +399,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
+        if self.outer_sync is not None:
+            self.outer_sync.teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -354,7 +421,10 @@ class FastDDPStrategy(DDPStrategy):
         """This rank's all-reduce bytes and rounds (``None`` until DDP wraps the model)."""
         return self.hook_state.stats if self.hook_state is not None else None
 
-    comm_collectives = (ALL_REDUCE,)
+    @property
+    def comm_collectives(self) -> tuple[str, ...]:
+        """The collectives logged as ``comm/<collective>_bytes_per_step`` (under outer_sync, the outer one too)."""
+        return (ALL_REDUCE, OUTER_ALL_REDUCE) if self.outer_sync is not None else (ALL_REDUCE,)
 
     def _restore_hook_state(self, saved: dict) -> None:
         """Put back what a checkpoint holds of the hook: auto's level and decisions, PowerSGD's memories."""
@@ -371,6 +441,17 @@ class FastDDPStrategy(DDPStrategy):
             restore_hook_state(
                 powersgd, name, saved[CHECKPOINT_KEY], self.world_size, self.global_rank, self.root_device
             )
+
+
+def _intra_node_hook(comm_hook: str) -> str:
+    """The hook inside a node under outer_sync: ``auto`` is ``none`` (only the outer sync crosses the slow link);
+    PowerSGD is refused (its per-rank state files assume one world across nodes)."""
+    if comm_hook == "powersgd":
+        raise ValueError(
+            "outer_sync crosses the slow link only every `every` steps, and inside a node gradients travel on fast "
+            "links: comm_hook='powersgd' is not taken with it; use comm_hook='none' (or 'bf16')."
+        )
+    return "none" if comm_hook == "auto" else comm_hook
 
 
 @contextmanager

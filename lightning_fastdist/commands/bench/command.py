@@ -151,7 +151,8 @@ def run_setup(
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
     ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
     row = {"setup": setup.name, "engine": setup.engine}
-    unavailable = setup.unavailable(args.recipe.config, world_size(args))
+    nodes = node_count(args)
+    unavailable = setup.unavailable(args.recipe.config, world_size(args), nodes if isinstance(nodes, int) else 1)
     if unavailable:
         return {**row, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
+from lightning_fastdist.parallel.semi_sync import torchft_run
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES
 
@@ -45,6 +46,7 @@ class BenchSetup:
             dimension (its default puts the ranks of a node in the tensor-parallel one, where a model sharded
             over ``device_mesh["data_parallel"]`` is not sharded at all and every rank reads the same batch).
         needs: a reason this setup cannot run here, or ``None`` if it can.
+        multi_node: synchronises across nodes (``outer_sync``): it needs ``--nodes 2`` or more.
         keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise the options
             in :data:`COMPARED_OPTIONS` are the row's own or their defaults (the recipe's others, such as
             ``timeout`` or ``blocks``, are kept either way).
@@ -58,6 +60,7 @@ class BenchSetup:
     exact: bool = True
     all_ranks_data_parallel: bool = False
     needs: str | None = None
+    multi_node: bool = False
     keeps_recipe_options: bool = False
 
     @property
@@ -78,10 +81,13 @@ class BenchSetup:
             init_args.update(data_parallel_size=world_size, tensor_parallel_size=1)
         return {"class_path": self.strategy_class, "init_args": init_args}
 
-    def unavailable(self, recipe: dict, world_size: int | None) -> str | None:
-        """Why this setup cannot train ``recipe`` (a loaded recipe) on ``world_size`` ranks, or ``None``."""
+    def unavailable(self, recipe: dict, world_size: int | None, nodes: int = 1) -> str | None:
+        """Why this setup cannot train ``recipe`` (a loaded recipe) on ``world_size`` ranks of ``nodes`` nodes, or
+        ``None``."""
         if self.needs:
             return self.needs
+        if self.multi_node and nodes < 2:
+            return "synchronises across nodes: give --nodes 2 or more (and a --launcher that starts them)"
         if self.all_ranks_data_parallel and world_size is None:
             return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
         model = (recipe.get("model") or {}).get("class_path", DEFAULT_MODEL)
@@ -118,12 +124,22 @@ def recipe_setup(recipe: dict) -> BenchSetup:
 def ours(setup: Setup, name: str | None = None, exact: bool = True, needs: str | None = None, **options) -> BenchSetup:
     """The row of our strategy that trains ``setup`` (named as the setup is, unless ``name``), with more ``options``."""
     strategy_args = {**setup.strategy_options(), **options}
-    return BenchSetup(name or setup.name, setup.engine, setup.strategy_class, strategy_args, exact=exact, needs=needs)
+    multi_node = setup.outer_sync is not None
+    return BenchSetup(
+        name or setup.name,
+        setup.engine,
+        setup.strategy_class,
+        strategy_args,
+        exact=exact,
+        needs=needs,
+        multi_node=multi_node,
+    )
 
 
 def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
     """Every setup bench knows, by name, in the order the table lists them."""
     no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"
+    no_torchft = None if torchft_run.torchft_available() else f"torchft is not installed ({torchft_run.INSTALL_HINT})"
     setups = [
         BenchSetup("lightning-ddp", "DDP", LIGHTNING_DDP),
         BenchSetup(
@@ -141,6 +157,9 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         ours(Setup("FSDP2", "zero3")),
         ours(Setup("FSDP2", "zero3", activation_checkpointing="full")),
         ours(Setup("FSDP2", "hsdp")),  # shards within a node
+        # Across nodes, every `every` steps (semi-synchronous): not what exact DDP computes.
+        ours(Setup("DDP", comm_hook="none", outer_sync="diloco"), exact=False, needs=no_torchft),
+        ours(Setup("DDP", comm_hook="none", outer_sync="streaming-diloco"), exact=False, needs=no_torchft),
         *(ours(Setup("DeepSpeed", stage, offload=offload), needs=no_deepspeed) for stage, offload in DEEPSPEED_ROWS),
     ]
     return {setup.name: setup for setup in setups}

@@ -1,0 +1,1 @@
+"""Semi-synchronous data parallelism across nodes (DiLoCo, Streaming DiLoCo) on torchft: ``docs/semi-sync.md``."""

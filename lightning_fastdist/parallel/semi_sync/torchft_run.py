@@ -1,0 +1,231 @@
+"""One node's side of the outer synchronisation, on torchft: its lighthouse, its ``Manager`` and its ``DiLoCo``.
+
+torchft (PyTorch's fault-tolerance library) is built for replica groups: each group is a torch.distributed world of
+its own (here: one node, whose ranks keep averaging gradients every step), and a ``Manager`` per rank forms a quorum
+of the groups through a lighthouse server and all-reduces across them on a process group it reconfigures per
+quorum. ``DiLoCo`` hooks the inner optimizer's ``step``: every ``every / fragments`` steps it starts the quorum
+and the all-reduce of one fragment's pseudo-gradient, and ``delay`` steps later applies the outer step.
+
+What is ours: the lighthouse started by global rank 0 and stopped with the job (no extra command), the weights
+made equal across nodes before the first step, the pseudo-gradient sent in bf16, and its bytes and waiting counted
+in the strategy's ``comm/*`` metrics. torchft's public API, and two of its private names: each fragment's global
+copy (for evaluation) and DiLoCo's position in the schedule (for exact resume).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fastdist.parallel.comm.accounting import CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, TimedWork
+from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
+
+INSTALL_HINT = "pip install lightning-fastdist[ft]"
+OUTER_ALL_REDUCE = "outer_allreduce"  # logged as comm/outer_allreduce_bytes_per_step
+
+
+def torchft_available() -> bool:
+    """Whether ``torchft`` can be imported (without importing it)."""
+    return importlib.util.find_spec("torchft") is not None
+
+
+def import_torchft(owner: str) -> ModuleType:
+    """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command."""
+    if not torchft_available():
+        raise ImportError(f"{owner} needs torchft for outer_sync, which is not installed: {INSTALL_HINT}")
+    import torchft
+
+    return torchft
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Where one node's ranks stand in the job, and where their torchft servers are.
+
+    Attributes:
+        node_rank: this node's index; ``num_nodes`` in all.
+        local_rank: this process's rank inside its node; ``local_world_size`` ranks per node.
+        store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
+            across nodes rendezvous in the store of one node's ``local_rank`` 0.
+        store_port: the port of this node's store (the node's own torch.distributed world).
+        lighthouse: ``http://HOST:PORT`` of the lighthouse.
+    """
+
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    local_world_size: int
+    store_host: str
+    store_port: int
+    lighthouse: str
+
+
+def start_lighthouse(port: int, num_nodes: int) -> Any:
+    """Start torchft's lighthouse in this process, on every interface at ``port``, waiting for ``num_nodes`` groups
+    in each quorum; ``shutdown()`` stops it."""
+    import_torchft("outer_sync")
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=num_nodes)
+
+
+class OuterSyncRun:
+    """torchft's ``Manager`` and ``DiLoCo`` for one rank, with the inner optimizer's ``step`` hooked while open.
+
+    Args:
+        settings: the outer synchronisation's options.
+        model: the model as trained (wrapped or not); its trainable parameters are made equal across nodes.
+        fragments: the fragments (:func:`~lightning_fastdist.parallel.semi_sync.fragments.split_into_fragments`).
+        inner_optimizer: the optimizer the strategy steps every step.
+        group: this rank's :class:`ReplicaGroup`.
+        timeout: for torchft's collectives and quorums.
+        stats: the strategy's byte counts; the outer all-reduces are recorded as :data:`OUTER_ALL_REDUCE`.
+        clock: the strategy's exposed-communication clock; waiting for an outer all-reduce counts.
+    """
+
+    def __init__(
+        self,
+        settings: OuterSync,
+        model: nn.Module,
+        fragments: Sequence[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        group: ReplicaGroup,
+        timeout: timedelta,
+        stats: CommStats | None = None,
+        clock: ExposedCommClock | None = None,
+    ) -> None:
+        torchft = import_torchft("outer_sync")
+        from torchft.local_sgd import DiLoCo
+
+        self.settings = settings
+        self.group = group
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=group.num_nodes,
+            use_async_quorum=False,  # DiLoCo's requirement
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=group.local_rank,
+            world_size=group.local_world_size,
+            store_addr=group.store_host,
+            store_port=group.store_port,
+            lighthouse_addr=group.lighthouse,
+            replica_id=f"node{group.node_rank}",
+            init_sync=False,  # the weights are made equal below, through the public all-reduce
+        )
+        self._equalize(model)
+        self.outer_optimizers = [
+            torch.optim.SGD(
+                fragment.parameters(), lr=settings.lr, momentum=settings.momentum, nesterov=settings.nesterov
+            )
+            for fragment in fragments
+        ]
+        counted = _CountedManager(self.manager, PSEUDO_GRADIENT_DTYPES[settings.dtype], stats, clock)
+        self.diloco = DiLoCo(
+            counted,  # type: ignore[arg-type]  # the Manager's methods, the all-reduce counted and cast
+            list(fragments),
+            inner_optimizer,
+            self.outer_optimizers,
+            sync_every=settings.every,
+            fragment_sync_delay=settings.delay,
+            fragment_update_alpha=settings.mix,
+        )
+        self.diloco.__enter__()
+
+    def _equalize(self, model: nn.Module) -> None:
+        """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
+        all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast)."""
+        self.manager.start_quorum()
+        keeps_its_own = self.manager.participating_rank() == 0
+        with torch.no_grad():
+            for parameter in model.parameters():
+                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                if not keeps_its_own:
+                    local.zero_()
+                self.manager.allreduce(local, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            raise RuntimeError(f"outer_sync: making the weights equal across nodes failed: {self.manager.errored()}")
+
+    def load_global_weights(self) -> None:
+        """Copy the global weights (what the last outer step of each fragment left) into the model's parameters."""
+        for fragment in self.diloco._fragments:  # torchft keeps each fragment's global copy on its fragment
+            fragment.restore_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every node shares besides the global weights: the outer optimizers' state, torchft's step count."""
+        outer = [optimizer.state_dict() for optimizer in self.outer_optimizers]
+        return {"outer_optimizers": outer, "manager": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], optimizer_steps: int) -> None:
+        """Put back :meth:`state_dict`'s state, after ``optimizer_steps`` inner steps of the run that saved it."""
+        for optimizer, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
+            optimizer.load_state_dict(saved)
+        self.manager.load_state_dict(state["manager"])
+        # Inner steps since the last fragment's sync: where DiLoCo's schedule stands (torchft keeps no public setter).
+        self.diloco._local_step = optimizer_steps % self.settings.steps_between_fragments
+
+    def barrier(self) -> None:
+        """Wait until this local rank of every node got here (a one-element all-reduce across the nodes)."""
+        self.manager.allreduce(torch.zeros(1), reduce_op=torch.distributed.ReduceOp.SUM).wait()
+
+    @property
+    def syncs(self) -> int:
+        """Outer steps applied so far (torchft's committed steps)."""
+        return self.manager.current_step()
+
+    def close(self) -> None:
+        """Unhook the inner optimizer and stop this rank's torchft servers."""
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+
+class _CountedManager:
+    """A ``Manager`` whose ``allreduce`` sends in ``dtype``, records its bytes and times its ``wait()``."""
+
+    def __init__(
+        self, manager: Any, dtype: torch.dtype, stats: CommStats | None, clock: ExposedCommClock | None
+    ) -> None:
+        self._manager = manager
+        self._dtype = dtype
+        self._stats = stats
+        self._clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, **kwargs: Any) -> Any:
+        sent = tensor if tensor.dtype == self._dtype else tensor.to(self._dtype)
+        if self._stats is not None:
+            self._stats.record(sent, OUTER_ALL_REDUCE)
+        work = self._manager.allreduce(sent, should_quantize=should_quantize, **kwargs)
+        if sent is not tensor:
+            work = _CopiedBack(work, lambda: tensor.copy_(sent))
+        return TimedWork(work, self._clock) if self._clock is not None else work
+
+
+class _CopiedBack(torch.distributed.Work):
+    """A work whose ``wait()`` also copies the reduced low-precision tensor back into the caller's."""
+
+    def __init__(self, work: Any, copy_back: Callable[[], object]) -> None:
+        super().__init__()
+        self._work = work
+        self._copy_back = copy_back
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        done = self._work.wait(*args, **kwargs)
+        self._copy_back()
+        return done
+
+    def get_future(self) -> Any:
+        return self._work.get_future()

@@ -1,0 +1,211 @@
+"""What a strategy with ``outer_sync`` does differently: one torch.distributed world per node, DiLoCo across them.
+
+Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
+
+- **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
+- **Joining** (:meth:`OuterSyncJob.join_node_group`): the ranks of a node form their own world, rendezvousing in a
+  store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's lighthouse at
+  ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one ``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's
+  global ranks and world size: the data sampler shards over every rank of every node, rank 0 alone writes
+  checkpoints and logs. Collectives of Lightning's own (``self.log(sync_dist=True)``, ``all_gather``, barriers)
+  are within the node.
+- **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step``.
+- **Evaluating** (:meth:`OuterSyncJob.evaluate_on_global_weights`): on the global weights (the last outer step's),
+  the same on every node; the local ones are put back afterwards.
+- **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
+
+from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.parallel.semi_sync.settings import OuterSync
+from lightning_fastdist.parallel.semi_sync.torchft_run import (
+    OuterSyncRun,
+    ReplicaGroup,
+    import_torchft,
+    start_lighthouse,
+)
+from lightning_fastdist.strategies.exact_resume import RNG_KEY
+from lightning_fastdist.strategies.outer_sync_checkpoint import (
+    CHECKPOINT_KEY,
+    read_node_state,
+    restore_node_state,
+    save_node_state,
+)
+
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
+
+
+class OuterSyncJob:
+    """The outer synchronisation of one strategy (``owner`` names it in errors)."""
+
+    def __init__(self, settings: OuterSync, owner: str) -> None:
+        self.settings = settings
+        self.owner = owner
+        self.group: ReplicaGroup | None = None
+        self.run: OuterSyncRun | None = None
+        self._lighthouse: Any = None
+        self._own_weights: list[torch.Tensor] | None = None
+        self.fragment_numels: list[int] = []  # elements of each fragment, once fitting started
+        self._pending_resume: tuple[dict, dict] | None = None
+
+    def check_launch(self, num_nodes: int) -> None:
+        """Refuse, before any process starts, what cannot run: one node, or no torchft."""
+        if num_nodes < 2:
+            raise ValueError(
+                f"{self.owner}: outer_sync synchronises across nodes and this job has num_nodes={num_nodes}: "
+                "give Trainer(num_nodes=2 or more), or remove outer_sync (inside a node every step is synchronous)."
+            )
+        import_torchft(self.owner)
+
+    def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
+        """Join this node's own world (and, on global rank 0, start the lighthouse). Call after the strategy set
+        its world ranks."""
+        environment = strategy.cluster_environment
+        assert environment is not None and strategy.accelerator is not None
+        strategy.accelerator.setup_device(strategy.root_device)
+        main_port = environment.main_port
+        local_world_size = strategy.num_processes
+        self.group = ReplicaGroup(
+            node_rank=strategy.node_rank,
+            num_nodes=strategy.num_nodes,
+            local_rank=strategy.local_rank,
+            local_world_size=local_world_size,
+            store_host=socket.gethostname(),
+            store_port=main_port + 2 + strategy.node_rank,
+            lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
+        )
+        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ:
+            self._lighthouse = start_lighthouse(main_port + 1, strategy.num_nodes)
+        if dist.is_initialized():
+            return
+        store = dist.TCPStore(
+            self.group.store_host,
+            self.group.store_port,
+            local_world_size,
+            is_master=strategy.local_rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("default_pg", store),
+            rank=strategy.local_rank,
+            world_size=local_world_size,
+            timeout=timeout,
+        )
+
+    def start(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        timeout: timedelta,
+        **counting: Any,
+    ) -> None:
+        """Hook the one optimizer's ``step`` with DiLoCo (after the weights are made equal across nodes)."""
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"{self.owner}: outer_sync steps one optimizer and configure_optimizers returned {len(optimizers)}: "
+                "return one optimizer, or remove outer_sync."
+            )
+        assert self.group is not None, "join_node_group first"
+        self.close_run()  # a second fit in the same process starts afresh
+        fragments = split_into_fragments(model, blocks, self.settings.fragments)
+        self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in fragments]
+        self.run = OuterSyncRun(self.settings, model, fragments, optimizers[0], self.group, timeout, **counting)
+
+    def evaluate_on_global_weights(self, model: nn.Module) -> None:
+        """Give ``model`` the global weights, keeping a copy of this node's own for :meth:`back_to_own_weights`."""
+        if self.run is None:
+            return
+        with torch.no_grad():
+            self._own_weights = [p.detach().clone() for p in model.parameters()]
+        self.run.load_global_weights()
+
+    def back_to_own_weights(self, model: nn.Module) -> None:
+        """Put back the weights :meth:`evaluate_on_global_weights` kept."""
+        if self._own_weights is None:
+            return
+        with torch.no_grad():
+            for parameter, own in zip(model.parameters(), self._own_weights):
+                parameter.copy_(own)
+        self._own_weights = None
+
+    @contextmanager
+    def global_weights(self, model: nn.Module) -> Generator[None, None, None]:
+        """Inside, ``model`` holds the global weights; this node's own are put back on leaving (unless it already held
+        the global ones: a checkpoint written during validation)."""
+        swapping = self._own_weights is None
+        if swapping:
+            self.evaluate_on_global_weights(model)
+        try:
+            yield
+        finally:
+            if swapping:
+                self.back_to_own_weights(model)
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        optimizer_steps: int,
+    ) -> None:
+        """While fitting, write this node's own state beside ``filepath`` and the shared part into ``checkpoint``
+        (:mod:`~lightning_fastdist.strategies.outer_sync_checkpoint`); a weights-only checkpoint has neither."""
+        if self.run is not None and "loops" in checkpoint:
+            save_node_state(
+                self.run, model, optimizers[0], checkpoint, filepath, checkpoint.get(RNG_KEY), optimizer_steps
+            )
+
+    def load(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """Read this node's own state of a checkpoint a fit resumes from (refusing one that cannot resume exactly);
+        applied by :meth:`resume`. A checkpoint of a run without outer_sync starts it afresh from its weights."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            return
+        assert self.group is not None
+        node = read_node_state(saved, checkpoint_path, self.group.node_rank, self.group.num_nodes)
+        self._pending_resume = (saved, node)
+
+    def resume(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any] | None:
+        """Put back what :meth:`load` read: this node's weights and inner optimizer, the outer optimizers and the
+        schedule; return a checkpoint holding this node's random states for the exact-resume state, or ``None``."""
+        if self._pending_resume is None or self.run is None:
+            return None
+        saved, node = self._pending_resume
+        self._pending_resume = None
+        restore_node_state(node, model, optimizers[0])
+        self.run.load_state_dict(saved, saved["optimizer_steps"])
+        return {RNG_KEY: node["rng"]} if node["rng"] is not None else None
+
+    def finish(self) -> None:
+        """After fit: the model keeps the global weights (what every node agrees on)."""
+        if self.run is not None:
+            self.run.load_global_weights()
+
+    def close_run(self) -> None:
+        if self.run is not None:
+            self.run.close()
+            self.run = None
+
+    def teardown(self) -> None:
+        """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
+        self.close_run()
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+            self._lighthouse = None

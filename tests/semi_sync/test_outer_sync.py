@@ -1,0 +1,133 @@
+"""Semi-synchronous training across nodes (``outer_sync``, DiLoCo on torchft): options, fragments, schedule, bytes.
+
+The two-node test runs two real "nodes" on this machine (each its own Lightning launch with ``NODE_RANK``, its own
+torch.distributed world, torchft's lighthouse started by global rank 0) and asserts what crossed between them and
+when, never time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lightning as L
+import pytest
+
+from lightning_fastdist import FastDDPStrategy, OuterSync
+from lightning_fastdist.commands.bench.setups import all_setups
+from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.planning.setup import Setup
+from tests.support.harness import free_port, run_processes
+from tests.support.workloads import tiny_gpt
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"every": 0}, "outer_sync.every=0 must be an integer >= 1."),
+        ({"every": 5, "fragments": 2}, "outer_sync.every=5 is not a multiple of outer_sync.fragments=2"),
+        ({"every": 20, "fragments": 2, "delay": 10}, "outer_sync.delay=10 must be less than every/fragments=10"),
+        ({"lr": 0.0}, "outer_sync.lr=0.0 must be > 0"),
+        ({"momentum": 0.0}, "outer_sync.nesterov needs momentum > 0"),
+        ({"dtype": "fp8"}, "outer_sync.dtype='fp8': accepted values are ['fp32', 'bf16']."),
+        ({"evry": 4}, "outer_sync has no option 'evry'"),
+    ],
+)
+def test_bad_options_are_refused_in_one_line_naming_the_field(options, message):
+    with pytest.raises(ValueError, match="^FastDDPStrategy: ") as error:
+        FastDDPStrategy(outer_sync=options)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_one_node_is_refused_when_the_trainer_is_built_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"outer_sync synchronises across nodes and this job has num_nodes=1"):
+        L.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=FastDDPStrategy(outer_sync={"every": 4}))
+
+
+def test_the_schedule_syncs_one_fragment_every_every_over_fragments_steps():
+    settings = OuterSync(every=6, fragments=3, delay=1)
+    assert settings.sync_steps(1, 12) == [(2, 0), (4, 1), (6, 2), (8, 0), (10, 1), (12, 2)]
+    assert OuterSync(every=4, fragments=1, delay=0).sync_steps(1, 9) == [(4, 0), (8, 0)]
+
+
+def test_fragments_are_runs_of_blocks_and_hold_every_trainable_parameter_once():
+    model = tiny_gpt(n_layer=4)
+    blocks = list(model.blocks)
+    fragments = split_into_fragments(model, blocks, 2)
+    held = [id(p) for fragment in fragments for p in fragment.parameters()]
+    assert sorted(held) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    assert {id(p) for p in blocks[1].parameters()} <= {id(p) for p in fragments[0].parameters()}
+    assert {id(p) for p in blocks[2].parameters()} <= {id(p) for p in fragments[1].parameters()}
+    with pytest.raises(ValueError, match=r"outer_sync.fragments=3 does not divide the model's 4 blocks"):
+        split_into_fragments(model, blocks, 3)
+
+
+def test_bench_and_the_setup_vocabulary_know_both_forms():
+    setups = all_setups()
+    for name, fragments in (("ddp-diloco", 1), ("ddp-streaming-diloco", 2)):
+        row = setups[name]
+        assert row.strategy_args["outer_sync"]["fragments"] == fragments and not row.exact
+        assert row.unavailable({}, 2, nodes=1).startswith("synchronises across nodes")
+        assert row.unavailable({}, 2, nodes=2) is None
+        assert Setup.from_strategy(row.strategy_class, row.strategy_args).name == name
+
+
+def _node_fits(options: dict, steps: int, *checkpointing: str) -> list[dict]:
+    port = free_port()
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
+    environments = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)} for node in (0, 1)]
+    outputs = run_processes([command, command], environments, timeout=240)
+    return [
+        json.loads(line.removeprefix("FIT "))
+        for o in outputs
+        for line in o.stdout.splitlines()
+        if line.startswith("FIT ")
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weights():
+    options, steps = {"every": 4, "fragments": 2, "delay": 1}, 12
+    node0, node1 = _node_fits(options, steps)
+    schedule = OuterSync(**options).sync_steps(1, steps)
+    assert [step for step, _ in schedule] == [2, 4, 6, 8, 10, 12]
+    for node in (node0, node1):
+        # After step s (1-based), as many outer steps were applied as the schedule has up to s.
+        assert node["syncs"] == [sum(1 for step, _ in schedule if step <= s) for s in range(1, steps + 1)]
+        # A fragment's bf16 pseudo-gradient is sent `delay` steps before the step that applies it, and nothing else.
+        sent = {step - options["delay"]: 2 * node["fragment_numels"][fragment] for step, fragment in schedule}
+        assert node["outer_bytes"] == [sent.get(s, 0) for s in range(1, steps + 1)]
+    assert node0["losses"] != node1["losses"]  # each node trains on its own data between syncs
+    # Validation and the final model are the global weights, bitwise the same on both nodes.
+    assert node0["validated"] == node1["validated"] and len(node0["validated"]) == 2
+    assert node0["final"] == node1["final"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_fit_resumed_between_two_outer_syncs_goes_on_bit_for_bit(tmp_path):
+    """Each node's own weights, inner optimizer and random states come back from its file beside the checkpoint;
+    the outer momentum and the schedule from the checkpoint (whose weights are the global ones)."""
+    options = {"every": 4, "fragments": 2, "delay": 1}
+    straight = _node_fits(options, 12)
+    # Saves after step 6, mid-epoch: fragment 0 was just synced, fragment 1 (synced at step 4) is mid-way, and no
+    # all-reduce is in flight.
+    _node_fits(options, 6, str(tmp_path), "6")
+    checkpoint = tmp_path / "step=6.ckpt"
+    assert sorted(p.name for p in (tmp_path / "step=6.ckpt.outer_sync").iterdir()) == ["node00000.pt", "node00001.pt"]
+    resumed = _node_fits(options, 12, str(tmp_path / "resumed"), "100", str(checkpoint))
+    for before, after in zip(straight, resumed):
+        assert after["losses"] == before["losses"][6:]  # steps 7-12, bit for bit
+        assert after["syncs"] == before["syncs"][6:]
+        assert after["final"] == before["final"]
+        assert after["validated"] == before["validated"][1:]  # the validation after step 12
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_checkpoint_written_while_an_all_reduce_is_in_flight_is_refused_in_one_line(tmp_path):
+    options = {"every": 4, "fragments": 2, "delay": 1}
+    _node_fits(options, 3, str(tmp_path), "3")  # after step 3: fragment 1's all-reduce started, applied at step 4
+    with pytest.raises(AssertionError, match="while a fragment's all-reduce was in flight, and cannot resume exactly"):
+        _node_fits(options, 6, str(tmp_path / "resumed"), "100", str(tmp_path / "step=3.ckpt"))

@@ -1,0 +1,96 @@
+"""One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set).
+
+Each node reads its own half of random token windows, so the nodes' weights part between outer syncs. Every rank
+prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
+all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights.
+
+Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
+[RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
+``RESUME_FROM`` (a checkpoint file) if given. Validation runs every 6 steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fastdist import FastDDPStrategy
+from lightning_fastdist.data.resumable_loader import ResumableDataLoader
+from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
+from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
+
+
+class RandomWindows(Dataset):
+    """``length`` random ``(input, target)`` windows, the same on every node for one ``seed``."""
+
+    def __init__(self, length: int = 64, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.windows = torch.randint(0, 256, (length, BLOCK_SIZE + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows[index, :-1], self.windows[index, 1:]
+
+
+def digest(module: torch.nn.Module) -> str:
+    """A digest of the parameters' bytes: equal only if every weight is bitwise equal."""
+    hasher = hashlib.sha256()
+    for parameter in module.parameters():
+        hasher.update(parameter.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+class OuterSyncRecorder(L.Callback):
+    """Per optimizer step: outer syncs applied so far, outer bytes started; digests of the weights validated."""
+
+    def __init__(self) -> None:
+        self.syncs: list[int] = []
+        self.outer_bytes: list[int] = []
+        self.validated: list[str] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        self.syncs.append(strategy.outer_sync.run.syncs)
+        traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
+        self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx == 0:  # the strategy's own on_validation_start runs after the callbacks'
+            self.validated.append(digest(module))
+
+
+def main(
+    options: dict, steps: int, folder: str | None = None, save_every: int = 0, resume_from: str | None = None
+) -> None:
+    losses, recorder = LossRecorder(), OuterSyncRecorder()
+    callbacks: list[L.Callback] = [losses, recorder]
+    if folder is not None:
+        callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
+    strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
+    trainer = make_trainer(
+        strategy, devices=1, num_nodes=2, max_steps=steps, callbacks=callbacks, enable_checkpointing=folder is not None,
+        limit_val_batches=1, val_check_interval=6, check_val_every_n_epoch=None,
+    )  # fmt: skip
+    model = tiny_gpt()
+    # The resumable loader continues an epoch where a checkpoint left it (a plain one restarts the epoch).
+    train, val = ResumableDataLoader(RandomWindows(), batch_size=4), DataLoader(RandomWindows(8, seed=1), batch_size=4)
+    trainer.fit(model, train, val, ckpt_path=resume_from)
+    report = {
+        "node": trainer.node_rank, "losses": losses.losses, "syncs": recorder.syncs,
+        "outer_bytes": recorder.outer_bytes, "validated": recorder.validated, "final": digest(model),
+        "fragment_numels": strategy.outer_sync.fragment_numels,
+    }  # fmt: skip
+    print("FIT", json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    folder, save_every, resume_from = (sys.argv[3:] + [None, "0", None])[:3]
+    main(json.loads(sys.argv[1]), int(sys.argv[2]), folder, int(save_every), resume_from)
