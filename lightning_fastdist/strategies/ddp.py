@@ -295,7 +295,7 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         if self.outer_sync is not None:
-            self.outer_sync.finish()
+            self.outer_sync.finish(self.model)
         super().on_train_end()
 
     @override

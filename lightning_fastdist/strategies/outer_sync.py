@@ -9,7 +9,10 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
   global ranks and world size: the data sampler shards over every rank of every node, rank 0 alone writes
   checkpoints and logs. Collectives of Lightning's own (``self.log(sync_dist=True)``, ``all_gather``, barriers)
   are within the node.
-- **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step``.
+- **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
+  node's local rank 0, the one process per node that talks across nodes (a replica group of one, so the link carries
+  each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the node's other
+  ranks (inside the node, on fast links), whose weights DDP keeps equal to its own.
 - **Evaluating** (:meth:`OuterSyncJob.evaluate_on_global_weights`): on the global weights (the last outer step's),
   the same on every node; the local ones are put back afterwards.
 - **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -55,7 +58,10 @@ class OuterSyncJob:
         self.settings = settings
         self.owner = owner
         self.group: ReplicaGroup | None = None
-        self.run: OuterSyncRun | None = None
+        self.run: OuterSyncRun | None = None  # on each node's local rank 0, while fitting
+        self._fragments: list[nn.Module] = []
+        self._steps = 0  # optimizer steps of this fit (the schedule's clock on every rank)
+        self._hook: Any = None
         self._lighthouse: Any = None
         self._own_weights: list[torch.Tensor] | None = None
         self.fragment_numels: list[int] = []  # elements of each fragment, once fitting started
@@ -77,12 +83,10 @@ class OuterSyncJob:
         assert environment is not None and strategy.accelerator is not None
         strategy.accelerator.setup_device(strategy.root_device)
         main_port = environment.main_port
-        local_world_size = strategy.num_processes
         self.group = ReplicaGroup(
             node_rank=strategy.node_rank,
             num_nodes=strategy.num_nodes,
             local_rank=strategy.local_rank,
-            local_world_size=local_world_size,
             store_host=socket.gethostname(),
             store_port=main_port + 2 + strategy.node_rank,
             lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
@@ -94,7 +98,7 @@ class OuterSyncJob:
         store = dist.TCPStore(
             self.group.store_host,
             self.group.store_port,
-            local_world_size,
+            strategy.num_processes,
             is_master=strategy.local_rank == 0,
             timeout=timeout,
             wait_for_workers=False,
@@ -103,7 +107,7 @@ class OuterSyncJob:
             backend,
             store=dist.PrefixStore("default_pg", store),
             rank=strategy.local_rank,
-            world_size=local_world_size,
+            world_size=strategy.num_processes,
             timeout=timeout,
         )
 
@@ -123,17 +127,36 @@ class OuterSyncJob:
             )
         assert self.group is not None, "join_node_group first"
         self.close_run()  # a second fit in the same process starts afresh
-        fragments = split_into_fragments(model, blocks, self.settings.fragments)
-        self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in fragments]
-        self.run = OuterSyncRun(self.settings, model, fragments, optimizers[0], self.group, timeout, **counting)
+        self._fragments = split_into_fragments(model, blocks, self.settings.fragments)
+        self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
+        self._steps = 0
+        if self.group.local_rank == 0:
+            self.run = OuterSyncRun(
+                self.settings, model, self._fragments, optimizers[0], self.group, timeout, **counting
+            )
+        _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
+        self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
+
+    def _after_step(self, *_: Any) -> None:
+        """After each optimizer step that applied a fragment's outer step, local rank 0 sends which fragment (DiLoCo
+        retries one whose all-reduce failed) and then its weights to the node's other ranks."""
+        self._steps += 1
+        if self._steps % self.settings.steps_between_fragments or dist.get_world_size() == 1:
+            return
+        applied = torch.tensor([self.run.fragment_due if self.run is not None else 0])
+        dist.broadcast(applied, src=0)
+        _broadcast_in_node(self._fragments[int(applied.item())].parameters())
 
     def evaluate_on_global_weights(self, model: nn.Module) -> None:
-        """Give ``model`` the global weights, keeping a copy of this node's own for :meth:`back_to_own_weights`."""
-        if self.run is None:
+        """Give ``model`` the global weights (local rank 0 holds them and sends them to the node's other ranks),
+        keeping a copy of this rank's own for :meth:`back_to_own_weights`. Call on every rank of the node."""
+        if not self._fragments:
             return
         with torch.no_grad():
             self._own_weights = [p.detach().clone() for p in model.parameters()]
-        self.run.load_global_weights()
+        if self.run is not None:
+            self.run.load_global_weights()
+        _broadcast_in_node(model.parameters())
 
     def back_to_own_weights(self, model: nn.Module) -> None:
         """Put back the weights :meth:`evaluate_on_global_weights` kept."""
@@ -167,9 +190,17 @@ class OuterSyncJob:
     ) -> None:
         """While fitting, write this node's own state beside ``filepath`` and the shared part into ``checkpoint``
         (:mod:`~lightning_fastdist.strategies.outer_sync_checkpoint`); a weights-only checkpoint has neither."""
-        if self.run is not None and "loops" in checkpoint:
+        if self._fragments and "loops" in checkpoint:
+            assert self.group is not None
             save_node_state(
-                self.run, model, optimizers[0], checkpoint, filepath, checkpoint.get(RNG_KEY), optimizer_steps
+                self.group,
+                self.run,
+                model,
+                optimizers[0],
+                checkpoint,
+                filepath,
+                checkpoint.get(RNG_KEY),
+                optimizer_steps,
             )
 
     def load(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
@@ -185,23 +216,32 @@ class OuterSyncJob:
     def resume(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any] | None:
         """Put back what :meth:`load` read: this node's weights and inner optimizer, the outer optimizers and the
         schedule; return a checkpoint holding this node's random states for the exact-resume state, or ``None``."""
-        if self._pending_resume is None or self.run is None:
+        if self._pending_resume is None or not self._fragments:
             return None
         saved, node = self._pending_resume
         self._pending_resume = None
         restore_node_state(node, model, optimizers[0])
-        self.run.load_state_dict(saved, saved["optimizer_steps"])
+        self._steps = saved["optimizer_steps"]
+        if self.run is not None:
+            self.run.load_state_dict(saved, self._steps)
         return {RNG_KEY: node["rng"]} if node["rng"] is not None else None
 
-    def finish(self) -> None:
+    def finish(self, model: nn.Module) -> None:
         """After fit: the model keeps the global weights (what every node agrees on)."""
         if self.run is not None:
             self.run.load_global_weights()
+        if self._fragments:
+            _broadcast_in_node(model.parameters())
 
     def close_run(self) -> None:
+        """Unhook the optimizer and stop this rank's torchft servers; the model keeps its weights."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.run is not None:
             self.run.close()
             self.run = None
+        self._fragments = []
 
     def teardown(self) -> None:
         """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
@@ -209,3 +249,12 @@ class OuterSyncJob:
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
             self._lighthouse = None
+
+
+def _broadcast_in_node(parameters: Iterable[torch.Tensor]) -> None:
+    """Give the node's other ranks local rank 0's values of ``parameters`` (a collective of the node's world)."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for parameter in parameters:
+            dist.broadcast(parameter.data, src=0)

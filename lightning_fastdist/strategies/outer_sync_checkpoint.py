@@ -24,7 +24,7 @@ from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from torch import nn
 
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path, save_file_atomically
-from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun
+from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun, ReplicaGroup
 
 CHECKPOINT_KEY = "fast_outer_sync"
 NODES_SUFFIX = ".outer_sync"  # the folder beside a checkpoint that holds each node's own state
@@ -40,7 +40,8 @@ def node_file(checkpoint_path: Any, node: int, follow_link: bool = False) -> str
 
 
 def save_node_state(
-    run: OuterSyncRun,
+    group: ReplicaGroup,
+    run: OuterSyncRun | None,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     checkpoint: dict[str, Any],
@@ -52,11 +53,12 @@ def save_node_state(
     ``checkpoint``; call on every rank of every node, before rank 0 publishes ``checkpoint``.
 
     Args:
+        group: where this rank stands in the job.
+        run: the outer synchronisation (on each node's local rank 0; ``None`` on the others).
         node_rank_states: the random states of this node's ranks (gathered on its local rank 0), else ``None``.
         optimizer_steps: the steps trained when saving.
     """
-    group = run.group
-    if group.local_rank == 0:
+    if run is not None:
         state = {
             "node": group.node_rank,
             "optimizer_steps": optimizer_steps,
@@ -65,15 +67,14 @@ def save_node_state(
             "rng": node_rank_states,
         }
         _write(state, node_file(filepath, group.node_rank))
-    checkpoint[CHECKPOINT_KEY] = {
-        **run.state_dict(),
-        "num_nodes": group.num_nodes,
-        "optimizer_steps": optimizer_steps,
-        "in_flight": run.settings.in_flight(optimizer_steps),
-        "settings": vars(run.settings).copy(),
-    }
-    torch.distributed.barrier()  # this node's file is complete ...
-    run.barrier()  # ... and every other node's
+        checkpoint[CHECKPOINT_KEY] = {
+            **run.state_dict(),
+            "num_nodes": group.num_nodes,
+            "optimizer_steps": optimizer_steps,
+            "in_flight": run.settings.in_flight(optimizer_steps),
+            "settings": vars(run.settings).copy(),
+        }
+        run.barrier()  # every node's file is complete before global rank 0 publishes
 
 
 def read_node_state(saved: dict[str, Any], checkpoint_path: Any, node: int, num_nodes: int) -> dict[str, Any]:

@@ -72,17 +72,18 @@ def test_bench_and_the_setup_vocabulary_know_both_forms():
         assert Setup.from_strategy(row.strategy_class, row.strategy_args).name == name
 
 
-def _node_fits(options: dict, steps: int, *checkpointing: str) -> list[dict]:
+def _node_fits(options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1) -> list[dict]:
+    """Each rank's report of a fit on two "nodes" of this machine, by node then local rank."""
     port = free_port()
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
-    environments = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node)} for node in (0, 1)]
+    environments = [
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
+         "EMULATED_RANKS_PER_NODE": str(ranks_per_node)}
+        for node in (0, 1)
+    ]  # fmt: skip
     outputs = run_processes([command, command], environments, timeout=240)
-    return [
-        json.loads(line.removeprefix("FIT "))
-        for o in outputs
-        for line in o.stdout.splitlines()
-        if line.startswith("FIT ")
-    ]
+    reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
+    return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
 
 
 @pytest.mark.slow
@@ -131,3 +132,20 @@ def test_a_checkpoint_written_while_an_all_reduce_is_in_flight_is_refused_in_one
     _node_fits(options, 3, str(tmp_path), "3")  # after step 3: fragment 1's all-reduce started, applied at step 4
     with pytest.raises(AssertionError, match="while a fragment's all-reduce was in flight, and cannot resume exactly"):
         _node_fits(options, 6, str(tmp_path / "resumed"), "100", str(tmp_path / "step=3.ckpt"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_per_node_send_each_pseudo_gradient_once_per_node_and_stay_equal():
+    """Local rank 0 talks across nodes and hands each applied fragment to its node's other rank."""
+    options, steps = {"every": 4, "fragments": 2, "delay": 1}, 8
+    ranks = _node_fits(options, steps, ranks_per_node=2)
+    assert [(r["node"], r["local_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    talking, receiving = [ranks[0], ranks[2]], [ranks[1], ranks[3]]
+    schedule = OuterSync(**options).sync_steps(1, steps)
+    for rank in talking:
+        sent = {step - options["delay"]: 2 * rank["fragment_numels"][fragment] for step, fragment in schedule}
+        assert rank["outer_bytes"] == [sent.get(s, 0) for s in range(1, steps + 1)]
+    assert all(rank["outer_bytes"] == [0] * steps for rank in receiving)
+    assert len({rank["final"] for rank in ranks}) == 1  # the global weights, on all four ranks
+    assert len({tuple(rank["validated"]) for rank in ranks}) == 1

@@ -1,6 +1,7 @@
 """One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set).
 
-Each node reads its own half of random token windows, so the nodes' weights part between outer syncs. Every rank
+Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
+share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
 all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import lightning as L
@@ -58,7 +60,8 @@ class OuterSyncRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        self.syncs.append(strategy.outer_sync.run.syncs)
+        run = strategy.outer_sync.run  # on each node's local rank 0
+        self.syncs.append(run.syncs if run is not None else -1)
         traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
         self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
 
@@ -75,16 +78,18 @@ def main(
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
     strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
+    ranks_per_node = int(os.environ.get("EMULATED_RANKS_PER_NODE", "1"))
     trainer = make_trainer(
-        strategy, devices=1, num_nodes=2, max_steps=steps, callbacks=callbacks, enable_checkpointing=folder is not None,
-        limit_val_batches=1, val_check_interval=6, check_val_every_n_epoch=None,
+        strategy, devices=ranks_per_node, num_nodes=2, max_steps=steps, callbacks=callbacks,
+        enable_checkpointing=folder is not None, limit_val_batches=1, val_check_interval=6,
+        check_val_every_n_epoch=None,
     )  # fmt: skip
     model = tiny_gpt()
     # The resumable loader continues an epoch where a checkpoint left it (a plain one restarts the epoch).
     train, val = ResumableDataLoader(RandomWindows(), batch_size=4), DataLoader(RandomWindows(8, seed=1), batch_size=4)
     trainer.fit(model, train, val, ckpt_path=resume_from)
     report = {
-        "node": trainer.node_rank, "losses": losses.losses, "syncs": recorder.syncs,
+        "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
         "outer_bytes": recorder.outer_bytes, "validated": recorder.validated, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels,
     }  # fmt: skip

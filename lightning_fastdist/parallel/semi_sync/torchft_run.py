@@ -48,13 +48,15 @@ def import_torchft(owner: str) -> ModuleType:
 
 @dataclass(frozen=True)
 class ReplicaGroup:
-    """Where one node's ranks stand in the job, and where their torchft servers are.
+    """Where one node stands in the job, and where its torchft servers are.
+
+    One process per node talks across nodes, the node's local rank 0: torchft's replica group of one.
 
     Attributes:
         node_rank: this node's index; ``num_nodes`` in all.
-        local_rank: this process's rank inside its node; ``local_world_size`` ranks per node.
+        local_rank: this process's rank inside its node.
         store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
-            across nodes rendezvous in the store of one node's ``local_rank`` 0.
+            across nodes rendezvous in the store of one node.
         store_port: the port of this node's store (the node's own torch.distributed world).
         lighthouse: ``http://HOST:PORT`` of the lighthouse.
     """
@@ -62,7 +64,6 @@ class ReplicaGroup:
     node_rank: int
     num_nodes: int
     local_rank: int
-    local_world_size: int
     store_host: str
     store_port: int
     lighthouse: str
@@ -78,7 +79,8 @@ def start_lighthouse(port: int, num_nodes: int) -> Any:
 
 
 class OuterSyncRun:
-    """torchft's ``Manager`` and ``DiLoCo`` for one rank, with the inner optimizer's ``step`` hooked while open.
+    """torchft's ``Manager`` and ``DiLoCo`` for a node's local rank 0, with the inner optimizer's ``step`` hooked while
+    open.
 
     Args:
         settings: the outer synchronisation's options.
@@ -116,8 +118,8 @@ class OuterSyncRun:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=group.local_rank,
-            world_size=group.local_world_size,
+            rank=0,
+            world_size=1,
             store_addr=group.store_host,
             store_port=group.store_port,
             lighthouse_addr=group.lighthouse,
@@ -142,6 +144,11 @@ class OuterSyncRun:
             fragment_update_alpha=settings.mix,
         )
         self.diloco.__enter__()
+        self.fragment_due = 0  # the fragment DiLoCo syncs at the next step that applies one
+        self._hook = inner_optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        self.fragment_due = self.manager.current_step() % len(self.outer_optimizers)  # as DiLoCo picks it
 
     def _equalize(self, model: nn.Module) -> None:
         """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
@@ -186,6 +193,7 @@ class OuterSyncRun:
 
     def close(self) -> None:
         """Unhook the inner optimizer and stop this rank's torchft servers."""
+        self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
 
