@@ -38,9 +38,9 @@ RECIPE_CPU_OVERRIDES = {
     "large_model": [],
     "large_model_deepspeed": [],
 }
-RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node")
+RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node", "multi_node_ethernet")
 # The quick-start recipe resumes through the CLI; each engine's resume is held bitwise by its own tests
-# (test_exact_resume, test_fsdp_checkpoint, test_deepspeed). multi_node trains on two loopback nodes below.
+# (test_exact_resume, test_fsdp_checkpoint, test_deepspeed). The multi-node ones train on two loopback nodes below.
 RESUMED = ("cpu_smoke",)
 
 
@@ -119,3 +119,29 @@ def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
     rows = metrics(in_tmp_dir / "lightning_logs")
     step_bytes = [float(r["comm/allreduce_bytes_per_step"]) for r in rows if r.get("comm/allreduce_bytes_per_step")]
     assert step_bytes and step_bytes[-1] < step_bytes[0]  # PowerSGD compressed after its start step
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchrun(in_tmp_dir):
+    port = str(free_port())
+    outer_sync = "{every: 2, fragments: 2, delay: 0}"  # the tiny model's 2 blocks; a fragment crosses every step
+    nodes = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+         *cli_command("fit", "--config", "multi_node_ethernet", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+                      "--trainer.devices", "1", "--trainer.num_nodes", "2",
+                      "--trainer.strategy.init_args.outer_sync", outer_sync,
+                      "--trainer.callbacks.init_args.every_n_train_steps", "2")]
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = run_processes(nodes, timeout=240)
+    log = "".join(o.stdout + o.stderr for o in outputs)
+    assert "[rank: 1] Seed set to 1234" in log  # the second node's process took part
+    rows = metrics(in_tmp_dir / "lightning_logs")
+    outer = [
+        float(r["comm/outer_allreduce_bytes_per_step"]) for r in rows if r.get("comm/outer_allreduce_bytes_per_step")
+    ]
+    assert outer and all(count > 0 for count in outer)  # a fragment's bf16 pseudo-gradient on every logged step
+    (node_files,) = (in_tmp_dir / "checkpoints" / "multi_node_ethernet").glob("*step=4.ckpt.outer_sync")
+    assert sorted(p.name for p in node_files.iterdir()) == ["node00000.pt", "node00001.pt"]
