@@ -140,7 +140,7 @@ class FastDDPStrategy(DDPStrategy):
         blocks: BlocksOption = "auto",
         compile: CompileOption = False,
         compile_scope: CompileScope = "blocks",
-        outer_sync: OuterSync | dict | None = None,
+        outer_sync: OuterSync | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -327,6 +327,17 @@ class FastDDPStrategy(DDPStrategy):
     def _synchronize_device(self) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.synchronize(self.root_device)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Training data is shared out over every rank of every node; under outer_sync evaluation data over the
+        node's ranks only, so that every node evaluates all of it on the same global weights and gets the same
+        metrics (Lightning's reductions and EarlyStopping's decision are within a node)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.outer_sync is not None and trainer is not None and not trainer.training:
+            return {"num_replicas": self.num_processes, "rank": self.local_rank}
+        return super().distributed_sampler_kwargs
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

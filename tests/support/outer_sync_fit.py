@@ -57,6 +57,7 @@ class OuterSyncRecorder(L.Callback):
         self.syncs: list[int] = []
         self.outer_bytes: list[int] = []
         self.validated: list[str] = []
+        self.val_losses: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
@@ -64,6 +65,9 @@ class OuterSyncRecorder(L.Callback):
         self.syncs.append(run.syncs if run is not None else -1)
         traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
         self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
+
+    def on_validation_end(self, trainer, module) -> None:
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
     def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
         if batch_idx == 0:  # the strategy's own on_validation_start runs after the callbacks'
@@ -81,16 +85,17 @@ def main(
     ranks_per_node = int(os.environ.get("EMULATED_RANKS_PER_NODE", "1"))
     trainer = make_trainer(
         strategy, devices=ranks_per_node, num_nodes=2, max_steps=steps, callbacks=callbacks,
-        enable_checkpointing=folder is not None, limit_val_batches=1, val_check_interval=6,
+        enable_checkpointing=folder is not None, limit_val_batches=2, val_check_interval=6,
         check_val_every_n_epoch=None,
     )  # fmt: skip
     model = tiny_gpt()
     # The resumable loader continues an epoch where a checkpoint left it (a plain one restarts the epoch).
-    train, val = ResumableDataLoader(RandomWindows(), batch_size=4), DataLoader(RandomWindows(8, seed=1), batch_size=4)
+    train, val = ResumableDataLoader(RandomWindows(), batch_size=4), DataLoader(RandomWindows(16, seed=1), batch_size=4)
     trainer.fit(model, train, val, ckpt_path=resume_from)
     report = {
         "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
-        "outer_bytes": recorder.outer_bytes, "validated": recorder.validated, "final": digest(model),
+        "outer_bytes": recorder.outer_bytes, "validated": recorder.validated,
+        "val_losses": recorder.val_losses, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels,
     }  # fmt: skip
     print("FIT", json.dumps(report), flush=True)
