@@ -17,8 +17,13 @@ from lightning_fastdist import FastDDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.planning.setup import Setup
+from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import free_port, run_processes
 from tests.support.workloads import tiny_gpt
+
+# Bytes a node may send besides the weights and pseudo-gradients: headers, torchft's heartbeats (10 a second to the
+# lighthouse) and quorums. Sending the pseudo-gradients in fp32 instead of bf16 would exceed it here.
+CONTROL_BYTES = 256 * 1024
 
 
 @pytest.mark.parametrize(
@@ -151,3 +156,26 @@ def test_two_ranks_per_node_send_each_pseudo_gradient_once_per_node_and_stay_equ
     assert all(rank["outer_bytes"] == [0] * steps for rank in receiving)
     assert len({rank["final"] for rank in ranks}) == 1  # the global weights, on all four ranks
     assert len({tuple(rank["validated"]) for rank in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.emulated
+def test_what_crosses_the_link_is_the_pseudo_gradients_and_the_first_weights():
+    """In the emulated cluster: each node's NIC sends what its outer all-reduces hold (a 2-node all-reduce sends
+    its tensor once each way), the fp32 weights made equal before the first step, and little else."""
+    reason = cannot_emulate()
+    if reason:
+        pytest.skip(reason)
+    options, steps = {"every": 4, "fragments": 2, "delay": 1}, 12
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
+    with EmulatedCluster(nodes=2, ranks_per_node=1) as cluster:
+        before = cluster.link_counters()
+        outputs = cluster.run(command, timeout=240, cwd=REPO_ROOT)
+        after = cluster.link_counters()
+    reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
+    for report, start, end in zip(reports, before, after):
+        pseudo_gradients = sum(report["outer_bytes"])
+        first_weights = 4 * sum(report["fragment_numels"])
+        sent = end.sent - start.sent
+        # Measured: 512,560 and 529,439 B sent for 341,760 B of tensors (the rest: headers, heartbeats, quorums).
+        assert pseudo_gradients + first_weights <= sent <= pseudo_gradients + first_weights + CONTROL_BYTES
