@@ -1,12 +1,12 @@
 """BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
 
 Per rank, with no per-step device sync: step time over a window after warm-up (one sync at each end), samples and
-tokens per second, peak memory, the last step's collective bytes, exposed communication over the same window, host
-syncs per step (counted after the window: counting slows dispatch), the last loss and ``tail_loss``. Rank 0 writes
-them as JSON; ``docs/bench.md`` says what each column is. Lightning's own strategies time and count nothing, so the
-probe attaches ours (clock-reading gradient hooks on ``DDPStrategy``'s module, the counting collectives on
-``ModelParallelStrategy``'s FSDP2 units, the counting backend on ``DeepSpeedStrategy``) without changing what they
-compute.
+tokens per second, peak memory, collective bytes per step averaged over the same window (an outer sync crosses
+on some steps only), exposed communication over the same window, host syncs per step (counted after the window:
+counting slows dispatch), the last loss and ``tail_loss``. Rank 0 writes them as JSON; ``docs/bench.md`` says what
+each column is. Lightning's own strategies time and count nothing, so the probe attaches ours (clock-reading
+gradient hooks on ``DDPStrategy``'s module, the counting collectives on ``ModelParallelStrategy``'s FSDP2 units, the
+counting backend on ``DeepSpeedStrategy``) without changing what they compute.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class BenchProbe(L.Callback):
         self._started_step: int | None = None  # the optimizer step the current micro-batch belongs to
         self._exposed_at_start: float | None = None
         self._exposed_per_step: float | None = None
+        self._bytes_at_start: dict[str, int] = {}
+        self._bytes_per_step: dict[str, float] | None = None  # per collective, averaged over the timed steps
 
     @property
     def exposed_comm(self) -> ExposedCommClock | None:
@@ -118,11 +120,18 @@ class BenchProbe(L.Callback):
             _synchronize(pl_module.device)
             self._window_start = time.perf_counter()
             self._exposed_at_start = self._clock.total_s if self._clock is not None else None  # the events are done
+            self._bytes_at_start = _bytes_so_far(self._comm_stats(trainer))
         elif step == self._timing_ends_at(trainer) and self._window_start is not None:
             _synchronize(pl_module.device)
             self._step_time = (time.perf_counter() - self._window_start) / self._window_steps
             if self._exposed_at_start is not None:
                 self._exposed_per_step = (self._clock.total_s - self._exposed_at_start) / self._window_steps
+            stats = self._comm_stats(trainer)
+            if stats is not None:
+                self._bytes_per_step = {
+                    name: (count - self._bytes_at_start.get(name, 0)) / self._window_steps
+                    for name, count in _bytes_so_far(stats).items()
+                }
             self._syncs = count_host_syncs()
             self._syncs.__enter__()
 
@@ -143,13 +152,15 @@ class BenchProbe(L.Callback):
             self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
             self._tail_batches += 1
 
+    def _comm_stats(self, trainer: L.Trainer) -> CommStats | None:
+        return getattr(trainer.strategy, "comm_stats", None) or self._own_stats
+
     def _per_second(self, unit: str) -> float | None:
         count = self._units_per_step.get(unit)
         return count / self._step_time if count and self._step_time else None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak, peak_kind = peak_memory_bytes(pl_module.device)
-        comm = getattr(trainer.strategy, "comm_stats", None) or self._own_stats
         if self._stop_measuring is not None:
             self._stop_measuring()
         result = {
@@ -159,8 +170,8 @@ class BenchProbe(L.Callback):
             "tokens_per_s": self._per_second("tokens"),
             "peak_memory_bytes": peak,
             "peak_memory_kind": peak_kind,
-            "comm_bytes_per_step": comm.last_step_bytes if comm is not None else None,
-            "comm_bytes_by_collective": {k: t.bytes for k, t in comm.last_step.items()} if comm is not None else None,
+            "comm_bytes_per_step": sum(per_step.values()) if (per_step := self._bytes_per_step) is not None else None,
+            "comm_bytes_by_collective": self._bytes_per_step,
             "exposed_comm_s": self._exposed_per_step,
             "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
             "final_loss": self._last_loss.item() if self._last_loss is not None else None,
@@ -170,3 +181,8 @@ class BenchProbe(L.Callback):
         result["peak_memory_bytes_max_rank"] = int(per_rank.max().item()) if per_rank.dim() else peak
         if trainer.is_global_zero:
             self.output.write_text(json.dumps(result, indent=2))
+
+
+def _bytes_so_far(stats: CommStats | None) -> dict[str, int]:
+    """Bytes of each collective since ``stats`` started counting (empty if nothing counts)."""
+    return {name: traffic.bytes for name, traffic in stats.totals.items()} if stats is not None else {}
