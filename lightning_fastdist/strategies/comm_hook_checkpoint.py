@@ -18,12 +18,12 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fastdist.parallel.checkpoint.atomic import is_local_path, save_file_atomically
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import PowerSGDState
+from lightning_fastdist.strategies.side_files import read_side_file, write_side_file
 
 SHARDS_SUFFIX = ".powersgd"  # the folder beside a checkpoint that holds each rank's error feedback
 _SHARD_NAME = re.compile(r"rank(\d{5})\.pt")
@@ -64,8 +64,8 @@ def save_hook_state(
     of ranks beyond ``world_size`` left there by an earlier, larger run.
     """
     state = hook_state.state_dict()
-    _write({"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]},
-           shard_path(checkpoint_path, rank))  # fmt: skip
+    shard = {"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]}
+    write_side_file(shard, shard_path(checkpoint_path, rank))
     if rank == 0:
         remove_shards(checkpoint_path, keep=world_size)
     return {
@@ -123,7 +123,7 @@ def _read_own_errors(saved: dict, rank: int) -> dict | None:
         return None
     path = shard_path(saved[LOCATION_KEY], rank, follow_link=True)
     try:
-        shard = _load(path, map_location="cpu", weights_only=True)
+        shard = read_side_file(path)
     except (OSError, RuntimeError, EOFError) as error:
         problem = f"cannot be read ({type(error).__name__})"
     else:
@@ -150,10 +150,3 @@ def remove_shards(checkpoint_path: Any, keep: int = 0) -> None:
             fs.rm(entry)
     if keep == 0 and not fs.ls(root, detail=False):
         fs.rmdir(root)
-
-
-def _write(shard: dict, path: str) -> None:
-    if is_local_path(path):
-        save_file_atomically(lambda staged: torch.save(shard, staged), Path(path))
-    else:
-        _atomic_save(shard, path)  # Lightning's write for remote file systems

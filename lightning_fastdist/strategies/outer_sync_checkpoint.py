@@ -20,11 +20,11 @@ from typing import Any
 
 import fsspec
 import torch
-from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from torch import nn
 
-from lightning_fastdist.parallel.checkpoint.atomic import is_local_path, save_file_atomically
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun, ReplicaGroup
+from lightning_fastdist.strategies.side_files import read_side_file, write_side_file
 
 CHECKPOINT_KEY = "fast_outer_sync"
 NODES_SUFFIX = ".outer_sync"  # the folder beside a checkpoint that holds each node's own state
@@ -66,7 +66,7 @@ def save_node_state(
             "inner_optimizer": optimizer.state_dict(),
             "rng": node_rank_states,
         }
-        _write(state, node_file(filepath, group.node_rank))
+        write_side_file(state, node_file(filepath, group.node_rank))
         checkpoint[CHECKPOINT_KEY] = {
             **run.state_dict(),
             "num_nodes": group.num_nodes,
@@ -96,7 +96,7 @@ def read_node_state(saved: dict[str, Any], checkpoint_path: Any, node: int, num_
             "resume on as many nodes, or load only its weights (the global ones) into a new run."
         )
     path = node_file(checkpoint_path, node, follow_link=True)
-    state = _load(path, map_location="cpu", weights_only=False)
+    state = read_side_file(path, weights_only=False)
     if state.get("optimizer_steps") != steps or state.get("node") != node:
         found = state.get("optimizer_steps")
         raise ValueError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
@@ -122,10 +122,3 @@ def remove_node_files(checkpoint_path: Any) -> None:
             fs.rm(entry)
     if not fs.ls(root, detail=False):
         fs.rmdir(root)
-
-
-def _write(state: dict, path: str) -> None:
-    if is_local_path(path):
-        save_file_atomically(lambda staged: torch.save(state, staged), Path(path))
-    else:
-        _atomic_save(state, path)  # Lightning's write for remote file systems

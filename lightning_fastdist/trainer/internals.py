@@ -77,8 +77,8 @@ class PrivateName:
 FABRIC = "lightning.fabric.utilities"
 # Private functions, classes and constants imported from Lightning, by the dotted path they are imported from.
 PRIVATE_IMPORTS = {
-    f"{FABRIC}.cloud_io._atomic_save": PrivateName(("strategies.comm_hook_checkpoint",), "write a hook's shard file"),
-    f"{FABRIC}.cloud_io._load": PrivateName(("strategies.comm_hook_checkpoint",), "read a hook's shard file"),
+    f"{FABRIC}.cloud_io._atomic_save": PrivateName(("strategies.side_files",), "write a file beside a checkpoint"),
+    f"{FABRIC}.cloud_io._load": PrivateName(("strategies.side_files",), "read a file beside a checkpoint"),
     f"{FABRIC}.device_dtype_mixin._DeviceDtypeModuleMixin": PrivateName(
         ("strategies.fsdp",), "set the device a LightningModule reports after sharding"
     ),

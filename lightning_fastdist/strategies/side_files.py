@@ -1,0 +1,28 @@
+"""Files a strategy writes beside a checkpoint (a rank's PowerSGD memory, a node's own state under outer_sync).
+
+Written atomically on a local disk (staged, then renamed: a crash never leaves a torn file), through Lightning's
+writer on a remote file system; read with Lightning's reader, which understands both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import _atomic_save, _load
+
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path, save_file_atomically
+
+
+def write_side_file(state: dict, path: str) -> None:
+    """Write ``state`` to ``path``, atomically where the disk is local."""
+    if is_local_path(path):
+        save_file_atomically(lambda staged: torch.save(state, staged), Path(path))
+    else:
+        _atomic_save(state, path)  # Lightning's write for remote file systems
+
+
+def read_side_file(path: str, weights_only: bool = True) -> Any:
+    """Read what :func:`write_side_file` wrote, onto the CPU."""
+    return _load(path, map_location="cpu", weights_only=weights_only)
