@@ -1,14 +1,14 @@
 """What a strategy with ``outer_sync`` does differently: one torch.distributed world per node, DiLoCo across them.
 
-Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
+Owned and called by FastDDPStrategy from its own hooks:
 
 - **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
 - **Joining** (:meth:`OuterSyncJob.join_node_group`): the ranks of a node form their own world, rendezvousing in a
   store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's lighthouse at
   ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one ``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's
-  global ranks and world size: the data sampler shards over every rank of every node, rank 0 alone writes
-  checkpoints and logs. Collectives of Lightning's own (``self.log(sync_dist=True)``, ``all_gather``, barriers)
-  are within the node.
+  global ranks and world size: the training sampler shards over every rank of every node (evaluation data over
+  the node's ranks: every node evaluates all of it), rank 0 alone writes checkpoints and logs. Collectives of
+  Lightning's own (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node.
 - **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
   node's local rank 0, the one process per node that talks across nodes (a replica group of one, so the link carries
   each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the node's other
