@@ -353,8 +353,9 @@ class FastDDPStrategy(DDPStrategy):
         refuse_non_finite(self, checkpoint, filepath)
         if self.outer_sync is not None:  # each node's ranks gather in their node; each node writes its own state
             self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
-            steps = self.lightning_module.trainer.global_step
-            self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, steps)
+            trainer = self.lightning_module.trainer
+            stopping = trainer.received_sigterm  # set by our preemption handler before it saves
+            self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, trainer.global_step, stopping)
         else:
             self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         powersgd = self.hook_state

@@ -187,10 +187,16 @@ class OuterSyncJob:
         checkpoint: dict[str, Any],
         filepath: Any,
         optimizer_steps: int,
+        stopping: bool = False,
     ) -> None:
         """While fitting, write this node's own state beside ``filepath`` and the shared part into ``checkpoint``
-        (:mod:`~lightning_fastdist.strategies.outer_sync_checkpoint`); a weights-only checkpoint has neither."""
-        if self._fragments and "loops" in checkpoint:
+        (:mod:`~lightning_fastdist.strategies.outer_sync_checkpoint`); a weights-only checkpoint has neither.
+
+        A checkpoint written on a stop signal holds the global weights only, marked as such: each node stops on its
+        own (the nodes do not agree on a step yet), so a wait for the others could wait forever."""
+        if stopping and "loops" in checkpoint:
+            checkpoint[CHECKPOINT_KEY] = {"written_on_stop": True}
+        elif self._fragments and "loops" in checkpoint:
             assert self.group is not None
             save_node_state(
                 self.group,

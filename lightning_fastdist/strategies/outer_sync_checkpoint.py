@@ -83,6 +83,12 @@ def read_node_state(saved: dict[str, Any], checkpoint_path: Any, node: int, num_
     Raises:
         ValueError: one line saying why this checkpoint cannot resume this run exactly.
     """
+    if saved.get("written_on_stop"):
+        raise ValueError(
+            "outer_sync: this checkpoint was written when a stop signal ended the fit, and holds the global weights "
+            "only (the nodes do not agree on a step to stop at yet): resume from the last periodic checkpoint, or "
+            "load its weights into a new run."
+        )
     steps = saved["optimizer_steps"]
     if saved["in_flight"]:
         raise ValueError(

@@ -8,10 +8,13 @@ when, never time.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_fastdist import FastDDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
@@ -77,16 +80,20 @@ def test_bench_and_the_setup_vocabulary_know_both_forms():
         assert Setup.from_strategy(row.strategy_class, row.strategy_args).name == name
 
 
-def _node_fits(options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1) -> list[dict]:
-    """Each rank's report of a fit on two "nodes" of this machine, by node then local rank."""
+def _node_commands(options: dict, steps: int, *checkpointing: str, **environment: str) -> tuple[list, list]:
+    """The command and environment of each of two "nodes" of this machine running the outer_sync fit."""
     port = free_port()
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
     environments = [
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
-         "EMULATED_RANKS_PER_NODE": str(ranks_per_node)}
-        for node in (0, 1)
-    ]  # fmt: skip
-    outputs = run_processes([command, command], environments, timeout=240)
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node), **environment} for node in (0, 1)
+    ]
+    return [command, command], environments
+
+
+def _node_fits(options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1) -> list[dict]:
+    """Each rank's report of a fit on two "nodes" of this machine, by node then local rank."""
+    commands, environments = _node_commands(options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node))
+    outputs = run_processes(commands, environments, timeout=240)
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
     return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
 
@@ -156,6 +163,23 @@ def test_two_ranks_per_node_send_each_pseudo_gradient_once_per_node_and_stay_equ
     assert all(rank["outer_bytes"] == [0] * steps for rank in receiving)
     assert len({rank["final"] for rank in ranks}) == 1  # the global weights, on all four ranks
     assert len({tuple(rank["validated"]) for rank in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_refused_in_one_line(tmp_path):
+    """Each node stops on its own (no agreement across nodes yet): its checkpoint holds the global weights only."""
+    options = {"every": 4, "fragments": 2, "delay": 1}
+    commands, environments = _node_commands(options, 12, str(tmp_path), "100", OUTER_SYNC_FIT_SIGTERM_AT="5")
+    nodes = [
+        subprocess.Popen(command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for command, extra in zip(commands, environments)
+    ]
+    assert [node.wait(timeout=240) for node in nodes] == [143, 143]
+    (stopped,) = tmp_path.glob("*.ckpt")
+    assert torch.load(stopped, weights_only=False)["fast_outer_sync"] == {"written_on_stop": True}
+    with pytest.raises(AssertionError, match="written when a stop signal ended the fit, and holds the global weights"):
+        _node_fits(options, 12, str(tmp_path / "resumed"), "100", str(stopped))
 
 
 @pytest.mark.slow

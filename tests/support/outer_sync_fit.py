@@ -1,5 +1,6 @@
 """One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set).
 
+With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted).
 Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 
 import lightning as L
@@ -60,6 +62,8 @@ class OuterSyncRecorder(L.Callback):
         self.val_losses: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == int(os.environ.get("OUTER_SYNC_FIT_SIGTERM_AT", "0")):
+            os.kill(os.getpid(), signal.SIGTERM)
         strategy = trainer.strategy
         run = strategy.outer_sync.run  # on each node's local rank 0
         self.syncs.append(run.syncs if run is not None else -1)
