@@ -214,7 +214,9 @@ class FastDDPStrategy(DDPStrategy):
         """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
         (a model that builds its layers in ``configure_model`` is checked when the plan is applied)."""
         if names_checkable(module):
-            resolve_blocks(module, self.plan.blocks)
+            block_classes = resolve_blocks(module, self.plan.blocks)
+            if self.outer_sync is not None:
+                self.outer_sync.check_fragments(module, outermost_block_modules(module, block_classes))
 
     @override
     def setup_environment(self) -> None:

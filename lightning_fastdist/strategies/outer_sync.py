@@ -76,6 +76,10 @@ class OuterSyncJob:
             )
         import_torchft(self.owner)
 
+    def check_fragments(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        """Raise the one-line ``ValueError`` of ``fragments`` that do not divide ``model``'s blocks."""
+        split_into_fragments(model, blocks, self.settings.fragments)
+
     def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
         """Join this node's own world (and, on global rank 0, start the lighthouse). Call after the strategy set
         its world ranks."""

@@ -195,6 +195,20 @@ ROWS = [
         ("FastDeepSpeedStrategy: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
          "remove the FastMixedPrecision plugin."),
         merge(strategy("FastDeepSpeedStrategy"), plugin(precision="bf16-mixed"))),
+    Row("outer-sync-every-zero", "outer_sync.every=0 must be an integer >= 1.",
+        strategy("FastDDPStrategy", outer_sync={"every": 0})),
+    Row("outer-sync-every-not-a-multiple",
+        "outer_sync.every=5 is not a multiple of outer_sync.fragments=2",
+        strategy("FastDDPStrategy", outer_sync={"every": 5, "fragments": 2})),
+    Row("outer-sync-lr-zero", "outer_sync.lr=0.0 must be > 0 (DiLoCo uses 0.7).",
+        strategy("FastDDPStrategy", outer_sync={"lr": 0.0})),
+    Row("outer-sync-on-one-node",
+        "FastDDPStrategy: outer_sync synchronises across nodes and this job has num_nodes=1",
+        strategy("FastDDPStrategy", outer_sync={"every": 4})),
+    Row("outer-sync-fragments-do-not-divide-blocks",
+        "outer_sync.fragments=3 does not divide the model's 2 blocks: give a divisor of 2",
+        merge(strategy("FastDDPStrategy", outer_sync={"every": 6, "fragments": 3}),
+              {"model": {"init_args": {"n_layer": 2}}, "trainer": {"num_nodes": 2, "devices": 1}})),
 ]  # fmt: skip
 
 
