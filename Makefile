@@ -2,14 +2,14 @@
 #   make demo   - install into .venv, then train TinyGPT on 2 CPU processes (gloo)
 #   make test   - install into .venv with the test extra, then lint (make lint) and run the whole test suite
 # CPU-only machines get the CPU build of torch (TORCH_SPEC); a range would pull a
-# multi-GB CUDA build. Override on GPU machines: make demo TORCH_SPEC=torch
+# multi-GB CUDA build. Override on GPU machines: make demo TORCH_SPEC=torch==2.14.1
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test test-fast install clean gpu-wheels
+.PHONY: demo lint test test-fast test-versions install clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,28 @@ test: lint
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not multiprocess and not emulated"
 
+# The other end of the versions pyproject.toml claims, in a second virtual environment: the newest torch with the
+# oldest Lightning (make test runs the oldest torch with the newest Lightning), on the contract matrix and the checks
+# that every private Lightning name and internal we use exists there. .ci/run runs it after make test. torch 2.14.1
+# is a CUDA build of several GB: quick where a copy lies on disk (as on CI), a long download elsewhere.
+VERSIONS_VENV ?= .venv-versions
+VERSIONS_TORCH_SPEC ?= torch==2.14.1
+VERSIONS_LIGHTNING_SPEC ?= lightning==2.6.0
+VERSIONS_BIN := $(VERSIONS_VENV)/bin
+
+$(VERSIONS_BIN)/python:
+	$(PYTHON) -m venv $(VERSIONS_VENV)
+	$(VERSIONS_BIN)/python -m pip install -qq --upgrade pip
+
+test-versions: $(VERSIONS_BIN)/python
+	$(VERSIONS_BIN)/pip install -qq "$(VERSIONS_TORCH_SPEC)"
+	$(VERSIONS_BIN)/pip install -qq -e ".[test]" "$(VERSIONS_LIGHTNING_SPEC)"
+	$(VERSIONS_BIN)/python -c 'import torch, lightning; print("torch", torch.__version__, "lightning", lightning.__version__)'
+	$(VERSIONS_BIN)/python -m pytest -q tests/contract tests/project/test_lightning_private_names.py \
+		tests/callbacks/test_sync_free_logging.py::test_the_lightning_internals_we_patch_exist_in_the_installed_version
+
 clean:
-	rm -rf $(VENV) lightning_logs build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERSIONS_VENV) lightning_logs build *.egg-info .pytest_cache
 
 # The wheels a GPU machine without network lacks, for its python3 3.12 on x86-64 Linux (its own torch
 # stays): DeepSpeed (built here from its source: pure Python), pydantic, jsonargparse and their needs,
