@@ -72,7 +72,7 @@ CASES = {
     "fsdp-accumulate-unshaped": Case(2, 1, None, FSDP_SETUPS, ("--trainer.accumulate_grad_batches", "4")),
     "hsdp-2x2-50": Case(2, 2, 50, HSDP_SETUPS),
     "hsdp-2x2-unshaped": Case(2, 2, None, HSDP_SETUPS),
-    # Semi-synchronous across nodes: 40 steps hold 4 outer syncs of each form (a fragment every 10 steps).
+    # Semi-synchronous across nodes: 40 timed steps hold 4 syncs of DiLoCo's whole model, 20 of streaming's fragments.
     "semi-sync-10": Case(2, 1, 10, SEMI_SYNC_SETUPS, steps=42),
     "semi-sync-50": Case(2, 1, 50, SEMI_SYNC_SETUPS, steps=42),
     "semi-sync-unshaped": Case(2, 1, None, SEMI_SYNC_SETUPS, steps=42),

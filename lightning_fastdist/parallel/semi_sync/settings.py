@@ -107,12 +107,14 @@ class OuterSync:
         ]
 
 
-# The forms bench and tune compare (planning.setup.Setup.outer_sync): a fragment every 10 steps, so that bench's
-# 20 steps see syncs; streaming overlaps each all-reduce with 5 steps (about 1.2 s of cpu_smoke's step on this
-# machine, the time half of its pseudo-gradient takes in bf16 on a 10 Mbit/s link).
+# The forms bench and tune compare (planning.setup.Setup.outer_sync), short enough that bench's steps see several
+# syncs, and plain parameter averaging across nodes (outer lr 1, no momentum): at these small `every` DiLoCo's outer
+# Nesterov (lr 0.7, momentum 0.9, tuned for every=500) lagged exact DDP's held-out loss by 16% after 100 steps of
+# cpu_smoke, plain averaging by 4% after 400 (docs/semi-sync.md). Streaming sends a quarter of the model every
+# 2 steps, each all-reduce overlapping 1 step: the whole model every 8 steps (DiLoCo's: every 10, all at once).
 OUTER_SYNC_FORMS: dict[OuterSyncForm, dict[str, Any]] = {
-    "diloco": {"every": 10, "fragments": 1, "delay": 0},
-    "streaming-diloco": {"every": 20, "fragments": 2, "delay": 5},
+    "diloco": {"every": 10, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False},
+    "streaming-diloco": {"every": 8, "fragments": 4, "delay": 1, "lr": 1.0, "momentum": 0.0, "nesterov": False},
 }
 
 
