@@ -62,6 +62,7 @@ class OuterSyncJob:
         self._fragments: list[nn.Module] = []
         self._steps = 0  # optimizer steps of this fit (the schedule's clock on every rank)
         self._hook: Any = None
+        self._store: dist.Store | None = None  # the node's own store, shared by its ranks
         self._lighthouse: Any = None
         self._own_weights: list[torch.Tensor] | None = None
         self.fragment_numels: list[int] = []  # elements of each fragment, once fitting started
@@ -107,6 +108,7 @@ class OuterSyncJob:
             timeout=timeout,
             wait_for_workers=False,
         )
+        self._store = dist.PrefixStore("outer_sync", store)
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("default_pg", store),
@@ -142,14 +144,20 @@ class OuterSyncJob:
         self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
 
     def _after_step(self, *_: Any) -> None:
-        """After each optimizer step that applied a fragment's outer step, local rank 0 sends which fragment (DiLoCo
-        retries one whose all-reduce failed) and then its weights to the node's other ranks."""
+        """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
+        which fragment (DiLoCo retries one whose all-reduce failed) through the node's store (host only: no device
+        sync), then sends them its weights."""
         self._steps += 1
         if self._steps % self.settings.steps_between_fragments or dist.get_world_size() == 1:
             return
-        applied = torch.tensor([self.run.fragment_due if self.run is not None else 0])
-        dist.broadcast(applied, src=0)
-        _broadcast_in_node(self._fragments[int(applied.item())].parameters())
+        assert self._store is not None
+        key = f"applied/{self._steps}"
+        if self.run is not None:
+            self._store.set(key, str(self.run.fragment_due))
+        fragment = int(self._store.get(key))
+        _broadcast_in_node(self._fragments[fragment].parameters())
+        if self.run is not None:  # every other rank read it before joining the broadcast
+            self._store.delete_key(key)
 
     def evaluate_on_global_weights(self, model: nn.Module) -> None:
         """Give ``model`` the global weights (local rank 0 holds them and sends them to the node's other ranks),
