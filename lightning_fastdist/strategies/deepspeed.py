@@ -151,11 +151,17 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...).
+        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...), and
+        # synchronises no BatchNorm.
         if not isinstance(self.precision_plugin, DeepSpeedPrecision):
             raise ValueError(
                 f"{type(self).__name__}: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
                 f"remove the {type(self.precision_plugin).__name__} plugin."
+            )
+        if self._layer_sync is not None:  # Lightning's DeepSpeedStrategy trains on with unsynchronised BatchNorm
+            raise ValueError(
+                f"{type(self).__name__}: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never "
+                "converts BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."
             )
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)

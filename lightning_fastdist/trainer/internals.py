@@ -167,7 +167,8 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "the launcher chosen"
     ),
     f"{STRATEGIES}.parallel.ParallelStrategy._layer_sync": PrivateName(
-        ("strategies.fsdp",), "Trainer(sync_batchnorm=True): convert BatchNorm before sharding, revert at teardown"
+        ("strategies.deepspeed", "strategies.fsdp"),
+        "Trainer(sync_batchnorm=True): DeepSpeed refuses it; FSDP converts BatchNorm before sharding, back after",
     ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
         ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"

@@ -225,6 +225,10 @@ ROWS = [
         "outer_sync.fragments=3 does not divide the model's 2 blocks: give a divisor of 2",
         merge(strategy("FastDDPStrategy", outer_sync={"every": 6, "fragments": 3}),
               {"model": {"init_args": {"n_layer": 2}}, "trainer": {"num_nodes": 2, "devices": 1}})),
+    Row("deepspeed-sync-batchnorm",
+        ("FastDeepSpeedStrategy: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never converts "
+         "BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."),
+        merge(strategy("FastDeepSpeedStrategy"), {"trainer": {"sync_batchnorm": True}})),
 ]  # fmt: skip
 
 
