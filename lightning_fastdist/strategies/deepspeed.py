@@ -42,6 +42,7 @@ from lightning_fastdist.parallel.deepspeed.runtime import (
 from lightning_fastdist.parallel.deepspeed.settings import BucketSize, DeepSpeedSettings
 from lightning_fastdist.parallel.deepspeed.zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan.parallel_plan import (
@@ -294,6 +295,27 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         super().on_train_start()
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._equal_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._equal_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._equal_buffers()
+
+    def _equal_buffers(self) -> None:
+        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP: ZeRO partitions
+        parameters, never buffers, so each rank's follow its own batches."""
+        if self.model is not None and torch.distributed.is_initialized():
+            broadcast_buffers(self.model)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -1,7 +1,8 @@
 """Buffers made equal on every rank before evaluation, as DDP's ``broadcast_buffers`` makes them.
 
-FSDP shards parameters, not buffers: each rank's BatchNorm running statistics follow its own batches, so without
-this ``validate`` and ``predict`` would give a different answer on each rank. DDP broadcasts rank 0's buffers
+FSDP shards parameters, not buffers (DeepSpeed's ZeRO partitions none either): each rank's BatchNorm running
+statistics follow its own batches, so without this ``validate`` and ``predict`` would give a different answer on each
+rank. FastFSDPStrategy and FastDeepSpeedStrategy call it. DDP broadcasts rank 0's buffers
 before a forward; rank 0's statistics evolve the same way under both, so broadcasting them before evaluation gives
 DDP's results.
 """
