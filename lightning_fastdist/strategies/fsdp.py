@@ -297,7 +297,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._equal_buffers()
 
     def _equal_buffers(self) -> None:
-        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP."""
+        """Every rank holds rank 0's buffers (BatchNorm statistics) to evaluate and to save, as under DDP."""
         if self.model is not None and dist.is_initialized():
             broadcast_buffers(self.model)
 
@@ -381,6 +381,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A checkpoint holds rank 0's buffers, as DDP's does: a sharded save writes each from any one rank.
+        self._equal_buffers()
         with self._lightning_module_names():
             return super().lightning_module_state_dict()
 

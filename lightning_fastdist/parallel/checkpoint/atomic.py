@@ -27,7 +27,6 @@ from typing import Any
 import fsspec.utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 STAGING_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
@@ -283,17 +282,14 @@ class ShardedCheckpointWriter:
             if write_extra is not None:
                 write_extra(staged)
         _barrier()
-        # A tensor every rank holds whole (a BatchNorm statistic: FSDP shards parameters, not buffers) is written from
-        # rank 0, whose copy is the one DDP saves; by default torch writes each from whichever rank has least to write.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if not self.asynchronous:
-            dcp.save(state, checkpoint_id=staged, planner=planner)
+            dcp.save(state, checkpoint_id=staged)
             _barrier()
             if _is_rank_zero():
                 publish(staged, path)
             _barrier()
             return
-        written = dcp.async_save(state, checkpoint_id=staged, process_group=self.process_group, planner=planner)
+        written = dcp.async_save(state, checkpoint_id=staged, process_group=self.process_group)
         # Rank 0 coordinates: its save completes only after every rank has written its shards.
         self._pending = _then_publish(written, staged, path) if _is_rank_zero() else written
 
