@@ -42,6 +42,7 @@ from lightning_fastdist.parallel.deepspeed.runtime import (
 from lightning_fastdist.parallel.deepspeed.settings import BucketSize, DeepSpeedSettings
 from lightning_fastdist.parallel.deepspeed.zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan.parallel_plan import (
@@ -151,11 +152,17 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...).
+        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...), and
+        # synchronises no BatchNorm.
         if not isinstance(self.precision_plugin, DeepSpeedPrecision):
             raise ValueError(
                 f"{type(self).__name__}: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
                 f"remove the {type(self.precision_plugin).__name__} plugin."
+            )
+        if self._layer_sync is not None:  # Lightning's DeepSpeedStrategy trains on with unsynchronised BatchNorm
+            raise ValueError(
+                f"{type(self).__name__}: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never "
+                "converts BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."
             )
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
@@ -288,6 +295,27 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         super().on_train_start()
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._equal_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._equal_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._equal_buffers()
+
+    def _equal_buffers(self) -> None:
+        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP: ZeRO partitions
+        parameters, never buffers, so each rank's follow its own batches."""
+        if self.model is not None and torch.distributed.is_initialized():
+            broadcast_buffers(self.model)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -24,11 +24,13 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.layer_sync import _BatchNormXd
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
@@ -143,6 +145,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._idle_experts: IdleExperts | None = None
         self._experts_group: dist.ProcessGroup | None = None
         self._accumulating = False
+        self._synced_batchnorm = False  # BatchNorm layers are SyncBatchNorm for this fit (Trainer(sync_batchnorm=True))
         self.prepared: PreparedBlocks | None = None
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self.exposed_comm: ExposedCommClock | None = None  # set when the model is sharded
@@ -203,12 +206,16 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if self.plan.compile_config is not None:
             self.recompiles.start()
         self.accelerator.setup(trainer)
+        # Trainer(sync_batchnorm=True): BatchNorm is SyncBatchNorm while fitting, as under Lightning's strategies.
+        self._synced_batchnorm = trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
-            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:  # Trainer(sync_batchnorm=True)
+            if self._synced_batchnorm:
                 module = self._layer_sync.apply(module)  # before sharding, as Lightning's FSDPStrategy does
             self._root = self.parallelize(module)  # where ModelParallelStrategy expects configure_model to have sharded
             _materialize(self._root, self.root_device, self.fsdp.cpu_offload)
+        elif self._synced_batchnorm:
+            _sync_batchnorm_in_place(self._root, sync=True)  # the previous fit's teardown reverted it
         # Lightning runs each step through ``self.model`` (its forward redirection), so the root's hooks run around it.
         self.model = self._root
         self.model_to_device()  # as in Lightning: move all that is left (parameterless modules, .device)
@@ -290,7 +297,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._equal_buffers()
 
     def _equal_buffers(self) -> None:
-        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP."""
+        """Every rank holds rank 0's buffers (BatchNorm statistics) to evaluate and to save, as under DDP."""
         if self.model is not None and dist.is_initialized():
             broadcast_buffers(self.model)
 
@@ -374,6 +381,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A checkpoint holds rank 0's buffers, as DDP's does: a sharded save writes each from any one rank.
+        self._equal_buffers()
         with self._lightning_module_names():
             return super().lightning_module_state_dict()
 
@@ -408,7 +417,28 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
+        if self._synced_batchnorm and self._root is not None:  # as Lightning's DDPStrategy and FSDPStrategy do
+            _sync_batchnorm_in_place(self._root, sync=False)
+            self._synced_batchnorm = False
         super().teardown()
+
+
+def _sync_batchnorm_in_place(model: nn.Module, sync: bool) -> None:
+    """Turn the sharded ``model``'s BatchNorm layers into ``SyncBatchNorm`` (``sync``) or back into Lightning's
+    ``_BatchNormXd``, as Lightning's ``TorchSyncBatchNorm`` does, but keeping each layer object: FSDP sets the
+    gathered parameters on the objects it sharded, so a new layer in their place would compute with the shards.
+
+    A BatchNorm that FSDP made a unit of its own (``keep_fp32``) keeps its class, which FSDP derived from it.
+    """
+    for layer in model.modules():
+        if isinstance(layer, FSDPModule):
+            continue
+        if sync and isinstance(layer, _BatchNorm) and not isinstance(layer, nn.SyncBatchNorm):
+            layer.__class__ = nn.SyncBatchNorm
+            layer.process_group = None  # the whole world, as SyncBatchNorm.convert_sync_batchnorm sets it
+        elif not sync and isinstance(layer, nn.SyncBatchNorm):
+            layer.__class__ = _BatchNormXd
+            del layer.process_group
 
 
 def _materialize(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:

@@ -103,6 +103,9 @@ PRIVATE_IMPORTS = {
     "lightning.fabric.connector._PRECISION_INPUT_STR_ALIAS_CONVERSION": PrivateName(
         ("recipes.recipe",), "name a recipe's precision with Lightning's own aliases"
     ),
+    "lightning.pytorch.plugins.layer_sync._BatchNormXd": PrivateName(
+        ("strategies.fsdp",), "revert SyncBatchNorm at teardown to the class Lightning's TorchSyncBatchNorm reverts to"
+    ),
     "lightning.pytorch.strategies.launchers.launcher._Launcher": PrivateName(
         ("strategies.job",), "type the launcher whose launch checks class names first"
     ),
@@ -164,7 +167,8 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "the launcher chosen"
     ),
     f"{STRATEGIES}.parallel.ParallelStrategy._layer_sync": PrivateName(
-        ("strategies.fsdp",), "Trainer(sync_batchnorm=True): convert BatchNorm before sharding"
+        ("strategies.deepspeed", "strategies.fsdp"),
+        "Trainer(sync_batchnorm=True): DeepSpeed refuses it; FSDP converts BatchNorm before sharding, back after",
     ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
         ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"

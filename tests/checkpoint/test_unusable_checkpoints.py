@@ -144,3 +144,17 @@ def test_a_missing_file_a_folder_or_a_text_file_is_named_as_such(in_tmp_dir):
     assert "is not a torch checkpoint (it starts with 'trai'" in describe_unloadable(
         in_tmp_dir / "notes.ckpt", IndexError()
     )
+
+
+def test_a_deepspeed_folder_is_read_as_deepspeeds_layout_not_as_a_sharded_folder(in_tmp_dir):
+    folder = in_tmp_dir / "last.ckpt"
+    folder.mkdir()
+    (folder / "latest").write_text("checkpoint")
+    assert describe_unloadable(folder, KeyError("module"), True).endswith(
+        "last.ckpt' (a DeepSpeed folder) names its states folder 'checkpoint' in latest, and it is missing."
+    )
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert describe_unloadable(folder, KeyError("module"), True).endswith(
+        "last.ckpt' (a DeepSpeed folder written at ZeRO stage 1 or 2) cannot be loaded: KeyError: 'module'."
+    )

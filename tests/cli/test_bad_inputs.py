@@ -55,13 +55,25 @@ def plugin(**init_args) -> dict:
     return {"trainer": {"plugins": [{"class_path": "lightning_fastdist.FastMixedPrecision", "init_args": init_args}]}}
 
 
+def another_model(class_path: str) -> dict:
+    return {"model": {"class_path": class_path}}
+
+
 def merge(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, mapping by mapping; a mapping that names another ``class_path`` replaces the one in
+    ``base`` whole (the ``init_args`` there belong to the other class)."""
     merged = dict(base)
     for key, value in extra.items():
-        merged[key] = (
-            merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-        )
+        below = merged.get(key)
+        if isinstance(value, dict) and isinstance(below, dict) and not _names_another_class(value, below):
+            merged[key] = merge(below, value)
+        else:
+            merged[key] = value
     return merged
+
+
+def _names_another_class(value: dict, below: dict) -> bool:
+    return "class_path" in value and value["class_path"] != below.get("class_path")
 
 
 ROWS = [
@@ -147,6 +159,10 @@ ROWS = [
     Row("unknown-command", "unknown command 'trian'; choose from fit, validate, test, predict", args=["trian"]),
     Row("shard-class-matches-nothing", "blocks: 'Blok' matches no module class in TinyGPT; the classes found are: ",
         strategy("FastFSDPStrategy", blocks=["Blok"])),
+    Row("fsdp-manual-optimization-without-blocks",
+        ("blocks: under manual optimization GAN needs blocks (a backward inside the step does not reduce a model "
+         "sharded as one unit), and none were found; use blocks: [Sequential]."),
+        merge(strategy("FastFSDPStrategy"), another_model("tests.fsdp.test_fsdp_manual_optimization.GAN"))),
     Row("keep-fp32-class-matches-nothing", "keep_fp32: 'Rooter' matches no module class in TinyGPT; the classes found",
         strategy("FastFSDPStrategy", keep_fp32=["Rooter"])),
     Row("missing-corpus-file", "TextDataModule: corpus_path '/no/such/corpus.txt' is not a readable file.",
@@ -209,6 +225,10 @@ ROWS = [
         "outer_sync.fragments=3 does not divide the model's 2 blocks: give a divisor of 2",
         merge(strategy("FastDDPStrategy", outer_sync={"every": 6, "fragments": 3}),
               {"model": {"init_args": {"n_layer": 2}}, "trainer": {"num_nodes": 2, "devices": 1}})),
+    Row("deepspeed-sync-batchnorm",
+        ("FastDeepSpeedStrategy: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never converts "
+         "BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."),
+        merge(strategy("FastDeepSpeedStrategy"), {"trainer": {"sync_batchnorm": True}})),
 ]  # fmt: skip
 
 

@@ -3,7 +3,9 @@
 
 A small ResNet (plain torch, BatchNorm in every block) trains 3 steps on 2 gloo ranks, each rank reading its own
 half of the data (so each rank's running statistics differ), then validates, tests and predicts on the same held-out
-images on every rank, under Lightning's ``DDPStrategy`` and under ``FastFSDPStrategy`` (zero2 and zero3).
+images on every rank, under Lightning's ``DDPStrategy`` and under ``FastFSDPStrategy`` (zero2 and zero3). With
+``sync_batchnorm=True``, the BatchNorm layers are ``SyncBatchNorm`` while fitting and reverted at teardown, as under
+Lightning's ``DDPStrategy``.
 """
 
 from __future__ import annotations
@@ -78,26 +80,46 @@ def train_and_evaluate(strategy) -> dict:
     }
 
 
-class StopAtFitStart(L.Callback):
-    """Reads the model's BatchNorm classes once the strategy set it up, then stops the fit (SyncBatchNorm has no
-    CPU forward: torch refuses CPU input, under DDP as under FSDP)."""
+def batchnorm_classes(module: torch.nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
+
+
+class BatchNormClassesAtFitStart(L.Callback):
+    """The model's BatchNorm classes once the strategy set it up for each fit."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
 
     def on_fit_start(self, trainer, module) -> None:
-        kinds = sorted({type(m).__name__ for m in module.modules() if "BatchNorm" in type(m).__name__})
-        raise StopIteration(kinds)
+        self.seen.append(batchnorm_classes(module))
 
 
-def batchnorm_classes_with_sync_batchnorm() -> list[str]:
+def sync_batchnorm_fits_then_evaluation(strategy) -> dict:
+    """``Trainer(sync_batchnorm=True)``: two fits of the same model and trainer, then validate and predict.
+
+    The fits take no step (``max_steps=0``): torch's SyncBatchNorm refuses a CPU input in training (Lightning's DDP
+    wrapper refuses the model outright on CPU, before its first step), so only the set-up and teardown of each fit
+    and the evaluation after them run here.
+    """
+    L.seed_everything(0, verbose=False)
+    at_fit_start = BatchNormClassesAtFitStart()
     trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=FastFSDPStrategy(), sync_batchnorm=True, max_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[StopAtFitStart()],
+        accelerator="cpu", devices=WORLD, strategy=strategy, sync_batchnorm=True, max_steps=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[at_fit_start],
     )  # fmt: skip
     model = EvaluatedCNN()
-    try:
-        trainer.fit(model, model.batches())
-    except StopIteration as stop:
-        return stop.args[0]
-    return []
+    record: dict = {"after fit": []}
+    for _ in range(2):
+        try:
+            trainer.fit(model, model.batches())
+        except ValueError as error:  # Lightning's DDP on CPU
+            record["fit error"] = str(error)
+        record["after fit"].append(batchnorm_classes(model))
+    record["at fit start"] = at_fit_start.seen
+    (validated,) = trainer.validate(model, held_out(), verbose=False)
+    (predicted,) = trainer.predict(model, held_out())
+    return {**record, "val_loss": validated["val_loss"], "predictions": predicted}
 
 
 def batchnorm_cases() -> dict:
@@ -105,7 +127,8 @@ def batchnorm_cases() -> dict:
         "ddp": train_and_evaluate(DDPStrategy()),
         "fsdp-zero2": train_and_evaluate(FastFSDPStrategy(sharding="zero2")),
         "fsdp-zero3": train_and_evaluate(FastFSDPStrategy(sharding="zero3")),
-        "sync_batchnorm": batchnorm_classes_with_sync_batchnorm(),
+        "sync_batchnorm ddp": sync_batchnorm_fits_then_evaluation(DDPStrategy()),
+        "sync_batchnorm fsdp": sync_batchnorm_fits_then_evaluation(FastFSDPStrategy()),
     }
 
 
@@ -131,6 +154,12 @@ def test_evaluation_gives_one_answer_on_every_rank_and_it_is_ddps(runs, engine):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sync_batchnorm_turns_every_batchnorm_into_syncbatchnorm_before_sharding(runs):
+def test_sync_batchnorm_is_syncbatchnorm_while_fitting_and_reverted_at_teardown_as_under_ddp(runs):
     for record in runs:
-        assert record["sync_batchnorm"] == ["SyncBatchNorm"]
+        ddp, ours = record["sync_batchnorm ddp"], record["sync_batchnorm fsdp"]
+        assert ddp["fit error"] == "SyncBatchNorm layers only work with GPU modules"  # set up, then refused on CPU
+        assert ours["at fit start"] == [["SyncBatchNorm"], ["SyncBatchNorm"]]  # the second fit's too
+        assert ours["after fit"] == ddp["after fit"] == [["_BatchNormXd"], ["_BatchNormXd"]]  # Lightning's revert
+        # The reverted layers are the ones FSDP sharded: evaluation computes with their gathered weights, as DDP.
+        assert ours["val_loss"] == pytest.approx(ddp["val_loss"], rel=EXACT)
+        assert torch.allclose(ours["predictions"], ddp["predictions"], rtol=EXACT, atol=1e-6)

@@ -3,15 +3,19 @@
 A truncated file, a missing shard or a YAML file passed as a checkpoint ends deep inside ``torch.load`` or
 ``torch.distributed.checkpoint`` with a traceback that often does not name the file. :func:`describe_unloadable`
 looks at the path itself (present, folder or file, archive, complete; a sharded folder's ``.metadata`` and every
-shard it names) and returns the first thing wrong.
+shard it names; a DeepSpeed folder's ``latest`` and the states folder it names) and returns the first thing wrong, or,
+when the path looks whole, what loading it raised.
 """
 
 from __future__ import annotations
 
+import traceback
 import zipfile
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_fastdist.parallel.checkpoint.atomic import DEEPSPEED_INDEX
 
 SHARDED_METADATA = ".metadata"
 # How a file written by torch.save starts: a zip archive (torch >= 1.6) or a raw pickle (protocol 2+).
@@ -28,8 +32,15 @@ class UnusableCheckpointError(RuntimeError, ValueError):
 
 
 def _first_line(error: BaseException) -> str:
+    """The error's type and first line; for an error without a message (a bare ``assert``), where it was raised."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    if text:
+        return f"{type(error).__name__}: {text[0]}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return type(error).__name__
+    where = Path(frames[-1].filename)
+    return f"{type(error).__name__} raised in {where.parent.name}/{where.name}, line {frames[-1].lineno}"
 
 
 def _file_problem(path: Path) -> str | None:
@@ -45,6 +56,23 @@ def _file_problem(path: Path) -> str | None:
         return None
     printable = head.decode("utf-8", errors="replace")
     return f"is not a torch checkpoint (it starts with {printable!r}; a recipe or other text file?)"
+
+
+def _deepspeed_folder(path: Path) -> tuple[str, str | None]:
+    """What the DeepSpeed checkpoint folder ``path`` is (the ZeRO stage its files say wrote it) and what is missing.
+
+    DeepSpeed's ``latest`` names the states folder (the tag); in it, ZeRO-3 writes one model-states file per rank
+    (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``), stages 1 and 2 one for all (``mp_rank_00_model_states.pt``).
+    """
+    tag = (path / DEEPSPEED_INDEX).read_text().strip()
+    states = path / tag
+    if not states.is_dir():
+        return "a DeepSpeed folder", f"names its states folder '{tag}' in {DEEPSPEED_INDEX}, and it is missing"
+    if any(states.glob("zero_pp_rank_*_model_states.pt")):
+        return "a DeepSpeed folder written at ZeRO stage 3", None
+    if any(states.glob("mp_rank_*_model_states.pt")):
+        return "a DeepSpeed folder written at ZeRO stage 1 or 2", None
+    return "a DeepSpeed folder", f"has no model states in its states folder '{tag}'"
 
 
 def _sharded_folder_problem(path: Path) -> str | None:
@@ -77,6 +105,7 @@ def describe_unloadable(path: str | Path, error: BaseException, expects_folder: 
             ``False`` when it loads single files only, ``None`` when it takes both.
     """
     path = Path(path)
+    checkpoint = f"checkpoint '{path}'"
     problem: str | None
     if not path.exists():
         problem = "does not exist"
@@ -85,8 +114,11 @@ def describe_unloadable(path: str | Path, error: BaseException, expects_folder: 
             problem = "is a folder, not a checkpoint file"
             if (path / SHARDED_METADATA).is_file():
                 problem += " (a sharded checkpoint: load it with FastFSDPStrategy)"
+        elif (path / DEEPSPEED_INDEX).is_file():  # DeepSpeed's own layout: no .metadata to look for
+            kind, problem = _deepspeed_folder(path)
+            checkpoint += f" ({kind})"
         else:
             problem = _sharded_folder_problem(path)
     else:
         problem = _file_problem(path)
-    return f"checkpoint '{path}' {problem or 'cannot be loaded: ' + _first_line(error)}."
+    return f"{checkpoint} {problem or 'cannot be loaded: ' + _first_line(error)}."
