@@ -159,6 +159,12 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
                 f"{type(self).__name__}: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
                 f"remove the {type(self.precision_plugin).__name__} plugin."
             )
+        if self.precision_plugin.precision == "16-true":  # Lightning's DeepSpeedStrategy trains something else
+            raise ValueError(
+                f"{type(self).__name__}: precision='16-true' (fp16 weights, no loss scaling) is not what DeepSpeed's "
+                "fp16 computes (fp32 master weights, a loss scaler that skips steps while it calibrates); use "
+                "precision='16-mixed' (fp16 with loss scaling) or 'bf16-true'."
+            )
         if self._layer_sync is not None:  # Lightning's DeepSpeedStrategy trains on with unsynchronised BatchNorm
             raise ValueError(
                 f"{type(self).__name__}: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never "

@@ -229,6 +229,10 @@ ROWS = [
         ("FastDeepSpeedStrategy: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never converts "
          "BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."),
         merge(strategy("FastDeepSpeedStrategy"), {"trainer": {"sync_batchnorm": True}})),
+    Row("deepspeed-fp16-true",
+        ("FastDeepSpeedStrategy: precision='16-true' (fp16 weights, no loss scaling) is not what DeepSpeed's fp16 "
+         "computes"),
+        merge(strategy("FastDeepSpeedStrategy"), {"trainer": {"precision": "16-true"}})),
 ]  # fmt: skip
 
 
