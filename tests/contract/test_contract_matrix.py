@@ -43,6 +43,10 @@ PATTERNS = {
     "accumulation": ("`accumulate_grad_batches=2`", "6 micro-batch losses"),
     "step_lr": ('`StepLR(step_size=1, gamma=0.5)`, `interval: "step"`', ""),
     "frozen": ("first layer frozen (`requires_grad_(False)`, left out of SGD)", ""),
+    "lora": (
+        "a LoRA adapter from `peft` (`get_peft_model`, rank 4 on every Linear): base weights frozen, adapters trained",
+        "",
+    ),
     "all_gather": ("`self.all_gather` in `training_step`", "every gathered tensor"),
     "checkpoint_best": (
         '`ModelCheckpoint(monitor="val_loss", save_top_k=2)`, validation every step, then `trainer.validate`, '
@@ -170,6 +174,10 @@ def _contract_model(feature: str):
             self.gathered: list[torch.Tensor] = []
             if feature == "frozen":
                 self.net[0].requires_grad_(False)
+            if feature == "lora":  # as a peft user writes it; A is drawn from the seeded generator, B starts at 0
+                import peft
+
+                self.net = peft.get_peft_model(self.net, peft.LoraConfig(r=4, target_modules=["0", "2", "4"]))
             self.automatic_optimization = feature not in MANUAL
 
         def configure_optimizers(self):
