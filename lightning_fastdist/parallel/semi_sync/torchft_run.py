@@ -157,10 +157,9 @@ class OuterSyncRun:
         keeps_its_own = self.manager.participating_rank() == 0
         with torch.no_grad():
             for parameter in model.parameters():
-                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
                 if not keeps_its_own:
-                    local.zero_()
-                self.manager.allreduce(local, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+                    parameter.zero_()
+                self.manager.allreduce(parameter, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             raise RuntimeError(f"outer_sync: making the weights equal across nodes failed: {self.manager.errored()}")
 
