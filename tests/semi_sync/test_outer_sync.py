@@ -112,6 +112,8 @@ def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weig
         sent = {step - options["delay"]: 2 * node["fragment_numels"][fragment] for step, fragment in schedule}
         assert node["outer_bytes"] == [sent.get(s, 0) for s in range(1, steps + 1)]
     assert node0["losses"] != node1["losses"]  # each node trains on its own data between syncs
+    # Under SyncFreeLogging (and SpeedMonitor), no step waits on the device, the outer syncs' steps included.
+    assert node0["host_syncs"] == node1["host_syncs"] == [0] * steps
     # Validation and the final model are the global weights, bitwise the same on both nodes; every node evaluates
     # all of the validation data, so both log the same validation loss (and would take the same EarlyStopping step).
     assert node0["validated"] == node1["validated"] and len(node0["validated"]) == 2

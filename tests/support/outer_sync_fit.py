@@ -24,8 +24,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fastdist import FastDDPStrategy
+from lightning_fastdist import FastDDPStrategy, SpeedMonitor, SyncFreeLogging
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
+from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
 
@@ -53,15 +54,24 @@ def digest(module: torch.nn.Module) -> str:
 
 
 class OuterSyncRecorder(L.Callback):
-    """Per optimizer step: outer syncs applied so far, outer bytes started; digests of the weights validated."""
+    """Per optimizer step: outer syncs applied so far, outer bytes started, host syncs from batch start to batch end;
+    digests of the weights validated. First in the callbacks, so that another's reads after the step are not counted."""
 
     def __init__(self) -> None:
+        self.host_syncs: list[int] = []
+        self._counting: HostSyncCounter | None = None
         self.syncs: list[int] = []
         self.outer_bytes: list[int] = []
         self.validated: list[str] = []
         self.val_losses: list[float] = []
 
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._counting = count_host_syncs()
+        self._counting.__enter__()
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._counting.__exit__(None, None, None)
+        self.host_syncs.append(self._counting.count)
         if trainer.global_step == int(os.environ.get("OUTER_SYNC_FIT_SIGTERM_AT", "0")):
             os.kill(os.getpid(), signal.SIGTERM)
         strategy = trainer.strategy
@@ -82,7 +92,7 @@ def main(
     options: dict, steps: int, folder: str | None = None, save_every: int = 0, resume_from: str | None = None
 ) -> None:
     losses, recorder = LossRecorder(), OuterSyncRecorder()
-    callbacks: list[L.Callback] = [losses, recorder]
+    callbacks: list[L.Callback] = [recorder, losses, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
     strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
@@ -99,7 +109,7 @@ def main(
     report = {
         "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
         "outer_bytes": recorder.outer_bytes, "validated": recorder.validated,
-        "val_losses": recorder.val_losses, "final": digest(model),
+        "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels,
     }  # fmt: skip
     print("FIT", json.dumps(report), flush=True)
