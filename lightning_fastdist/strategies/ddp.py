@@ -336,9 +336,9 @@ class FastDDPStrategy(DDPStrategy):
         """Training data is shared out over every rank of every node; under outer_sync evaluation data over the
         node's ranks only, so that every node evaluates all of it on the same global weights and gets the same
         metrics (Lightning's reductions and EarlyStopping's decision are within a node)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.outer_sync is not None and trainer is not None and not trainer.training:
-            return {"num_replicas": self.num_processes, "rank": self.local_rank}
+        if self.outer_sync is not None and self.lightning_module is not None:
+            if not self.lightning_module.trainer.training:
+                return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return super().distributed_sampler_kwargs
 
     @override

@@ -22,7 +22,7 @@ PSEUDO_GRADIENT_DTYPES = dict(zip(get_args(PseudoGradientDtype), (torch.float32,
 
 @dataclass(frozen=True)
 class OuterSync:
-    """DiLoCo's outer synchronisation (``outer_sync`` of FastDDPStrategy and FastFSDPStrategy).
+    """DiLoCo's outer synchronisation (``outer_sync`` of FastDDPStrategy).
 
     Attributes:
         every: ``H``, optimizer steps between two synchronisations of each fragment (>= 1, a multiple of
