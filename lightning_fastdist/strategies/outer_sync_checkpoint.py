@@ -4,12 +4,13 @@ Between two outer syncs every node has weights, an inner optimizer state and ran
 checkpoint global rank 0 publishes holds what the nodes share: the global weights (its ``state_dict``, so it loads
 into a plain model as what the nodes agreed on), the outer optimizers' momentum and torchft's step count, under
 :data:`CHECKPOINT_KEY`. Each node's local rank 0 writes its own to ``<checkpoint>.outer_sync/nodeNNNNN.pt``
-(staged and renamed) before that, and every rank waits for every node (a barrier across nodes) before rank 0
+(staged and renamed) before that, and waits for the other nodes' (a barrier across nodes) before global rank 0
 publishes. A resume reads its node's file and puts its weights, inner optimizer and random states back when
 training starts (after Lightning restored the checkpoint's own), so the run goes on bit for bit.
 
 A checkpoint written while a fragment's all-reduce is in flight (the ``delay`` steps before it is applied) cannot
-resume exactly (the all-reduce's result is not in it): loading one is refused in one line.
+resume exactly (the all-reduce's result is not in it), nor can one written on a stop signal (the global weights
+only: the nodes stop on their own): resuming a fit from either is refused in one line.
 """
 
 from __future__ import annotations
