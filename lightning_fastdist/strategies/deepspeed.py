@@ -305,23 +305,17 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._equal_buffers()
+        broadcast_buffers(self.model)
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._equal_buffers()
+        broadcast_buffers(self.model)
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._equal_buffers()
-
-    def _equal_buffers(self) -> None:
-        """Every rank evaluates with rank 0's buffers (BatchNorm statistics), as under DDP: ZeRO partitions
-        parameters, never buffers, so each rank's follow its own batches."""
-        if self.model is not None and torch.distributed.is_initialized():
-            broadcast_buffers(self.model)
+        broadcast_buffers(self.model)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

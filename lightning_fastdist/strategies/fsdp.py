@@ -284,22 +284,17 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._equal_buffers()
+        broadcast_buffers(self.model)
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._equal_buffers()
+        broadcast_buffers(self.model)
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._equal_buffers()
-
-    def _equal_buffers(self) -> None:
-        """Every rank holds rank 0's buffers (BatchNorm statistics) to evaluate and to save, as under DDP."""
-        if self.model is not None and dist.is_initialized():
-            broadcast_buffers(self.model)
+        broadcast_buffers(self.model)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -382,7 +377,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A checkpoint holds rank 0's buffers, as DDP's does: a sharded save writes each from any one rank.
-        self._equal_buffers()
+        broadcast_buffers(self.model)
         with self._lightning_module_names():
             return super().lightning_module_state_dict()
 

@@ -13,7 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 
-def broadcast_buffers(module: nn.Module) -> None:
-    """Overwrite every buffer of ``module`` with rank 0's."""
+def broadcast_buffers(module: nn.Module | None) -> None:
+    """Overwrite every buffer of ``module`` with rank 0's; nothing without a module or a process group (a strategy
+    asked before it was set up)."""
+    if module is None or not dist.is_initialized():
+        return
     for buffer in module.buffers():
         dist.broadcast(buffer, src=0)
