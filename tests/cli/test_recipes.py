@@ -101,22 +101,27 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
     assert sorted({int(r["step"]) for r in second if r["train_loss"]}) == [2, 3]  # continued at step 2
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
+def fit_on_two_loopback_nodes(config: str, *options: str) -> list[dict[str, str]]:
+    """Run ``config`` (the tiny workload, eager compile, CPU) under torchrun on two loopback nodes of one rank each;
+    return the metrics rank 0 logged."""
     port = str(free_port())
     nodes = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
-         *cli_command("fit", "--config", "multi_node", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
-                      "--trainer.devices", "1", "--trainer.num_nodes", "2",
-                      "--trainer.strategy.init_args.powersgd_start_iter", "2")]
+         *cli_command("fit", "--config", config, *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+                      "--trainer.devices", "1", "--trainer.num_nodes", "2", *options)]
         for rank in range(2)
     ]  # fmt: skip
     outputs = run_processes(nodes, timeout=240)
     log = "".join(o.stdout + o.stderr for o in outputs)
     assert "[rank: 1] Seed set to 1234" in log  # the second node's process took part
-    rows = metrics(in_tmp_dir / "lightning_logs")
+    return metrics(Path("lightning_logs"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
+    rows = fit_on_two_loopback_nodes("multi_node", "--trainer.strategy.init_args.powersgd_start_iter", "2")
     step_bytes = [float(r["comm/allreduce_bytes_per_step"]) for r in rows if r.get("comm/allreduce_bytes_per_step")]
     assert step_bytes and step_bytes[-1] < step_bytes[0]  # PowerSGD compressed after its start step
 
@@ -124,21 +129,12 @@ def test_multi_node_recipe_on_two_loopback_nodes(in_tmp_dir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchrun(in_tmp_dir):
-    port = str(free_port())
     outer_sync = "{every: 2, fragments: 2, delay: 0}"  # the tiny model's 2 blocks; a fragment crosses every step
-    nodes = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
-         *cli_command("fit", "--config", "multi_node_ethernet", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
-                      "--trainer.devices", "1", "--trainer.num_nodes", "2",
-                      "--trainer.strategy.init_args.outer_sync", outer_sync,
-                      "--trainer.callbacks.init_args.every_n_train_steps", "2")]
-        for rank in range(2)
-    ]  # fmt: skip
-    outputs = run_processes(nodes, timeout=240)
-    log = "".join(o.stdout + o.stderr for o in outputs)
-    assert "[rank: 1] Seed set to 1234" in log  # the second node's process took part
-    rows = metrics(in_tmp_dir / "lightning_logs")
+    rows = fit_on_two_loopback_nodes(
+        "multi_node_ethernet",
+        "--trainer.strategy.init_args.outer_sync", outer_sync,
+        "--trainer.callbacks.init_args.every_n_train_steps", "2",
+    )  # fmt: skip
     outer = [
         float(r["comm/outer_allreduce_bytes_per_step"]) for r in rows if r.get("comm/outer_allreduce_bytes_per_step")
     ]
