@@ -62,7 +62,8 @@ class Setup:
         if engine == "DDP":
             return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"), outer_sync=outer_sync)
         if engine == "FSDP2":
-            return cls("FSDP2", init_args.get("sharding", "zero3"), checkpointing, bool(init_args.get("cpu_offload")))
+            sharding, offload = init_args.get("sharding", "zero3"), bool(init_args.get("cpu_offload"))
+            return cls("FSDP2", sharding, checkpointing, offload, outer_sync=outer_sync)
         if engine == "DeepSpeed":
             offload = bool(init_args.get("offload_optimizer"))
             return cls("DeepSpeed", f"zero{init_args.get('stage', 2)}", checkpointing, offload)

@@ -264,19 +264,17 @@ class FastDDPStrategy(DDPStrategy):
         if self.plan.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
-        if self.outer_sync is not None and trainer.training:
-            module = self.lightning_module
-            blocks = outermost_block_modules(module, resolve_blocks(module, self.plan.blocks))
-            self.outer_sync.start(
-                self.model, blocks, self.optimizers, self.timeout, stats=self.comm_stats, clock=self.exposed_comm
-            )
 
     @override
     def on_train_start(self) -> None:
         self._comm_log.new_fit()
         super().on_train_start()
-        if self.outer_sync is not None:  # after Lightning restored the checkpoint's optimizer state: this node's own
-            node_rng = self.outer_sync.resume(self.model, self.optimizers)
+        if self.outer_sync is not None:  # after Lightning restored a checkpoint's state: this node's own on top
+            module = self.lightning_module
+            blocks = outermost_block_modules(module, resolve_blocks(module, self.plan.blocks))
+            node_rng = self.outer_sync.start(
+                self.model, blocks, self.optimizers, self.timeout, stats=self.comm_stats, clock=self.exposed_comm
+            )
             if node_rng is not None:
                 self._resume.take_from(node_rng, self.local_rank, self.num_processes)
         assert self.lightning_module is not None

@@ -10,7 +10,7 @@ collectives' bytes, and writes checkpoints atomically, optionally in the backgro
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -40,8 +40,14 @@ from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
-from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, RootUnit, ShardingMode, shard_model
-from lightning_fastdist.parallel.plan.blocks import resolve_blocks
+from lightning_fastdist.parallel.fsdp.sharding import (
+    FSDPSharding,
+    RootUnit,
+    ShardingMode,
+    reshard_everywhere,
+    shard_model,
+)
+from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
@@ -51,6 +57,8 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
+from lightning_fastdist.parallel.semi_sync.settings import OuterSync
+from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
 from lightning_fastdist.strategies.exact_resume import ResumeState
@@ -62,6 +70,8 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.outer_sync import OuterSyncJob
+from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
@@ -89,6 +99,11 @@ class FastFSDPStrategy(ModelParallelStrategy):
             any world size) or ``"full"`` (one file gathered on rank 0).
         async_checkpointing: write sharded checkpoints in a background thread
             (training continues once the state is copied to host memory).
+        outer_sync: shard inside each node and synchronise across nodes every ``every`` steps with DiLoCo
+            (:class:`~lightning_fastdist.parallel.semi_sync.settings.OuterSync` describes its options; a mapping of
+            them in a recipe): each rank sends its shard's pseudo-gradient to the ranks holding the same shard on the
+            other nodes. Not with ``sharding="hsdp"`` (which replicates across nodes every step). ``None`` (the
+            default): one sharded world, every step. ``docs/semi-sync.md`` says when it pays.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
             (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
@@ -114,6 +129,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         compile_scope: CompileScope = "blocks",
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
+        outer_sync: OuterSync | Mapping[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         log_comm_bytes: bool = True,
@@ -131,6 +147,16 @@ class FastFSDPStrategy(ModelParallelStrategy):
             raise ValueError(
                 "async_checkpointing: needs checkpoint_format='sharded' (a full file is written by rank 0 alone)."
             )
+        try:
+            outer = OuterSync.of(outer_sync)
+        except ValueError as error:
+            raise ValueError(f"FastFSDPStrategy: {error}") from None
+        if outer is not None and sharding == "hsdp":
+            raise ValueError(
+                "FastFSDPStrategy: outer_sync synchronises across nodes every `every` steps and sharding='hsdp' every "
+                "step: give sharding='zero3' or 'zero2' (sharded inside each node) with outer_sync."
+            )
+        self.outer_sync = OuterSyncJob(outer, "FastFSDPStrategy", sharded=True) if outer is not None else None
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
@@ -159,13 +185,18 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
+        if self.outer_sync is not None:
+            self.outer_sync.check_launch(self.num_nodes)
 
     def check_names(self, module: pl.LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
         process starts (a model that builds its layers in ``configure_model`` is checked when it is sharded)."""
         if names_checkable(module):
-            self._refuse_a_root_a_step_cannot_reduce(module, resolve_blocks(module, self.plan.blocks))
+            block_classes = resolve_blocks(module, self.plan.blocks)
+            self._refuse_a_root_a_step_cannot_reduce(module, block_classes)
             self.fsdp.units(module, [])  # resolves keep_fp32
+            if self.outer_sync is not None:
+                self.outer_sync.check_fragments(module, outermost_block_modules(module, block_classes))
 
     def _refuse_a_root_a_step_cannot_reduce(self, module: nn.Module, block_classes: list[type[nn.Module]]) -> None:
         if not getattr(module, "automatic_optimization", True):
@@ -176,9 +207,11 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
+        if self.outer_sync is not None:  # torch.distributed's world is the node: FSDP shards inside it
+            self.outer_sync.join_node_group(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         self._setup_distributed()  # Lightning's: finds the group initialised and keeps it
-        self._device_mesh = self.fsdp.mesh(self.root_device.type, self.world_size)
+        self._device_mesh = self.fsdp.mesh(self.root_device.type, dist.get_world_size())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.async_checkpointing:
@@ -190,7 +223,11 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel replica, whatever the sharding.
+        """Every rank is a data-parallel replica, whatever the sharding; under outer_sync evaluation data is shared out
+        over the node's ranks only, as FastDDPStrategy does (every node evaluates all of it on the global weights)."""
+        if self.outer_sync is not None and self.lightning_module is not None:
+            if not self.lightning_module.trainer.training:
+                return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
@@ -261,8 +298,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
-        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce."""
-        return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) if self.fsdp.mode == "hsdp" else (ALL_GATHER, REDUCE_SCATTER)
+        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce or outer_sync's."""
+        if self.fsdp.mode == "hsdp":
+            return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+        return (ALL_GATHER, REDUCE_SCATTER, OUTER_ALL_REDUCE) if self.outer_sync else (ALL_GATHER, REDUCE_SCATTER)
 
     @property
     def checkpointed_blocks(self) -> tuple[nn.Module, ...]:
@@ -278,6 +317,14 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def on_train_start(self) -> None:
         self._comm_log.new_fit()
         super().on_train_start()
+        if self.outer_sync is not None:  # after Lightning restored a checkpoint's state: this node's own on top
+            module = self.lightning_module
+            blocks = outermost_block_modules(module, resolve_blocks(module, self.plan.blocks))
+            node_rng = self.outer_sync.start(
+                self.model, blocks, self.optimizers, self.timeout, stats=self.comm_stats, clock=self.exposed_comm
+            )
+            if node_rng is not None:
+                self._resume.take_from(node_rng, self.local_rank, self.num_processes)
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
 
@@ -285,6 +332,23 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         broadcast_buffers(self.model)
+        if self.outer_sync is not None:
+            reshard_everywhere(self.model)  # outer_sync swaps the shards
+            self.outer_sync.evaluate_on_global_weights(self.model)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.outer_sync is not None:
+            reshard_everywhere(self.model)
+            self.outer_sync.back_to_own_weights(self.model)
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        if self.outer_sync is not None:
+            reshard_everywhere(self.model)
+            self.outer_sync.finish(self.model)
+        super().on_train_end()
 
     @override
     def on_test_start(self) -> None:
@@ -343,8 +407,17 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         refuse_non_finite(self, checkpoint, filepath)
-        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         path = Path(self.broadcast(filepath))
+        if self.outer_sync is not None:  # each node writes its own state; node 0 the checkpoint the nodes share
+            reshard_everywhere(self.model)
+            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
+            trainer = self.lightning_module.trainer
+            stopping = trainer.received_sigterm  # set by our preemption handler before it saves
+            self.outer_sync.save(self.model, self.optimizers, checkpoint, path, trainer.global_step, stopping)
+            if self.node_rank != 0:
+                return
+        else:
+            self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         if self.checkpoint_format == "full":
             save_one_file(self, checkpoint, path)
             self.barrier()
@@ -360,6 +433,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         # Never delete the previous checkpoint before the one replacing it is published.
         self._checkpoint_writer.wait()
         super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_node_files(filepath)  # the nodes' states of an outer_sync checkpoint, if any
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -367,7 +442,12 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.barrier()
         load = functools.partial(self._load_under_module_names, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
-        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
+        if self.outer_sync is not None:
+            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
+            if self.lightning_module.trainer.training:
+                self.outer_sync.load(checkpoint, checkpoint_path)
+        else:
+            self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         return checkpoint
 
     def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -378,8 +458,14 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A checkpoint holds rank 0's buffers, as DDP's does: a sharded save writes each from any one rank.
         broadcast_buffers(self.model)
-        with self._lightning_module_names():
-            return super().lightning_module_state_dict()
+        if self.outer_sync is None:
+            with self._lightning_module_names():
+                return super().lightning_module_state_dict()
+        # Under outer_sync the global weights (the same on every node), so that a checkpoint loads as what the nodes
+        # agreed on.
+        reshard_everywhere(self.model)
+        with self.outer_sync.global_weights(self.model), self._lightning_module_names():
+            return {name: value.clone() for name, value in super().lightning_module_state_dict().items()}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -409,6 +495,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.recompiles.stop()
         self._checkpoint_writer.wait()
+        if self.outer_sync is not None:
+            self.outer_sync.teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

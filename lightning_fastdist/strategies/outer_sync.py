@@ -1,18 +1,20 @@
 """What a strategy with ``outer_sync`` does differently: one torch.distributed world per node, DiLoCo across them.
 
-Owned and called by FastDDPStrategy from its own hooks:
+Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 
 - **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
 - **Joining** (:meth:`OuterSyncJob.join_node_group`): the ranks of a node form their own world, rendezvousing in a
   store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's lighthouse at
   ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one ``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's
   global ranks and world size: the training sampler shards over every rank of every node (evaluation data over
-  the node's ranks: every node evaluates all of it), rank 0 alone writes checkpoints and logs. Collectives of
-  Lightning's own (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node.
+  the node's ranks: every node evaluates all of it), global rank 0 writes the logs. Collectives of Lightning's own
+  (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node.
 - **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
-  node's local rank 0, the one process per node that talks across nodes (a replica group of one, so the link carries
-  each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the node's other
-  ranks (inside the node, on fast links), whose weights DDP keeps equal to its own.
+  process that talks across nodes. Under DDP that is each node's local rank 0 (a replica group of one, so the link
+  carries each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the
+  node's other ranks (inside the node, on fast links), whose weights DDP keeps equal to its own. Under FSDP every
+  rank talks to the ranks holding the same shard on the other nodes and applies the outer step to its own shard:
+  the link still carries the model once per node, and nothing is broadcast.
 - **Evaluating** (:meth:`OuterSyncJob.evaluate_on_global_weights`): on the global weights (the last outer step's),
   the same on every node; the local ones are put back afterwards.
 - **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
@@ -52,11 +54,13 @@ LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the jo
 
 
 class OuterSyncJob:
-    """The outer synchronisation of one strategy (``owner`` names it in errors)."""
+    """The outer synchronisation of one strategy (``owner`` names it in errors; ``sharded``: each rank of a node holds
+    a shard of the weights, as under FSDP, instead of all of them)."""
 
-    def __init__(self, settings: OuterSync, owner: str) -> None:
+    def __init__(self, settings: OuterSync, owner: str, sharded: bool = False) -> None:
         self.settings = settings
         self.owner = owner
+        self.sharded = sharded
         self.group: ReplicaGroup | None = None
         self.run: OuterSyncRun | None = None  # on each node's local rank 0, while fitting
         self._fragments: list[nn.Module] = []
@@ -92,6 +96,8 @@ class OuterSyncJob:
             node_rank=strategy.node_rank,
             num_nodes=strategy.num_nodes,
             local_rank=strategy.local_rank,
+            sharded=self.sharded,
+            ranks_per_node=strategy.num_processes,
             store_host=socket.gethostname(),
             store_port=main_port + 2 + strategy.node_rank,
             lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
@@ -124,8 +130,14 @@ class OuterSyncJob:
         optimizers: Sequence[torch.optim.Optimizer],
         timeout: timedelta,
         **counting: Any,
-    ) -> None:
-        """Hook the one optimizer's ``step`` with DiLoCo (after the weights are made equal across nodes)."""
+    ) -> dict[str, Any] | None:
+        """Hook the one optimizer's ``step`` with DiLoCo (after the weights are made equal across nodes), and put back
+        what :meth:`load` read of a checkpoint the fit resumes from: call when training starts, after Lightning
+        restored the checkpoint's own state (loading an optimizer's state may step it, which DiLoCo would count).
+
+        Returns:
+            a checkpoint holding this node's random states for the exact-resume state, or ``None``.
+        """
         if len(optimizers) != 1:
             raise ValueError(
                 f"{self.owner}: outer_sync steps one optimizer and configure_optimizers returned {len(optimizers)}: "
@@ -135,13 +147,15 @@ class OuterSyncJob:
         self.close_run()  # a second fit in the same process starts afresh
         self._fragments = split_into_fragments(model, blocks, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
-        self._steps = 0
-        if self.group.local_rank == 0:
+        if self.group.talks_across_nodes:
             self.run = OuterSyncRun(
                 self.settings, model, self._fragments, optimizers[0], self.group, timeout, **counting
             )
-        _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
-        self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
+        if not self.sharded:
+            _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
+            self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
+        self._steps = 0
+        return self._resume(model, optimizers[0])
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
@@ -160,15 +174,19 @@ class OuterSyncJob:
             self._store.delete_key(key)
 
     def evaluate_on_global_weights(self, model: nn.Module) -> None:
-        """Give ``model`` the global weights (local rank 0 holds them and sends them to the node's other ranks),
-        keeping a copy of this rank's own for :meth:`back_to_own_weights`. Call on every rank of the node."""
+        """Give ``model`` the global weights (under DDP local rank 0 holds them and sends them to the node's other
+        ranks), keeping a copy of this rank's own for :meth:`back_to_own_weights`. Call on every rank of the node."""
         if not self._fragments:
             return
         with torch.no_grad():
             self._own_weights = [p.detach().clone() for p in model.parameters()]
+        self._load_global_weights(model)
+
+    def _load_global_weights(self, model: nn.Module) -> None:
         if self.run is not None:
             self.run.load_global_weights()
-        _broadcast_in_node(model.parameters())
+        if not self.sharded:
+            _broadcast_in_node(model.parameters())
 
     def back_to_own_weights(self, model: nn.Module) -> None:
         """Put back the weights :meth:`evaluate_on_global_weights` kept."""
@@ -223,22 +241,23 @@ class OuterSyncJob:
 
     def load(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
         """Read this node's own state of a checkpoint a fit resumes from (refusing one that cannot resume exactly);
-        applied by :meth:`resume`. A checkpoint of a run without outer_sync starts it afresh from its weights."""
+        applied by :meth:`start`. A checkpoint of a run without outer_sync starts it afresh from its weights."""
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
             return
         assert self.group is not None
-        node = read_node_state(saved, checkpoint_path, self.group.node_rank, self.group.num_nodes)
+        group = self.group
+        node = read_node_state(saved, checkpoint_path, group.node_rank, group.num_nodes, group.ranks_per_node)
         self._pending_resume = (saved, node)
 
-    def resume(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any] | None:
+    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """Put back what :meth:`load` read: this node's weights and inner optimizer, the outer optimizers and the
-        schedule; return a checkpoint holding this node's random states for the exact-resume state, or ``None``."""
-        if self._pending_resume is None or not self._fragments:
+        schedule (the model held the checkpoint's global weights when DiLoCo copied them)."""
+        if self._pending_resume is None:
             return None
         saved, node = self._pending_resume
         self._pending_resume = None
-        restore_node_state(node, model, optimizers[0])
+        restore_node_state(node, self.run, model, optimizer)
         self._steps = saved["optimizer_steps"]
         if self.run is not None:
             self.run.load_state_dict(saved, self._steps)
@@ -246,10 +265,8 @@ class OuterSyncJob:
 
     def finish(self, model: nn.Module) -> None:
         """After fit: the model keeps the global weights (what every node agrees on)."""
-        if self.run is not None:
-            self.run.load_global_weights()
         if self._fragments:
-            _broadcast_in_node(model.parameters())
+            self._load_global_weights(model)
 
     def close_run(self) -> None:
         """Unhook the optimizer and stop this rank's torchft servers; the model keeps its weights."""

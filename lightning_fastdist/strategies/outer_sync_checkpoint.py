@@ -3,10 +3,12 @@
 Between two outer syncs every node has weights, an inner optimizer state and random states of its own. The
 checkpoint global rank 0 publishes holds what the nodes share: the global weights (its ``state_dict``, so it loads
 into a plain model as what the nodes agreed on), the outer optimizers' momentum and torchft's step count, under
-:data:`CHECKPOINT_KEY`. Each node's local rank 0 writes its own to ``<checkpoint>.outer_sync/nodeNNNNN.pt``
-(staged and renamed) before that, and waits for the other nodes' (a barrier across nodes) before global rank 0
-publishes. A resume reads its node's file and puts its weights, inner optimizer and random states back when
-training starts (after Lightning restored the checkpoint's own), so the run goes on bit for bit.
+:data:`CHECKPOINT_KEY`. Each node writes its own before that, and waits for the other nodes' (a barrier across
+nodes) before global rank 0 publishes: under DDP its local rank 0 writes ``<checkpoint>.outer_sync/nodeNNNNN.pt``
+(staged and renamed); under FSDP its ranks write their shards, and of the outer optimizers, as a distributed
+checkpoint folder ``<checkpoint>.outer_sync/nodeNNNNN`` (``torch.distributed.checkpoint``, published atomically).
+A resume reads its node's state and puts its weights, inner optimizer and random states back when training starts
+(after Lightning restored the checkpoint's own), so the run goes on bit for bit.
 
 A checkpoint written while a fragment's all-reduce is in flight (the ``delay`` steps before it is applied) cannot
 resume exactly (the all-reduce's result is not in it), nor can one written on a stop signal (the global weights
@@ -21,23 +23,32 @@ from typing import Any
 
 import fsspec
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
+from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
 from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun, ReplicaGroup
 from lightning_fastdist.strategies.side_files import read_side_file, write_side_file
 
 CHECKPOINT_KEY = "fast_outer_sync"
 NODES_SUFFIX = ".outer_sync"  # the folder beside a checkpoint that holds each node's own state
-_NODE_FILE = re.compile(r"node(\d{5})\.pt")
+_NODE_ENTRY = re.compile(r"node(\d{5})(\.pt)?")  # a node's file (DDP) or folder (FSDP)
+_SHARDED_NODE_META = "node.pt"  # in a node's folder: what is not a shard (its step, its ranks' random states)
 
 
-def node_file(checkpoint_path: Any, node: int, follow_link: bool = False) -> str:
-    """Where node ``node``'s state of the checkpoint at ``checkpoint_path`` lives (beside the file a link names)."""
+def node_file(checkpoint_path: Any, node: int, sharded: bool = False, follow_link: bool = False) -> str:
+    """Where node ``node``'s state of the checkpoint at ``checkpoint_path`` lives (beside the file a link names): a
+    file, or a folder of shards when the node's ranks hold shards (``sharded``)."""
     path = str(checkpoint_path)
     if follow_link and is_local_path(path):
         path = str(Path(path).resolve())
-    return f"{path}{NODES_SUFFIX}/node{node:05d}.pt"
+    return f"{path}{NODES_SUFFIX}/node{node:05d}{'' if sharded else '.pt'}"
 
 
 def save_node_state(
@@ -50,36 +61,57 @@ def save_node_state(
     node_rank_states: list | None,
     optimizer_steps: int,
 ) -> None:
-    """Write this node's own state beside ``filepath`` (on its local rank 0) and the shared part into
-    ``checkpoint``; call on every rank of every node, before rank 0 publishes ``checkpoint``.
+    """Write this node's own state beside ``filepath`` and the shared part into ``checkpoint``; call on every rank of
+    every node, before rank 0 publishes ``checkpoint``.
 
     Args:
         group: where this rank stands in the job.
-        run: the outer synchronisation (on each node's local rank 0; ``None`` on the others).
+        run: the outer synchronisation (where this process talks across nodes; ``None`` on the others).
         node_rank_states: the random states of this node's ranks (gathered on its local rank 0), else ``None``.
         optimizer_steps: the steps trained when saving.
     """
-    if run is not None:
-        state = {
-            "node": group.node_rank,
-            "optimizer_steps": optimizer_steps,
-            "weights": [p.detach().to("cpu", copy=True) for p in model.parameters()],
-            "inner_optimizer": optimizer.state_dict(),
-            "rng": node_rank_states,
-        }
-        write_side_file(state, node_file(filepath, group.node_rank))
-        checkpoint[CHECKPOINT_KEY] = {
-            **run.state_dict(),
-            "num_nodes": group.num_nodes,
-            "optimizer_steps": optimizer_steps,
-            "in_flight": run.settings.in_flight(optimizer_steps),
-            "settings": vars(run.settings).copy(),
-        }
-        run.barrier()  # every node's file is complete before global rank 0 publishes
+    if run is None:
+        return
+    own = {"node": group.node_rank, "optimizer_steps": optimizer_steps, "rng": node_rank_states}
+    shared = {
+        **run.state_dict(),
+        "num_nodes": group.num_nodes,
+        "optimizer_steps": optimizer_steps,
+        "in_flight": run.settings.in_flight(optimizer_steps),
+        "settings": vars(run.settings).copy(),
+    }
+    path = node_file(filepath, group.node_rank, group.sharded)
+    if group.sharded:  # each rank's shards of the weights and of both optimizers' states
+        shared.pop("outer_optimizers")
+        shared["ranks_per_node"] = group.ranks_per_node
+        ShardedCheckpointWriter().save(
+            _sharded_state(run, model, optimizer),
+            Path(path),
+            write_extra=lambda folder: torch.save(own, folder / _SHARDED_NODE_META),
+        )
+    else:
+        weights = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+        write_side_file({**own, "weights": weights, "inner_optimizer": optimizer.state_dict()}, path)
+    checkpoint[CHECKPOINT_KEY] = shared
+    run.barrier()  # every node's state is complete before global rank 0 publishes
 
 
-def read_node_state(saved: dict[str, Any], checkpoint_path: Any, node: int, num_nodes: int) -> dict[str, Any]:
-    """This node's state of a checkpoint whose shared part is ``saved``, checked to belong to it.
+def _sharded_state(run: OuterSyncRun, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of a node's own state, by name, as ``torch.distributed.checkpoint`` saves and loads them."""
+    return {
+        "model": get_model_state_dict(model),
+        "inner_optimizer": get_optimizer_state_dict(model, optimizer),
+        "outer_optimizers": [
+            get_optimizer_state_dict(fragment, outer) for fragment, outer in zip(run.fragments, run.outer_optimizers)
+        ],
+    }
+
+
+def read_node_state(
+    saved: dict[str, Any], checkpoint_path: Any, node: int, num_nodes: int, ranks_per_node: int
+) -> dict[str, Any]:
+    """This node's state of a checkpoint whose shared part is ``saved``, checked to belong to it (of a node whose
+    ranks hold shards: what is not a shard; :func:`restore_node_state` reads the shards).
 
     Raises:
         ValueError: one line saying why this checkpoint cannot resume this run exactly.
@@ -97,21 +129,36 @@ def read_node_state(saved: dict[str, Any], checkpoint_path: Any, node: int, num_
             "and cannot resume exactly; resume from a checkpoint at a multiple of every/fragments steps "
             "(e.g. ModelCheckpoint(every_n_train_steps=...) a multiple of it)."
         )
-    if saved["num_nodes"] != num_nodes:
+    if saved["num_nodes"] != num_nodes or saved.get("ranks_per_node", ranks_per_node) != ranks_per_node:
         raise ValueError(
-            f"outer_sync: this checkpoint was written by {saved['num_nodes']} nodes and this run has {num_nodes}: "
-            "resume on as many nodes, or load only its weights (the global ones) into a new run."
+            f"outer_sync: this checkpoint was written by {saved['num_nodes']} nodes of "
+            f"{saved.get('ranks_per_node', ranks_per_node)} ranks and this run has {num_nodes} of {ranks_per_node}: "
+            "resume on as many nodes and ranks, or load only its weights (the global ones) into a new run."
         )
-    path = node_file(checkpoint_path, node, follow_link=True)
-    state = read_side_file(path, weights_only=False)
+    sharded = "ranks_per_node" in saved
+    path = node_file(checkpoint_path, node, sharded, follow_link=True)
+    state = read_side_file(f"{path}/{_SHARDED_NODE_META}" if sharded else path, weights_only=False)
+    state["path"] = path
     if state.get("optimizer_steps") != steps or state.get("node") != node:
         found = state.get("optimizer_steps")
         raise ValueError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
     return state
 
 
-def restore_node_state(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Put this node's own weights and inner optimizer state back (its random states: the caller)."""
+def restore_node_state(
+    state: dict[str, Any], run: OuterSyncRun | None, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Put this node's own weights and inner optimizer state back (under FSDP this rank's shards, and of the outer
+    optimizers too); its random states: the caller."""
+    if "weights" not in state:  # a folder of shards
+        assert run is not None, "every rank of a node holding shards talks across nodes"
+        shards = _sharded_state(run, model, optimizer)
+        dcp.load(shards, checkpoint_id=state["path"])
+        set_model_state_dict(model, shards["model"])
+        set_optimizer_state_dict(model, optimizer, shards["inner_optimizer"])
+        for fragment, outer, saved in zip(run.fragments, run.outer_optimizers, shards["outer_optimizers"]):
+            set_optimizer_state_dict(fragment, outer, saved)
+        return
     with torch.no_grad():
         for parameter, saved in zip(model.parameters(), state["weights"]):
             parameter.copy_(saved)
@@ -119,13 +166,14 @@ def restore_node_state(state: dict[str, Any], model: nn.Module, optimizer: torch
 
 
 def remove_node_files(checkpoint_path: Any) -> None:
-    """Remove the nodes' files of ``checkpoint_path``, then the folder if empty; nothing else there is touched."""
+    """Remove the nodes' files and folders of ``checkpoint_path``, then the folder holding them if empty; nothing else
+    there is touched."""
     folder = f"{checkpoint_path}{NODES_SUFFIX}"
     fs, root = fsspec.core.url_to_fs(folder)
     if not fs.isdir(root):
         return
     for entry in fs.ls(root, detail=False):
-        if _NODE_FILE.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]):
-            fs.rm(entry)
+        if _NODE_ENTRY.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]):
+            fs.rm(entry, recursive=fs.isdir(entry))
     if not fs.ls(root, detail=False):
         fs.rmdir(root)

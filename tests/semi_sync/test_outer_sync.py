@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_fastdist import FastDDPStrategy, OuterSync
+from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.planning.setup import Setup
@@ -47,6 +47,13 @@ def test_bad_options_are_refused_in_one_line_naming_the_field(options, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_fsdp_names_itself_and_refuses_hsdp_in_one_line():
+    with pytest.raises(ValueError, match=r"^FastFSDPStrategy: outer_sync.every=0 must be an integer >= 1.$"):
+        FastFSDPStrategy(outer_sync={"every": 0})
+    with pytest.raises(ValueError, match=r"^FastFSDPStrategy: outer_sync .* give sharding='zero3' or 'zero2'"):
+        FastFSDPStrategy(sharding="hsdp", outer_sync={"every": 4})
+
+
 def test_one_node_is_refused_when_the_trainer_is_built_before_any_process_starts():
     with pytest.raises(ValueError, match=r"outer_sync synchronises across nodes and this job has num_nodes=1"):
         L.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=FastDDPStrategy(outer_sync={"every": 4}))
@@ -72,7 +79,8 @@ def test_fragments_are_runs_of_blocks_and_hold_every_trainable_parameter_once():
 
 def test_bench_and_the_setup_vocabulary_know_both_forms():
     setups = all_setups()
-    for name, fragments in (("ddp-diloco", 1), ("ddp-streaming-diloco", 4)):
+    forms = {"ddp-diloco": 1, "ddp-streaming-diloco": 4, "fsdp-zero3-diloco": 1, "fsdp-zero3-streaming-diloco": 4}
+    for name, fragments in forms.items():
         row = setups[name]
         assert row.strategy_args["outer_sync"]["fragments"] == fragments and not row.exact
         assert row.unavailable({}, 2, nodes=1).startswith("synchronises across nodes")
@@ -90,9 +98,13 @@ def _node_commands(options: dict, steps: int, *checkpointing: str, **environment
     return [command, command], environments
 
 
-def _node_fits(options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1) -> list[dict]:
+def _node_fits(
+    options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1, engine: str = "ddp"
+) -> list[dict]:
     """Each rank's report of a fit on two "nodes" of this machine, by node then local rank."""
-    commands, environments = _node_commands(options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node))
+    commands, environments = _node_commands(
+        options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node), OUTER_SYNC_FIT_ENGINE=engine
+    )
     outputs = run_processes(commands, environments, timeout=240)
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
     return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
@@ -165,6 +177,38 @@ def test_two_ranks_per_node_send_each_pseudo_gradient_once_per_node_and_stay_equ
     assert all(rank["outer_bytes"] == [0] * steps for rank in receiving)
     assert len({rank["final"] for rank in ranks}) == 1  # the global weights, on all four ranks
     assert len({tuple(rank["validated"]) for rank in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp_inside_each_node_every_rank_sends_its_shard_and_a_resume_goes_on_bit_for_bit(tmp_path):
+    """Under FSDP each rank sends its shard's pseudo-gradient to the rank holding the same shard on the other node:
+    the link carries each pseudo-gradient once per node, as under DDP; each node's own shards and both optimizers'
+    come back from its folder of shards beside the (sharded) checkpoint."""
+    options, steps = {"every": 4, "fragments": 2, "delay": 1}, 8
+    straight = _node_fits(options, steps, str(tmp_path), "4", ranks_per_node=2, engine="fsdp")
+    assert [(r["node"], r["local_rank"]) for r in straight] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    schedule = OuterSync(**options).sync_steps(1, steps)
+    numels = straight[0]["fragment_numels"]  # whole fragments (each rank holds half of each)
+    sent = {step - options["delay"]: 2 * numels[fragment] for step, fragment in schedule}
+    for node in (straight[:2], straight[2:]):
+        assert all(any(rank["outer_bytes"]) for rank in node)  # every rank talks
+        per_step = [sum(steps_bytes) for steps_bytes in zip(*(rank["outer_bytes"] for rank in node))]
+        assert per_step == [sent.get(s, 0) for s in range(1, steps + 1)]
+    for local_rank in (0, 1):  # the same shards of the global weights on both nodes, bit for bit
+        on_node0, on_node1 = straight[local_rank], straight[2 + local_rank]
+        assert on_node0["final"] == on_node1["final"] and on_node0["validated"] == on_node1["validated"]
+        assert on_node0["losses"] != on_node1["losses"]
+    assert straight[0]["final"] != straight[1]["final"]  # two halves
+    assert len({tuple(rank["val_losses"]) for rank in straight}) == 1
+    nodes = tmp_path / "step=4.ckpt.outer_sync"
+    assert (tmp_path / "step=4.ckpt").is_dir() and sorted(p.name for p in nodes.iterdir()) == ["node00000", "node00001"]
+    resumed = _node_fits(
+        options, steps, str(tmp_path / "resumed"), "100", str(tmp_path / "step=4.ckpt"), ranks_per_node=2, engine="fsdp"
+    )
+    for before, after in zip(straight, resumed):
+        assert after["losses"] == before["losses"][4:]  # steps 5-8, bit for bit
+        assert after["syncs"] == before["syncs"][4:] and after["final"] == before["final"]
 
 
 @pytest.mark.slow

@@ -1,10 +1,12 @@
-"""One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set).
+"""One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set);
+under FastFSDPStrategy(outer_sync=...) with ``OUTER_SYNC_FIT_ENGINE=fsdp``.
 
 With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted).
 Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
-all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights.
+all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights
+(under FSDP: of this rank's shards).
 
 Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
 [RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
@@ -24,10 +26,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fastdist import FastDDPStrategy, SpeedMonitor, SyncFreeLogging
+from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SpeedMonitor, SyncFreeLogging
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
-from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
+from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE, local_part
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
 
 
@@ -46,10 +48,10 @@ class RandomWindows(Dataset):
 
 
 def digest(module: torch.nn.Module) -> str:
-    """A digest of the parameters' bytes: equal only if every weight is bitwise equal."""
+    """A digest of the parameters' bytes (of this rank's shards): equal only if every weight is bitwise equal."""
     hasher = hashlib.sha256()
     for parameter in module.parameters():
-        hasher.update(parameter.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        hasher.update(local_part(parameter.detach()).contiguous().view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()[:16]
 
 
@@ -75,7 +77,7 @@ class OuterSyncRecorder(L.Callback):
         if trainer.global_step == int(os.environ.get("OUTER_SYNC_FIT_SIGTERM_AT", "0")):
             os.kill(os.getpid(), signal.SIGTERM)
         strategy = trainer.strategy
-        run = strategy.outer_sync.run  # on each node's local rank 0
+        run = strategy.outer_sync.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
         traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
         self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
@@ -95,7 +97,10 @@ def main(
     callbacks: list[L.Callback] = [recorder, losses, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
-    strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
+    if os.environ.get("OUTER_SYNC_FIT_ENGINE") == "fsdp":
+        strategy = FastFSDPStrategy(outer_sync=options, timeout=120, checkpoint_format="sharded")
+    else:
+        strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
     ranks_per_node = int(os.environ.get("EMULATED_RANKS_PER_NODE", "1"))
     trainer = make_trainer(
         strategy, devices=ranks_per_node, num_nodes=2, max_steps=steps, callbacks=callbacks,

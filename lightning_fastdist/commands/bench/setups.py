@@ -160,6 +160,8 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         # Across nodes, every `every` steps (semi-synchronous): not what exact DDP computes.
         ours(Setup("DDP", comm_hook="none", outer_sync="diloco"), exact=False, needs=no_torchft),
         ours(Setup("DDP", comm_hook="none", outer_sync="streaming-diloco"), exact=False, needs=no_torchft),
+        ours(Setup("FSDP2", "zero3", outer_sync="diloco"), exact=False, needs=no_torchft),  # sharded in each node
+        ours(Setup("FSDP2", "zero3", outer_sync="streaming-diloco"), exact=False, needs=no_torchft),
         *(ours(Setup("DeepSpeed", stage, offload=offload), needs=no_deepspeed) for stage, offload in DEEPSPEED_ROWS),
     ]
     return {setup.name: setup for setup in setups}

@@ -310,3 +310,11 @@ class RootUnit(nn.Module):
     def _free_after_a_direct_call(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._running and isinstance(self, FSDPModule):
             self.reshard()
+
+
+def reshard_everywhere(model: nn.Module) -> None:
+    """Free every gathered parameter of ``model``'s FSDP units, so that its parameters are the sharded ones again
+    (the root keeps its gathered after an evaluation forward, which no backward follows)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, TimedWork
@@ -50,11 +51,15 @@ def import_torchft(owner: str) -> ModuleType:
 class ReplicaGroup:
     """Where one node stands in the job, and where its torchft servers are.
 
-    One process per node talks across nodes, the node's local rank 0: torchft's replica group of one.
+    A node is one of torchft's replica groups. Where its ranks hold the same weights (DDP) one process talks
+    across nodes for the node, its local rank 0: a replica group of one. Where each rank holds a shard (FSDP)
+    every rank talks, with the ranks holding the same shard on the other nodes: a replica group of the node's ranks.
 
     Attributes:
         node_rank: this node's index; ``num_nodes`` in all.
         local_rank: this process's rank inside its node.
+        sharded: whether each rank of the node holds its own shard of the weights (every rank talks across nodes).
+        ranks_per_node: the node's processes.
         store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
             across nodes rendezvous in the store of one node.
         store_port: the port of this node's store (the node's own torch.distributed world).
@@ -64,9 +69,21 @@ class ReplicaGroup:
     node_rank: int
     num_nodes: int
     local_rank: int
+    sharded: bool
+    ranks_per_node: int
     store_host: str
     store_port: int
     lighthouse: str
+
+    @property
+    def talks_across_nodes(self) -> bool:
+        """Whether this process runs torchft's ``Manager`` and ``DiLoCo`` (sends its weights' pseudo-gradients)."""
+        return self.sharded or self.local_rank == 0
+
+    @property
+    def members(self) -> int:
+        """Processes of the node that talk across nodes: torchft's replica group size."""
+        return self.ranks_per_node if self.sharded else 1
 
 
 def start_lighthouse(port: int, num_nodes: int) -> Any:
@@ -79,8 +96,8 @@ def start_lighthouse(port: int, num_nodes: int) -> Any:
 
 
 class OuterSyncRun:
-    """torchft's ``Manager`` and ``DiLoCo`` for a node's local rank 0, with the inner optimizer's ``step`` hooked while
-    open.
+    """torchft's ``Manager`` and ``DiLoCo`` for a process that talks across nodes
+    (:attr:`ReplicaGroup.talks_across_nodes`), with the inner optimizer's ``step`` hooked while open.
 
     Args:
         settings: the outer synchronisation's options.
@@ -109,6 +126,7 @@ class OuterSyncRun:
 
         self.settings = settings
         self.group = group
+        self.fragments = list(fragments)
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
@@ -118,8 +136,8 @@ class OuterSyncRun:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=group.local_rank if group.sharded else 0,
+            world_size=group.members,
             store_addr=group.store_host,
             store_port=group.store_port,
             lighthouse_addr=group.lighthouse,
@@ -152,14 +170,16 @@ class OuterSyncRun:
 
     def _equalize(self, model: nn.Module) -> None:
         """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
-        all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast)."""
+        all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast). Each
+        process sends what it holds: the whole weights, or its shard of them."""
         self.manager.start_quorum()
         keeps_its_own = self.manager.participating_rank() == 0
         with torch.no_grad():
             for parameter in model.parameters():
+                held = local_part(parameter)
                 if not keeps_its_own:
-                    parameter.zero_()
-                self.manager.allreduce(parameter, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+                    held.zero_()
+                self.manager.allreduce(held, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             raise RuntimeError(f"outer_sync: making the weights equal across nodes failed: {self.manager.errored()}")
 
@@ -174,15 +194,16 @@ class OuterSyncRun:
         return {"outer_optimizers": outer, "manager": self.manager.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizer_steps: int) -> None:
-        """Put back :meth:`state_dict`'s state, after ``optimizer_steps`` inner steps of the run that saved it."""
-        for optimizer, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
+        """Put back :meth:`state_dict`'s state, after ``optimizer_steps`` inner steps of the run that saved it (the
+        outer optimizers' where it holds them: a sharded node keeps theirs in its own shards)."""
+        for optimizer, saved in zip(self.outer_optimizers, state.get("outer_optimizers", ())):
             optimizer.load_state_dict(saved)
         self.manager.load_state_dict(state["manager"])
         # Inner steps since the last fragment's sync: where DiLoCo's schedule stands (torchft keeps no public setter).
         self.diloco._local_step = optimizer_steps % self.settings.steps_between_fragments
 
     def barrier(self) -> None:
-        """Wait until this local rank of every node got here (a one-element all-reduce across the nodes)."""
+        """Wait until this process's counterpart on every node got here (a one-element all-reduce across the nodes)."""
         self.manager.allreduce(torch.zeros(1), reduce_op=torch.distributed.ReduceOp.SUM).wait()
 
     @property
@@ -195,6 +216,11 @@ class OuterSyncRun:
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``tensor``: its shard of a DTensor (sharing its storage), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class _CountedManager:
