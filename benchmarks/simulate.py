@@ -82,7 +82,7 @@ def llama_7b() -> None:
     for row in simulation.rows:
         m = row.memory
         print(
-            f"   {row.setup:9} {row.activation_checkpointing:9} offload={'yes' if row.cpu_offload else 'no ':3} "
+            f"   {row.name:9} {row.activation_checkpointing:9} offload={'yes' if row.cpu_offload else 'no ':3} "
             f"state {m.state / GiB:7.2f} GiB  activations {m.activations_peak / GiB:6.2f} GiB  "
             f"peak {m.peak / GiB:7.2f} GiB"
         )

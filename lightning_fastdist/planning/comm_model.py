@@ -3,7 +3,9 @@
 Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm.accounting`): each collective's
 full-size tensor. ``docs/doctor.md`` ("The communication formula") has the table per mode. ``hsdp`` (``doctor
 --simulate`` only) is ZeRO-3 within shard groups of ``G`` ranks, then each rank's gradient shard, ``g N / G``,
-all-reduced across the ``W / G`` replicas. FSDP's padding to a multiple of ``W`` is left out; a single device
+all-reduced across the ``W / G`` replicas. Under ``outer_sync`` (``doctor --simulate`` only) DDP all-reduces inside
+a node, and each node's local rank 0 sends its share of the pseudo-gradients across nodes
+(:func:`outer_sync_sent_per_step`). FSDP's padding to a multiple of ``W`` is left out; a single device
 communicates nothing. The counts equal the strategies' counters on 2 CPU ranks (``tests/fsdp``, ``tests/ddp``,
 ``tests/deepspeed``).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_fastdist.parallel.deepspeed.runtime import MAX_LIVE_PARAMETERS
+from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 from lightning_fastdist.planning.memory_model import DEEPSPEED_MODES, MODES, TrainingShape
 
 COMM_MODES = (*MODES, "hsdp")
@@ -125,3 +128,16 @@ def comm_per_step(
         reduce_scatter=gradient_bytes * n,
         shard_group=group,
     )
+
+
+def outer_sync_sent_per_step(settings: OuterSync, parameters: int, nodes: int) -> int:
+    """Bytes a node's local rank 0 sends across nodes per optimizer step under ``outer_sync``, on average: every
+    parameter's pseudo-gradient once per ``every`` steps, in ``settings.dtype``, all-reduced on a ring of the nodes.
+
+    Args:
+        settings: the outer synchronisation's options.
+        parameters: ``N``, the model's trainable parameters.
+        nodes: the nodes (torchft's replica groups of one process each).
+    """
+    pseudo_gradients = parameters * PSEUDO_GRADIENT_DTYPES[settings.dtype].itemsize
+    return CommEstimate("ddp", nodes, allreduce=pseudo_gradients).sent_per_device // settings.every

@@ -5,7 +5,7 @@ change it (the :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelP
 :func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors and trained for two
 steps with its own ``training_step``; the second is measured by
 :func:`~lightning_fastdist.planning.step_memory.measure_step`. What each setup stands for (DDP's buckets,
-DeepSpeed's formula state, the offload rows): ``docs/doctor.md``, "--simulate".
+DeepSpeed's formula state, the offload rows, the ``outer_sync`` rows): ``docs/doctor.md``, "--simulate".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -34,15 +34,18 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, fsdp_dtypes, shard_model
 from lightning_fastdist.parallel.plan.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES
-from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
+from lightning_fastdist.parallel.plan.blocks import block_modules, outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
-from lightning_fastdist.planning.comm_model import comm_per_step
+from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS, OuterSync, OuterSyncForm, form_of
+from lightning_fastdist.planning.comm_model import comm_per_step, outer_sync_sent_per_step
 from lightning_fastdist.planning.memory_model import (
     DEEPSPEED_MODES,
     FSDP_MODES,
     deepspeed_activation_precision,
     deepspeed_state,
 )
+from lightning_fastdist.planning.outer_sync_memory import OuterSyncMemory, outer_sync_memory
 from lightning_fastdist.planning.step_memory import (
     StepMemory,
     fake_world,
@@ -72,9 +75,12 @@ class SimulatedSetup:
         setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp`` or ``ds-zero1/2/3``.
         activation_checkpointing: ``none``, ``full`` or ``selective``.
         cpu_offload: state moved to host memory (derived rows).
-        memory: bytes per rank.
+        memory: bytes per rank (under ``outer_sync``, of each node's local rank 0, which holds the outer state).
         comm_bytes_per_step: bytes each rank sends per optimizer step on a ring.
-        method: ``traced``, ``formula state, traced activations`` (DeepSpeed) or ``derived`` (offload).
+        method: ``traced``, ``formula state, traced activations`` (DeepSpeed) or ``derived`` (offload,
+            ``outer_sync``).
+        outer_sync: DiLoCo across nodes on top of ``ddp``: its options; ``None``: every step is synchronous.
+        outer_memory: what ``outer_sync`` adds (its device bytes are in ``memory`` already, its host bytes only here).
     """
 
     setup: str
@@ -83,6 +89,13 @@ class SimulatedSetup:
     memory: StepMemory
     comm_bytes_per_step: int
     method: str = "traced"
+    outer_sync: OuterSync | None = None
+    outer_memory: OuterSyncMemory | None = None
+
+    @property
+    def name(self) -> str:
+        """The setup as listed: :attr:`setup`, or with ``outer_sync`` bench's name of it (``ddp-diloco``)."""
+        return self.setup if self.outer_sync is None else f"{self.setup}-{form_of(self.outer_sync)}"
 
     @property
     def plan_key(self) -> tuple[str, str, bool]:
@@ -92,8 +105,8 @@ class SimulatedSetup:
 
     def as_json(self, usable_bytes: int) -> dict[str, Any]:
         m = self.memory
-        return {
-            "setup": self.setup,
+        document = {
+            "setup": self.name,
             "activation_checkpointing": self.activation_checkpointing,
             "cpu_offload": self.cpu_offload,
             "per_rank": {key: getattr(m, key) for key in PER_RANK_JSON},
@@ -101,6 +114,9 @@ class SimulatedSetup:
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "method": self.method,
         }
+        if self.outer_sync is not None and self.outer_memory is not None:
+            document["outer_sync"] = {"options": asdict(self.outer_sync), **asdict(self.outer_memory)}
+        return document
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,7 @@ class RecipeRun:
         precision: Lightning precision name (``trainer.precision`` or a precision plugin's).
         accumulation: ``trainer.accumulate_grad_batches``.
         blocks: the strategy's ``blocks`` option (``"auto"`` unless the recipe names them).
+        outer_sync: the strategy's ``outer_sync`` option, if the recipe gives one.
     """
 
     model: dict
@@ -120,6 +137,7 @@ class RecipeRun:
     precision: str = "32-true"
     accumulation: int = 1
     blocks: str | list[str] = "auto"
+    outer_sync: dict | None = None
 
     @classmethod
     def of(cls, recipe: Recipe, micro_batch: int | None = None) -> RecipeRun:
@@ -127,7 +145,8 @@ class RecipeRun:
         data = recipe.section("data")
         if micro_batch is not None:
             data["init_args"]["batch_size"] = micro_batch
-        return cls(recipe.section("model"), data, recipe.precision, recipe.accumulation, recipe.blocks)
+        outer_sync = recipe.strategy_options.get("outer_sync")
+        return cls(recipe.section("model"), data, recipe.precision, recipe.accumulation, recipe.blocks, outer_sync)
 
 
 def _instantiate(kind: str, section: dict) -> Any:
@@ -286,7 +305,7 @@ class Simulation:
         world_size: ranks simulated.
         gpus_per_node: ranks per node (the shard group of ``hsdp``).
         parameters: the model's trainable parameters.
-        rows: one per setup and checkpointing mode that traced.
+        rows: one per setup and checkpointing mode that traced (and the rows derived from them).
         not_traced: ``(setup, checkpointing, reason)`` for each that failed (it would fail in training too).
     """
 
@@ -371,7 +390,8 @@ def simulate(
     Args:
         run: the recipe.
         world_size: ranks to simulate.
-        gpus_per_node: ranks per node; ``hsdp`` is simulated when the world spans more than one node.
+        gpus_per_node: ranks per node; ``hsdp`` and the ``outer_sync`` rows are simulated when the world spans more
+            than one node.
         checkpointing: the activation checkpointing modes to trace.
         processes: processes sharing the traces, this one and spawned workers (each a fake world of its
             own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
@@ -395,12 +415,12 @@ def simulate(
     results = _run_tasks(run, batch, tasks, world_size, gpus_per_node, processes)
     rows: list[SimulatedSetup] = []
     not_traced: list[tuple[str, str, str]] = []
-    parameters = 0
+    parameters = root_parameters = 0
     for (setup, mode, _), result in zip(tasks, results):
         if isinstance(result, str):
             not_traced += [(name, mode, result) for name in (DEEPSPEED_MODES if setup == "ds" else (setup,))]
             continue
-        parameters = result.parameters
+        parameters, root_parameters = result.parameters, result.root_parameters
         if setup == "ds":
             rows += _deepspeed_rows(run, result, mode, world_size)
             continue
@@ -412,7 +432,60 @@ def simulate(
     if not rows:
         setup, mode, reason = not_traced[0]
         raise NotTraceable(f"{setup} with activation_checkpointing={mode}: {reason}")
-    return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows), not_traced)
+    ddp_rows = [row for row in rows if row.setup == "ddp"]
+    outer_rows: list[SimulatedSetup] = []
+    if world_size > gpus_per_node and ddp_rows:  # outer_sync synchronises across nodes, and refuses one
+        nodes = world_size // gpus_per_node
+        outer_rows, refused = _outer_sync_rows(run, ddp_rows, parameters, root_parameters, gpus_per_node, nodes)
+        not_traced += refused
+    return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows) + outer_rows, not_traced)
+
+
+def _outer_sync_settings(run: RecipeRun) -> list[OuterSync]:
+    """The ``outer_sync`` forms bench compares, the recipe's own options in place of the form they take."""
+    forms: dict[OuterSyncForm, OuterSync] = {form: OuterSync(**options) for form, options in OUTER_SYNC_FORMS.items()}
+    if run.outer_sync is not None:
+        try:
+            own = OuterSync.of(run.outer_sync)
+        except ValueError as error:
+            raise NotTraceable(f"the recipe's outer_sync: {error}") from None
+        forms[form_of(own)] = own
+    return list(forms.values())
+
+
+def _outer_sync_rows(
+    run: RecipeRun,
+    ddp_rows: list[SimulatedSetup],
+    parameters: int,
+    root_parameters: int,
+    gpus_per_node: int,
+    nodes: int,
+) -> tuple[list[SimulatedSetup], list[tuple[str, str, str]]]:
+    """The ``ddp`` rows again with DiLoCo across the nodes, for each of :func:`_outer_sync_settings`: each node's local
+    rank 0 (which holds torchft's state, :mod:`~lightning_fastdist.planning.outer_sync_memory`), sending DDP's
+    gradients inside its node and its share of the pseudo-gradients across nodes; and a ``not_traced`` entry for each
+    form whose ``fragments`` the model's blocks cannot take, with the strategy's reason."""
+    module = _build(run, fake=True)  # on the meta device: its fragments, as the strategy splits them
+    blocks = outermost_block_modules(module, resolve_blocks(module, run.blocks))
+    dtype = _TRUE_DTYPES.get(run.precision, torch.float32)
+    inner = comm_per_step("ddp", gpus_per_node, parameters, root_parameters, run.precision, run.accumulation)
+    derived: list[SimulatedSetup] = []
+    refused: list[tuple[str, str, str]] = []
+    for settings in _outer_sync_settings(run):
+        try:
+            fragments = split_into_fragments(module, blocks, settings.fragments)
+        except ValueError as error:
+            name = f"ddp-{form_of(settings)}"
+            refused += [(name, row.activation_checkpointing, str(error)) for row in ddp_rows]
+            continue
+        memory = outer_sync_memory(settings, [sum(p.numel() for p in f.parameters()) for f in fragments], dtype)
+        sent = inner.sent_per_device + outer_sync_sent_per_step(settings, parameters, nodes)
+        for row in ddp_rows:
+            m = row.memory
+            on_rank_0 = replace(m, optimizer=m.optimizer + memory.outer_momentum, peak=memory.device_peak(m))
+            mode = row.activation_checkpointing
+            derived.append(SimulatedSetup("ddp", mode, False, on_rank_0, sent, "derived", settings, memory))
+    return derived, refused
 
 
 def _deepspeed_rows(run: RecipeRun, traced: TracedStep, checkpointing: str, world_size: int) -> list[SimulatedSetup]:

@@ -11,7 +11,10 @@ import pytest
 import torch
 import yaml
 
+from lightning_fastdist import OuterSync
 from lightning_fastdist.commands.doctor.command import main as doctor
+from lightning_fastdist.commands.doctor.simulate import choose, format_simulation, simulation_json
+from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS
 from lightning_fastdist.planning.comm_model import comm_per_step
 from lightning_fastdist.planning.simulate import RecipeRun, first_batch, measure_setup, simulate
 from tests.support.harness import cli_command, run_cli, run_function, run_launcher
@@ -72,7 +75,7 @@ def test_simulated_state_and_peak_agree_with_two_real_ranks(tmp_path, model, dat
 def test_sharded_state_at_world_64_is_a_32nd_of_world_2_and_hsdp_shards_within_a_node():
     run = RecipeRun(TINY_GPT, TEXT)
     small, large = (simulate(run, world, 8, checkpointing=("none",)) for world in (2, 64))
-    by_setup = [{row.setup: row.memory for row in sim.rows if not row.cpu_offload} for sim in (small, large)]
+    by_setup = [{row.name: row.memory for row in sim.rows if not row.cpu_offload} for sim in (small, large)]
     for field in ("params", "grads", "optimizer"):
         at_2, at_64 = getattr(by_setup[0]["zero3"], field), getattr(by_setup[1]["zero3"], field)
         assert at_2 / 32 <= at_64 <= at_2 / 32 * 1.05, field  # FSDP pads each tensor's rows to the world size
@@ -80,9 +83,47 @@ def test_sharded_state_at_world_64_is_a_32nd_of_world_2_and_hsdp_shards_within_a
     assert "hsdp" not in by_setup[0] and by_setup[1]["hsdp"].params == pytest.approx(
         by_setup[0]["zero3"].params / 4, rel=0.05
     )
+    assert "ddp-diloco" not in by_setup[0] and "ddp-diloco" in by_setup[1]  # outer_sync spans nodes
     ds3 = by_setup[1]["ds-zero3"]
     assert ds3.optimizer == -(-12 * large.parameters // 64)  # DeepSpeed's fp32 master copy and two moments, sharded
     assert simulate(run, 64, 8, checkpointing=("none",), processes=2).rows == large.rows  # two workers, same numbers
+
+
+def test_outer_sync_rows_add_torchft_state_to_local_rank_0_and_are_never_recommended():
+    """At 2 nodes x 2 ranks: bench's DiLoCo, here the recipe's own (momentum, one all-reduce overlapping a step), on
+    top of the ddp row; bench's Streaming DiLoCo, whose 4 fragments TinyGPT's 2 blocks cannot take, not traced."""
+    own = {"every": 4, "fragments": 1, "delay": 1, "momentum": 0.9}
+    run = RecipeRun(TINY_GPT, TEXT, outer_sync=own)
+    simulation = simulate(run, 4, 2, checkpointing=("none",))
+    rows = {row.name: row for row in simulation.rows}
+    ddp, diloco, n = rows["ddp"].memory, rows["ddp-diloco"], simulation.parameters
+    assert diloco.outer_sync == OuterSync(**own) and OuterSync(**OUTER_SYNC_FORMS["diloco"]) != diloco.outer_sync
+    # fp32 weights: a host copy and a device momentum of 4 N each; one fragment of N in flight as fp32 and bf16.
+    assert (diloco.outer_memory.global_copy, diloco.outer_memory.outer_momentum) == (4 * n, 4 * n)
+    assert (diloco.outer_memory.in_flight, diloco.outer_memory.applying) == (6 * n, 8 * n)
+    assert diloco.memory.optimizer == ddp.optimizer + 4 * n and diloco.memory.peak == ddp.peak + 4 * n + 6 * n
+    assert (diloco.memory.params, diloco.memory.grads) == (ddp.params, ddp.grads)
+    # DDP's gradients inside the node, and every pseudo-gradient in bf16 once per 4 steps across the 2 nodes.
+    inner = comm_per_step("ddp", 2, n, 0, "32-true").sent_per_device
+    assert diloco.comm_bytes_per_step == inner + 2 * n // 4
+    assert [(setup, reason) for setup, _, reason in simulation.not_traced] == [
+        (
+            "ddp-streaming-diloco",
+            "outer_sync.fragments=4 does not divide the model's 2 blocks: give a divisor of 2 (or name the blocks "
+            "with `blocks`).",
+        )
+    ]
+    lines = format_simulation(simulation, "32-true", 2**30, 2**30).splitlines()
+    (row,) = [line for line in lines if line.startswith("  ddp-diloco ")]
+    assert row.endswith(f"derived, {4 * n / 2**30:.3f}G on the host")
+    assert any(line.startswith("  ddp-streaming-diloco none       not traced") for line in lines)
+    for usable in (2**30, 1):  # everything fits, nothing fits
+        chosen, _ = choose(simulation, usable)
+        document = simulation_json(simulation, usable, 2**30, chosen)
+        assert chosen.outer_sync is None and document["recommendation"]["setup"] != "ddp-diloco"
+    (outer,) = [row for row in document["setups"] if "outer_sync" in row]
+    assert outer["setup"] == "ddp-diloco" and outer["outer_sync"]["options"]["momentum"] == 0.9
+    assert outer["outer_sync"]["global_copy"] == 4 * n and outer["per_rank"]["peak"] == diloco.memory.peak
 
 
 def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():

@@ -19,6 +19,7 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import free_port, run_processes
@@ -131,6 +132,11 @@ def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weig
     assert node0["validated"] == node1["validated"] and len(node0["validated"]) == 2
     assert node0["val_losses"] == node1["val_losses"]
     assert node0["final"] == node1["final"]
+    # What doctor --simulate adds for outer_sync is what torchft held (docs/semi-sync.md, "Memory").
+    for node in (node0, node1):
+        modelled = outer_sync_memory(OuterSync(**options), node["fragment_numels"], torch.float32)
+        for name, measured in node["held_bytes"].items():
+            assert getattr(modelled, name) == pytest.approx(measured, rel=0.10), name
 
 
 @pytest.mark.slow
@@ -175,6 +181,7 @@ def test_two_ranks_per_node_send_each_pseudo_gradient_once_per_node_and_stay_equ
         sent = {step - options["delay"]: 2 * rank["fragment_numels"][fragment] for step, fragment in schedule}
         assert rank["outer_bytes"] == [sent.get(s, 0) for s in range(1, steps + 1)]
     assert all(rank["outer_bytes"] == [0] * steps for rank in receiving)
+    assert all(set(rank["held_bytes"].values()) == {0} for rank in receiving)  # torchft's state is local rank 0's
     assert len({rank["final"] for rank in ranks}) == 1  # the global weights, on all four ranks
     assert len({tuple(rank["validated"]) for rank in ranks}) == 1
 

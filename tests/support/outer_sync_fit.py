@@ -6,7 +6,7 @@ Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; de
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
 all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights
-(under FSDP: of this rank's shards).
+(under FSDP: of this rank's shards), and the most bytes torchft held on the rank.
 
 Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
 [RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
@@ -15,6 +15,7 @@ Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SpeedMonitor, 
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE, local_part
+from lightning_fastdist.planning.step_memory import optimizer_state_tensors, tensor_bytes
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
 
 
@@ -90,11 +92,53 @@ class OuterSyncRecorder(L.Callback):
             self.validated.append(digest(module))
 
 
+class HeldBytesRecorder(L.Callback):
+    """The most bytes torchft's DiLoCo held at once on this rank (each node's local rank 0; the others hold none), by
+    what they are, as :class:`~lightning_fastdist.planning.outer_sync_memory.OuterSyncMemory` names them: the global
+    copies and the outer optimizers' state after each step; the pseudo-gradient of the fragment in flight after the
+    step that started its all-reduce, with the copies that cross the link (their bytes as the strategy counted the
+    tensors it sent); the pseudo-gradient and the local parameters torchft keeps when an outer step is applied."""
+
+    def __init__(self) -> None:
+        self.held = dict.fromkeys(("global_copy", "outer_momentum", "in_flight", "applying"), 0)
+        self._hooks: list = []
+
+    def _keep(self, name: str, nbytes: int) -> None:
+        self.held[name] = max(self.held[name], nbytes)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        run = trainer.strategy.outer_sync.run  # started after the callbacks' on_train_start
+        if self._hooks or run is None:
+            return
+        for fragment in run.diloco._fragments:
+            applying = functools.partial(self._applying, fragment)
+            self._hooks.append(fragment._outer_optimizer.register_step_pre_hook(applying))
+
+    def _applying(self, fragment, optimizer, args, kwargs) -> None:
+        pseudo_gradient = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        self._keep("applying", tensor_bytes(pseudo_gradient) + tensor_bytes(fragment._local_parameters.values()))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        run = trainer.strategy.outer_sync.run
+        if run is None:
+            return
+        fragments = run.diloco._fragments
+        self._keep("global_copy", tensor_bytes(t for f in fragments for t in f.original_parameters.values()))
+        self._keep("outer_momentum", tensor_bytes(t for o in run.outer_optimizers for t in optimizer_state_tensors(o)))
+        sent = trainer.strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
+        pseudo_gradients = tensor_bytes(t for f in fragments for t in f._grads.values())
+        self._keep("in_flight", pseudo_gradients + (sent.bytes if sent is not None else 0))
+
+    def on_train_end(self, trainer, module) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 def main(
     options: dict, steps: int, folder: str | None = None, save_every: int = 0, resume_from: str | None = None
 ) -> None:
-    losses, recorder = LossRecorder(), OuterSyncRecorder()
-    callbacks: list[L.Callback] = [recorder, losses, SyncFreeLogging(), SpeedMonitor()]
+    losses, recorder, held = LossRecorder(), OuterSyncRecorder(), HeldBytesRecorder()
+    callbacks: list[L.Callback] = [recorder, losses, held, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
     if os.environ.get("OUTER_SYNC_FIT_ENGINE") == "fsdp":
@@ -115,7 +159,7 @@ def main(
         "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
         "outer_bytes": recorder.outer_bytes, "validated": recorder.validated,
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
-        "fragment_numels": strategy.outer_sync.fragment_numels,
+        "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
     }  # fmt: skip
     print("FIT", json.dumps(report), flush=True)
 

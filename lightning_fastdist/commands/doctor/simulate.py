@@ -20,39 +20,51 @@ from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
 from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
+OUTER_SYNC_NOTE = (
+    "  ddp-diloco, ddp-streaming-diloco (outer_sync, never recommended: it changes what is computed): each node's "
+    "local rank 0, the ddp row plus torchft's state: the outer momentum in optimizer, a fragment's pseudo-gradient "
+    'in peak, the global copy on the host; the node\'s other ranks are the ddp row (docs/semi-sync.md, "Memory")'
+)
 
 
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:
-    """The fastest simulated setup whose peak fits (the advisor's order), else the most frugal; and whether it fits."""
-    rows = {row.plan_key: row for row in simulation.rows}
+    """The fastest simulated setup whose peak fits (the advisor's order), else the most frugal; and whether it fits.
+
+    Never an ``outer_sync`` row: it changes what is computed, so a user names it (docs/semi-sync.md)."""
+    exact = [row for row in simulation.rows if row.outer_sync is None]
+    rows = {row.plan_key: row for row in exact}
     preference = SINGLE_DEVICE_PREFERENCE if simulation.world_size == 1 else PREFERENCE
     candidates = [rows[key] for key in preference if key in rows]
     for row in candidates:
         if row.memory.peak <= usable_bytes:
             return row, True
-    return (candidates[-1] if candidates else min(simulation.rows, key=lambda r: r.memory.peak)), False
+    return (candidates[-1] if candidates else min(exact, key=lambda r: r.memory.peak)), False
 
 
 def format_simulation(simulation: Simulation, precision: str, usable_bytes: int, memory_bytes: int) -> str:
     """The terminal table: per rank, in GiB, the same numbers as the JSON."""
+    width = max(9, *(len(row.name) for row in simulation.rows), *(len(setup) for setup, _, _ in simulation.not_traced))
     lines = [
         f"Simulated per rank: world {simulation.world_size} ({simulation.gpus_per_node} per node), "
         f"{simulation.parameters:,} parameters, {precision}, one training step of the recipe's own model and batch; "
         f"fits = peak <= {usable_bytes / GiB:.2f} GiB usable of {memory_bytes / GiB:.2f} GiB",
-        f"  {'setup':9} {'checkpoint':10} {'offload':7} {'params':>9} {'grads':>9} {'optimizer':>9} {'gathered':>9} "
-        f"{'activations':>11} {'peak':>9}  fits {'sent/step':>9}  method",
+        f"  {'setup':{width}} {'checkpoint':10} {'offload':7} {'params':>9} {'grads':>9} {'optimizer':>9} "
+        f"{'gathered':>9} {'activations':>11} {'peak':>9}  fits {'sent/step':>9}  method",
     ]
     for row in simulation.rows:
         m = row.memory
         cells = (m.params, m.grads, m.optimizer, m.gathered_peak)
+        host = f", {row.outer_memory.global_copy / GiB:.3f}G on the host" if row.outer_memory is not None else ""
         lines.append(
-            f"  {row.setup:9} {row.activation_checkpointing:10} {'yes' if row.cpu_offload else 'no':7} "
+            f"  {row.name:{width}} {row.activation_checkpointing:10} {'yes' if row.cpu_offload else 'no':7} "
             + " ".join(f"{value / GiB:8.3f}G" for value in cells)
             + f" {m.activations_peak / GiB:10.3f}G {m.peak / GiB:8.3f}G  {'yes' if m.peak <= usable_bytes else 'NO':4} "
-            f"{row.comm_bytes_per_step / GiB:8.3f}G  {row.method}"
+            f"{row.comm_bytes_per_step / GiB:8.3f}G  {row.method}{host}"
         )
     for setup, checkpointing, reason in simulation.not_traced:
-        lines.append(f"  {setup:9} {checkpointing:10} not traced, and would fail in training too: {reason}")
+        lines.append(f"  {setup:{width}} {checkpointing:10} not traced, and would fail in training too: {reason}")
+    if any(row.outer_sync is not None for row in simulation.rows):
+        lines.append(OUTER_SYNC_NOTE)
     return "\n".join(lines)
 
 
