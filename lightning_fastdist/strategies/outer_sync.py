@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -73,11 +74,17 @@ class OuterSyncJob:
         self._pending_resume: tuple[dict, dict] | None = None
 
     def check_launch(self, num_nodes: int) -> None:
-        """Refuse, before any process starts, what cannot run: one node, or no torchft."""
+        """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
+        torchft."""
         if num_nodes < 2:
             raise ValueError(
                 f"{self.owner}: outer_sync synchronises across nodes and this job has num_nodes={num_nodes}: "
                 "give Trainer(num_nodes=2 or more), or remove outer_sync (inside a node every step is synchronous)."
+            )
+        if (self.settings.min_nodes or 0) > num_nodes:
+            raise ValueError(
+                f"{self.owner}: outer_sync.min_nodes={self.settings.min_nodes} is more than the job's "
+                f"num_nodes={num_nodes}: give 1 to {num_nodes} (or leave it out: every node)."
             )
         import_torchft(self.owner)
 
@@ -98,12 +105,14 @@ class OuterSyncJob:
             local_rank=strategy.local_rank,
             sharded=self.sharded,
             ranks_per_node=strategy.num_processes,
+            min_nodes=self.settings.min_nodes or strategy.num_nodes,
             store_host=socket.gethostname(),
             store_port=main_port + 2 + strategy.node_rank,
             lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
+            first_store=(environment.main_address, main_port + 2),
         )
         if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ:
-            self._lighthouse = start_lighthouse(main_port + 1, strategy.num_nodes)
+            self._lighthouse = start_lighthouse(main_port + 1, self.group.min_nodes)
         if dist.is_initialized():
             return
         store = dist.TCPStore(
@@ -148,8 +157,9 @@ class OuterSyncJob:
         self._fragments = split_into_fragments(model, blocks, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
         if self.group.talks_across_nodes:
+            report = _warn if self.group.local_rank == 0 else None  # once per node
             self.run = OuterSyncRun(
-                self.settings, model, self._fragments, optimizers[0], self.group, timeout, **counting
+                self.settings, model, self._fragments, optimizers[0], self.group, timeout, report=report, **counting
             )
         if not self.sharded:
             _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
@@ -284,6 +294,10 @@ class OuterSyncJob:
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
             self._lighthouse = None
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=2)
 
 
 def _broadcast_in_node(parameters: Iterable[torch.Tensor]) -> None:

@@ -89,14 +89,17 @@ def test_bench_and_the_setup_vocabulary_know_both_forms():
         assert Setup.from_strategy(row.strategy_class, row.strategy_args).name == name
 
 
-def _node_commands(options: dict, steps: int, *checkpointing: str, **environment: str) -> tuple[list, list]:
-    """The command and environment of each of two "nodes" of this machine running the outer_sync fit."""
+def _node_commands(
+    options: dict, steps: int, *checkpointing: str, nodes: int = 2, **environment: str
+) -> tuple[list, list]:
+    """The command and environment of each of ``nodes`` "nodes" of this machine running the outer_sync fit."""
     port = free_port()
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
     environments = [
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node), **environment} for node in (0, 1)
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node), **environment}
+        for node in range(nodes)
     ]
-    return [command, command], environments
+    return [command] * nodes, environments
 
 
 def _node_fits(
@@ -233,6 +236,35 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
     assert torch.load(stopped, weights_only=False)["fast_outer_sync"] == {"written_on_stop": True}
     with pytest.raises(AssertionError, match="written when a stop signal ended the fit, and holds the global weights"):
         _node_fits(options, 12, str(tmp_path / "resumed"), "100", str(stopped))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_with_min_nodes_the_other_nodes_train_on_when_one_is_killed():
+    """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done). The two others go
+    on at the next sync without restarting: the quorum holds 2 nodes from step 8, no sync is skipped, they end with
+    the same global weights, and one line names the lost node and the step."""
+    options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
+    steps = 12
+    commands, environments = _node_commands(
+        options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_KILL="2:6"
+    )
+    nodes = [
+        subprocess.Popen(
+            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, extra in zip(commands, environments)
+    ]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0, -9], outputs[0][1][-3000:]
+    survivors = [json.loads(line[4:]) for out, _ in outputs[:2] for line in out.splitlines() if line.startswith("FIT ")]
+    for node in survivors:
+        assert len(node["losses"]) == steps
+        assert node["members"] == [3] * 7 + [2] * 5  # the quorum of step 8 is the first without node 2
+        assert node["syncs"] == [step // 2 for step in range(1, steps + 1)]  # no outer step lost
+    assert survivors[0]["final"] == survivors[1]["final"]
+    lost = "outer_sync: node2 left the job at step 8 (no heartbeat for 5 s, or not at the sync within 30 s): 2 of 3"
+    assert all(lost in err for _, err in outputs[:2])
 
 
 @pytest.mark.slow

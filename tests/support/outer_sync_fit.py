@@ -1,7 +1,9 @@
 """One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set);
 under FastFSDPStrategy(outer_sync=...) with ``OUTER_SYNC_FIT_ENGINE=fsdp``.
 
-With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted).
+With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted); with
+``OUTER_SYNC_FIT_KILL=N:S`` every rank of node ``N`` SIGKILLs itself after step ``S`` (a node lost). Nodes:
+``OUTER_SYNC_FIT_NODES`` (default 2).
 Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
@@ -21,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import lightning as L
 import torch
@@ -65,9 +68,11 @@ class OuterSyncRecorder(L.Callback):
         self.host_syncs: list[int] = []
         self._counting: HostSyncCounter | None = None
         self.syncs: list[int] = []
+        self.members: list[int] = []
         self.outer_bytes: list[int] = []
         self.validated: list[str] = []
         self.val_losses: list[float] = []
+        self.step_ends: list[float] = []  # wall clock, for benchmarks/lost_node.py (tests never read it)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self._counting = count_host_syncs()
@@ -78,9 +83,15 @@ class OuterSyncRecorder(L.Callback):
         self.host_syncs.append(self._counting.count)
         if trainer.global_step == int(os.environ.get("OUTER_SYNC_FIT_SIGTERM_AT", "0")):
             os.kill(os.getpid(), signal.SIGTERM)
+        node, _, step = os.environ.get("OUTER_SYNC_FIT_KILL", "-1:0").partition(":")
+        if (trainer.node_rank, trainer.global_step) == (int(node), int(step)):
+            print("KILLED", trainer.node_rank, trainer.global_step, time.time(), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         strategy = trainer.strategy
         run = strategy.outer_sync.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
+        self.members.append(len(run.members) if run is not None else -1)
+        self.step_ends.append(time.time())
         traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
         self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
 
@@ -146,8 +157,9 @@ def main(
     else:
         strategy = FastDDPStrategy(comm_hook="none", outer_sync=options, timeout=120)
     ranks_per_node = int(os.environ.get("EMULATED_RANKS_PER_NODE", "1"))
+    nodes = int(os.environ.get("OUTER_SYNC_FIT_NODES", "2"))
     trainer = make_trainer(
-        strategy, devices=ranks_per_node, num_nodes=2, max_steps=steps, callbacks=callbacks,
+        strategy, devices=ranks_per_node, num_nodes=nodes, max_steps=steps, callbacks=callbacks,
         enable_checkpointing=folder is not None, limit_val_batches=2, val_check_interval=6,
         check_val_every_n_epoch=None,
     )  # fmt: skip
@@ -157,7 +169,8 @@ def main(
     trainer.fit(model, train, val, ckpt_path=resume_from)
     report = {
         "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
-        "outer_bytes": recorder.outer_bytes, "validated": recorder.validated,
+        "outer_bytes": recorder.outer_bytes, "members": recorder.members, "step_ends": recorder.step_ends,
+        "validated": recorder.validated,
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
     }  # fmt: skip

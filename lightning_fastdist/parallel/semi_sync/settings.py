@@ -39,6 +39,9 @@ class OuterSync:
             applied in the parameters' dtype either way.
         mix: after a fragment's sync, its weights become ``lerp(global, local, mix)``; 0 takes the new global
             weights (what the steps during ``delay`` did to that fragment is dropped), 0.5 keeps half of it.
+        min_nodes: the fewest nodes the job trains on: with fewer than all, a node lost after the start (killed,
+            preempted, its link down) leaves the others training on at their next sync instead of ending the job
+            (``docs/fault-tolerance.md``). ``None`` (the default): every node, so a lost node ends the job.
     """
 
     every: int = 100
@@ -49,6 +52,7 @@ class OuterSync:
     nesterov: bool = True
     dtype: PseudoGradientDtype = "bf16"
     mix: float = 0.0
+    min_nodes: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("every", self.every, 1)
@@ -74,6 +78,8 @@ class OuterSync:
             raise ValueError(f"outer_sync.dtype={self.dtype!r}: accepted values are {list(PSEUDO_GRADIENT_DTYPES)}.")
         if not 0 <= self.mix <= 1:
             raise ValueError(f"outer_sync.mix={self.mix} must be in [0, 1].")
+        if self.min_nodes is not None:
+            _at_least("min_nodes", self.min_nodes, 1)
 
     @classmethod
     def of(cls, value: OuterSync | Mapping[str, Any] | None) -> OuterSync | None:

@@ -6,10 +6,12 @@ of the groups through a lighthouse server and all-reduces across them on a proce
 quorum. ``DiLoCo`` hooks the inner optimizer's ``step``: every ``every / fragments`` steps it starts the quorum
 and the all-reduce of one fragment's pseudo-gradient, and ``delay`` steps later applies the outer step.
 
-What is ours: the lighthouse started by global rank 0 and stopped with the job (no extra command), the weights
-made equal across nodes before the first step, the pseudo-gradient sent in bf16, and its bytes and waiting counted
-in the strategy's ``comm/*`` metrics. torchft's public API, and two of its private names: each fragment's global
-copy (for evaluation) and DiLoCo's position in the schedule (for exact resume).
+What is ours: the lighthouse started by global rank 0 and stopped with the job (no extra command), every node
+waiting for the others before the first quorum, the weights made equal across nodes before the first step, the
+pseudo-gradient sent in bf16, its bytes and waiting counted in the strategy's ``comm/*`` metrics, and one line when
+a node leaves the quorum. torchft's public API, and three of its private names: each fragment's global copy (for
+evaluation), DiLoCo's position in the schedule (for exact resume) and the manager's client (to read which nodes
+each quorum holds).
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ class ReplicaGroup:
         local_rank: this process's rank inside its node.
         sharded: whether each rank of the node holds its own shard of the weights (every rank talks across nodes).
         ranks_per_node: the node's processes.
+        min_nodes: the fewest nodes a quorum may hold (fewer than ``num_nodes``: the job survives a lost node).
         store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
             across nodes rendezvous in the store of one node.
         store_port: the port of this node's store (the node's own torch.distributed world).
         lighthouse: ``http://HOST:PORT`` of the lighthouse.
+        first_store: ``(host, port)`` of node 0's store, where the nodes wait for each other before the first quorum.
     """
 
     node_rank: int
@@ -71,9 +75,11 @@ class ReplicaGroup:
     local_rank: int
     sharded: bool
     ranks_per_node: int
+    min_nodes: int
     store_host: str
     store_port: int
     lighthouse: str
+    first_store: tuple[str, int]
 
     @property
     def talks_across_nodes(self) -> bool:
@@ -86,13 +92,21 @@ class ReplicaGroup:
         return self.ranks_per_node if self.sharded else 1
 
 
-def start_lighthouse(port: int, num_nodes: int) -> Any:
-    """Start torchft's lighthouse in this process, on every interface at ``port``, waiting for ``num_nodes`` groups
-    in each quorum; ``shutdown()`` stops it."""
+LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a sync for this long is left out
+
+
+def start_lighthouse(port: int, min_nodes: int) -> Any:
+    """Start torchft's lighthouse in this process, on every interface at ``port``; ``shutdown()`` stops it.
+
+    A quorum holds every group that heartbeats (one whose heartbeat stops for 5 s is left out), and at least
+    ``min_nodes``: once ``min_nodes`` asked, the lighthouse waits up to :data:`LEFT_OUT_AFTER` for the other
+    heartbeating groups (torchft's default, 100 ms, would split nodes a few milliseconds apart into different
+    quorums)."""
     import_torchft("outer_sync")
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind=f"[::]:{port}", min_replicas=num_nodes)
+    join_timeout_ms = int(LEFT_OUT_AFTER.total_seconds() * 1000)
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_nodes, join_timeout_ms=join_timeout_ms)
 
 
 class OuterSyncRun:
@@ -108,6 +122,8 @@ class OuterSyncRun:
         timeout: for torchft's collectives and quorums.
         stats: the strategy's byte counts; the outer all-reduces are recorded as :data:`OUTER_ALL_REDUCE`.
         clock: the strategy's exposed-communication clock; waiting for an outer all-reduce counts.
+        report: called with the one line saying which nodes left the quorum, and before which step (``None``: not
+            said here).
     """
 
     def __init__(
@@ -120,6 +136,7 @@ class OuterSyncRun:
         timeout: timedelta,
         stats: CommStats | None = None,
         clock: ExposedCommClock | None = None,
+        report: Callable[[str], object] | None = None,
     ) -> None:
         torchft = import_torchft("outer_sync")
         from torchft.local_sgd import DiLoCo
@@ -131,7 +148,7 @@ class OuterSyncRun:
             pg=torchft.ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
             state_dict=None,
-            min_replica_size=group.num_nodes,
+            min_replica_size=group.min_nodes,
             use_async_quorum=False,  # DiLoCo's requirement
             timeout=timeout,
             quorum_timeout=timeout,
@@ -144,6 +161,11 @@ class OuterSyncRun:
             replica_id=f"node{group.node_rank}",
             init_sync=False,  # the weights are made equal below, through the public all-reduce
         )
+        self.steps = 0  # optimizer steps of this fit, counted before each
+        self.members: tuple[str, ...] = ()  # the nodes of the latest quorum
+        self._report = report
+        self.manager._client = _QuorumMembers(self.manager._client, self._note_members)
+        _wait_for_every_node(group, timeout)
         self._equalize(model)
         self.outer_optimizers = [
             torch.optim.SGD(
@@ -166,7 +188,19 @@ class OuterSyncRun:
         self._hook = inner_optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
+        self.steps += 1
         self.fragment_due = self.manager.current_step() % len(self.outer_optimizers)  # as DiLoCo picks it
+
+    def _note_members(self, members: tuple[str, ...]) -> None:
+        """After each quorum: report the nodes that were in the previous one and are not in this one."""
+        lost = [node for node in self.members if node not in members]
+        self.members = members
+        if lost and self._report is not None:
+            self._report(
+                f"outer_sync: {', '.join(lost)} left the job at step {self.steps} (no heartbeat for 5 s, or not at the "
+                f"sync within {LEFT_OUT_AFTER.seconds} s): {len(members)} of {self.group.num_nodes} nodes train on; "
+                "the data the lost nodes read is not trained from here (docs/fault-tolerance.md)."
+            )
 
     def _equalize(self, model: nn.Module) -> None:
         """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
@@ -199,6 +233,7 @@ class OuterSyncRun:
         for optimizer, saved in zip(self.outer_optimizers, state.get("outer_optimizers", ())):
             optimizer.load_state_dict(saved)
         self.manager.load_state_dict(state["manager"])
+        self.steps = optimizer_steps
         # Inner steps since the last fragment's sync: where DiLoCo's schedule stands (torchft keeps no public setter).
         self.diloco._local_step = optimizer_steps % self.settings.steps_between_fragments
 
@@ -216,6 +251,35 @@ class OuterSyncRun:
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+
+
+def _wait_for_every_node(group: ReplicaGroup, timeout: timedelta) -> None:
+    """Return once every process that talks across nodes got here, counted in node 0's store: the first quorum then
+    holds every node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would
+    miss the weights made equal)."""
+    host, port = group.first_store
+    store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    arrived = store.add("outer_sync/arrived", 1)
+    everyone = group.num_nodes * group.members
+    if arrived % everyone == 0:  # the last of this fit's arrivals (a second fit in the same job counts on)
+        store.set(f"outer_sync/everyone/{arrived // everyone}", "")
+    store.wait([f"outer_sync/everyone/{(arrived - 1) // everyone + 1}"])
+
+
+class _QuorumMembers:
+    """torchft's manager client, telling ``note`` the nodes of each quorum it receives (``node3``, ...)."""
+
+    def __init__(self, client: Any, note: Callable[[tuple[str, ...]], None]) -> None:
+        self._client = client
+        self._note = note
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self._note(tuple(sorted(replica.split(":")[0] for replica in quorum.replica_ids)))
+        return quorum
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
