@@ -239,7 +239,10 @@ class Search:
             for trial in survivors:
                 self._run(trial, steps, round_number)
             for trial in survivors:  # a reference that trained after the trial compared with it
+                guarded = trial.guard
                 self._guard(trial)
+                if trial.guard != guarded:  # its comparison of this round: printed now that there is one
+                    self.report(trial, round_number)
             ranking = sorted((t for t in survivors if t.status == "measured"), key=lambda t: -t.speed)
             if len(survivors) == 2:
                 break
