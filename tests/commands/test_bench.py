@@ -14,7 +14,7 @@ from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
 from tests.support.harness import cli_command, run_function, run_launcher
-from tests.support.workloads import LossRecorder, make_trainer, repeated_batches, tiny_gpt
+from tests.support.workloads import LossRecorder, distinct_batches, make_trainer, repeated_batches, tiny_gpt
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
     command = cli_command("bench", "--steps", "7", "--setups", setups, *launcher, "--", *model_args)
     result = run_launcher(command, timeout=400)
     assert (in_tmp_dir / "bench_results" / "launched").is_file()
-    assert "setup" in result.stdout and "vs Lightning" in result.stdout and "exposed ms" in result.stdout
+    assert all(column in result.stdout for column in ("setup", "vs Lightning", "exposed ms", "held-out"))
     rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
     assert set(rows) == set(setups.split(","))
     model = TinyGPT(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -70,6 +70,9 @@ def test_bench_compares_engines_with_lightnings_own_and_writes_json_and_plot_and
         # The same seed and data: every engine computes the same fp32 training, to rounding.
         assert rows[name]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=1e-4)
         assert rows[name]["tail_loss"] == pytest.approx(rows["ddp"]["tail_loss"], abs=1e-4)
+        # Evaluated after the last step on the same 16 held-out batches (8 per rank): the same weights, the same loss.
+        assert rows[name]["held_out_batches"] == 16
+        assert rows[name]["held_out_loss"] == pytest.approx(rows["ddp"]["held_out_loss"], abs=1e-4)
         assert 0 <= rows[name]["exposed_comm_s"] < rows[name]["step_time_s"]  # Lightning's rows: test_exposed_comm
     for name in ("ddp", "fsdp-zero3"):
         assert rows[name]["host_syncs_per_step"] == 0  # SyncFreeLogging; steps 4 and 5 are not logging steps
@@ -132,22 +135,29 @@ def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
     assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)
 
 
-def train_with_the_probe(output: str) -> list[float]:
-    """One rank, 8 optimizer steps of 2 micro-batches under the probe; every micro-batch's loss."""
+def train_with_the_probe(output: str) -> tuple[list[float], float]:
+    """One rank, 8 optimizer steps of 2 micro-batches under the probe (held-out: 3 batches); every micro-batch's
+    loss, and the validation loss of the trained model on the first 3 held-out batches, by a Trainer of its own."""
     losses = LossRecorder()
-    trainer = make_trainer("auto", devices=1, max_steps=8, accumulate_grad_batches=2)
-    trainer.callbacks.extend([BenchProbe(output), losses])
-    trainer.fit(tiny_gpt(), repeated_batches())
-    return losses.losses
+    trainer = make_trainer("auto", devices=1, max_steps=8, accumulate_grad_batches=2)  # limit_val_batches=0
+    trainer.callbacks.extend([BenchProbe(output, held_out_batches=3), losses])
+    model = tiny_gpt()
+    trainer.fit(model, repeated_batches(), val_dataloaders=distinct_batches())
+    validator = make_trainer("auto", devices=1, limit_val_batches=3)
+    [validated] = validator.validate(model, distinct_batches(), verbose=False)
+    return losses.losses, validated["val_loss"]
 
 
 @pytest.mark.multiprocess
 def test_under_accumulation_the_probe_measures_optimizer_steps_and_the_tail_is_their_last_quarter(tmp_path):
-    """tune's guard reads the tail loss; step time, tokens and syncs are per optimizer step, not per micro-batch.
-    In a process of its own: a probe that left its sync counter entered would show in the next test there."""
+    """tune's guard reads the held-out loss, else the tail loss; step time, tokens and syncs are per optimizer step,
+    not per micro-batch. In a process of its own: a probe that left its sync counter entered would show in the next
+    test there."""
     output = tmp_path / "row.json"
-    (losses,) = run_function(train_with_the_probe, 1, args=(str(output),), init_process_group=False)
+    ((losses, validated),) = run_function(train_with_the_probe, 1, args=(str(output),), init_process_group=False)
     row = json.loads(output.read_text())
+    # One validation, after the last step, on the 3 batches asked for: what validating the trained model gives.
+    assert row["held_out_batches"] == 3 and row["held_out_loss"] == pytest.approx(validated, rel=1e-6)
     assert len(losses) == 16 and row["final_loss"] == pytest.approx(losses[-1])
     assert row["tail_loss"] == pytest.approx(sum(losses[-4:]) / 4)  # the last 2 steps' 4 micro-batches
     assert row["tail_loss"] != pytest.approx(row["final_loss"])  # the loss moves: a mean, not the last one

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lightning_fastdist.commands.bench.setups import all_setups
-from lightning_fastdist.commands.tune.candidates import Candidate, MemoryPlan
-from lightning_fastdist.commands.tune.command import main
+from lightning_fastdist.commands.tune.candidates import DEFAULT_SETUPS, Candidate, MemoryPlan, offered
+from lightning_fastdist.commands.tune.command import base_candidates, main, progress_line
 from lightning_fastdist.commands.tune.search import Search
 from lightning_fastdist.planning.advisor import HEADROOM
 from lightning_fastdist.planning.memory_model import GiB
@@ -114,6 +117,7 @@ def test_tune_prunes_by_the_plan_guards_the_loss_and_writes_a_recipe_that_trains
     # PowerSGD's loss is not within 1e-6 of exact DDP's on the same batches: measured, then refused.
     assert trials["ddp-powersgd"]["status"] == "rejected" and "tolerance" in trials["ddp-powersgd"]["reason"]
     assert trials["ddp-powersgd"]["compared_with"] == "ddp"
+    assert trials["ddp-powersgd"]["reason"].startswith("training tail loss")  # this recipe has no held-out data
     # Accumulating 2, the fastest is also planned with micro-batches twice as large and no accumulation: here
     # twice the activations do not fit, so it is pruned before it starts, like the setups planned at the start.
     larger = [trial for name, trial in trials.items() if name.endswith("+mb4x1")]
@@ -174,7 +178,8 @@ def test_the_winner_is_checked_against_its_exact_root_after_its_last_round_and_t
     # steps; then DDP, left behind in round 1, trains 18 steps as the root of PowerSGD's comparison: 1.8%.
     assert trained == [*[(name, 6) for name in speeds], ("ddp-powersgd", 18), ("ddp-bf16", 18), ("ddp", 18)]
     powersgd = search.trials["ddp-powersgd"]
-    assert powersgd.status == "rejected" and "over 18 steps" in powersgd.reason
+    assert powersgd.status == "rejected" and "after 18 steps" in powersgd.reason
+    assert powersgd.reason.startswith("training tail loss")  # these rows have no held-out loss
     assert winner is search.trials["ddp-bf16"] and winner.status == "winner"
 
 
@@ -184,3 +189,65 @@ def test_a_candidate_is_planned_as_its_bench_row_trains_it():
     assert Candidate(setups["fsdp-zero3-ac"], "selective").plan_key == ("zero3", "selective", False)
     assert Candidate(setups["deepspeed-zero2-offload"]).plan_key == ("ds-zero2", "none", True)
     assert Candidate(setups["ddp-bf16"], "full").plan_key == ("ddp", "full", False)
+
+
+def test_the_guard_compares_held_out_losses_where_both_rows_have_them_and_says_which_it_compared():
+    """Rows as bench writes them, made up: DiLoCo's training loss (its node's own weights) stays within 0.1% of exact
+    DDP's, the held-out loss of its global weights too after 6 steps but 4% above after 18; streaming DiLoCo's
+    training loss is 25% above, its held-out loss 0.5%."""
+    setups = all_setups()
+    speeds = {"ddp": 100, "ddp-diloco": 300, "ddp-streaming-diloco": 50, "ddp-powersgd": 400, "ddp-bf16": 60}
+    held_out = {"ddp": 2.0, "ddp-streaming-diloco": 2.01, "ddp-powersgd": math.nan, "ddp-bf16": None}
+    tail = {"ddp": 2.0, "ddp-diloco": 2.002, "ddp-streaming-diloco": 2.5, "ddp-powersgd": 2.0, "ddp-bf16": 2.001}
+
+    def measure(candidate, steps, round_number):
+        name = candidate.name
+        loss = held_out[name] if name in held_out else 2.0 + 0.08 * (steps > 6)  # ddp-diloco
+        return {"step_time_s": 1.0, "tokens_per_s": speeds[name], "samples_per_s": 1.0, "tail_loss": tail[name],
+                "held_out_loss": loss, "exposed_comm_s": None, "peak_memory_bytes_max_rank": 2**20}  # fmt: skip
+
+    reports = []
+    plan = MemoryPlan({}, world_size=2, gpus_per_node=1, usable_bytes=None)
+    search = Search(measure, plan, 6, 3600.0, 0.01, None, lambda trial, round_number: reports.append(trial.status))
+    compared = [Candidate(setups[name], compared_with="ddp") for name in speeds if name != "ddp"]
+    search.try_in_order([Candidate(setups["ddp"]), *compared])
+    trials = search.trials
+    assert trials["ddp-diloco"].guard.startswith("held-out loss 2.0000 vs ddp's 2.0000, both after 6 steps")
+    streaming = trials["ddp-streaming-diloco"]
+    assert streaming.status == "measured" and streaming.reason is None
+    assert streaming.guard.startswith("held-out loss 2.0100 vs ddp's 2.0000")
+    assert "0.5% apart, within the tolerance of 1%" in streaming.guard
+    assert trials["ddp-powersgd"].status == "rejected"
+    assert trials["ddp-powersgd"].reason == "no finite held-out loss to compare with ddp's"
+    bf16 = trials["ddp-bf16"]
+    assert bf16.status == "measured" and bf16.guard.startswith("training tail loss 2.0010 vs ddp's 2.0000")
+    # What tune prints for an accepted candidate: its numbers, then the guard's line under them.
+    numbers, guard = progress_line(streaming, 1, 0.0).splitlines()
+    assert numbers.endswith("tail loss 2.5000  held-out loss 2.0100") and guard.strip() == f"guard: {streaming.guard}"
+
+    # Round 2: DiLoCo (the fastest) trains 18 steps before DDP does; once DDP has, DiLoCo is refused, and said so.
+    reports.clear()
+    assert search.halve() is trials["ddp"]
+    assert trials["ddp-diloco"].reason == (
+        "held-out loss 2.0800 vs ddp's 2.0000, both after 18 steps of the same global batch (equal tokens): "
+        "4% apart, beyond the tolerance of 1%"
+    )
+    assert reports == ["measured", "measured", "rejected"]  # diloco's numbers, ddp's, then diloco's refusal
+
+
+def test_the_diloco_rows_are_candidates_across_nodes_only_and_compared_with_exact_ddp():
+    args = argparse.Namespace(setup_list=list(DEFAULT_SETUPS))
+
+    def candidates(nodes: int) -> dict[str, Candidate]:
+        plan = MemoryPlan({}, world_size=2, gpus_per_node=2 // nodes, usable_bytes=None)
+        return {candidate.name: candidate for candidate in base_candidates(args, plan, None)}
+
+    across, one_node = candidates(2), candidates(1)
+    for name in ("ddp-diloco", "ddp-streaming-diloco", "fsdp-hsdp"):
+        assert name in across and name not in one_node
+    assert across["ddp-diloco"].compared_with == across["ddp-streaming-diloco"].compared_with == "ddp"
+    assert set(one_node) == set(across) - {"ddp-diloco", "ddp-streaming-diloco", "fsdp-hsdp"}
+    # Where torchft is missing, bench's row says so (its `needs`) and tune does not offer it.
+    diloco = all_setups()["ddp-diloco"]
+    assert offered(diloco, across_nodes=True)
+    assert not offered(replace(diloco, needs="torchft is not installed"), across_nodes=True)

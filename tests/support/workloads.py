@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_fastdist.demo import TinyGPT
 
@@ -34,6 +34,13 @@ class RepeatedSample(Dataset):
 
 def repeated_batches(batch_size: int = 4) -> DataLoader:
     return DataLoader(RepeatedSample(), batch_size=batch_size)
+
+
+def distinct_batches(batch_size: int = 4, samples: int = 32) -> DataLoader:
+    """Seeded random ``(input, target)`` windows, all different: unlike :func:`repeated_batches`, which batches
+    a loss is taken over changes it."""
+    windows = torch.randint(0, 256, (samples, BLOCK_SIZE + 1), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=batch_size)
 
 
 def tiny_gpt(**overrides) -> TinyGPT:

@@ -54,6 +54,7 @@ COLUMNS = (
     ("exposed ms", 10, "{:.1f}"),
     ("syncs/step", 10, "{:.1f}"),
     ("loss", 8, "{:.4f}"),
+    ("held-out", 8, "{:.4f}"),
 )
 ENGINE_COLOURS = {"DDP": "tab:blue", "FSDP2": "tab:orange", "DeepSpeed": "tab:green"}
 
@@ -123,7 +124,7 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
             "logger": False,
             "enable_checkpointing": False,
             "enable_progress_bar": False,
-            "limit_val_batches": 0,
+            "limit_val_batches": 0,  # none during the timed steps: BenchProbe validates once, after the last step
             "callbacks": [
                 {"class_path": "lightning_fastdist.SyncFreeLogging"},
                 {
@@ -224,6 +225,7 @@ def format_row(row: dict) -> str:
         1000 * row["exposed_comm_s"] if row.get("exposed_comm_s") is not None else None,
         row["host_syncs_per_step"],
         row["final_loss"],
+        row["held_out_loss"],
     )
     cells = [
         (fmt.format(value) if value is not None else "n/a").rjust(width) if i else f"{value:<{width}}"

@@ -3,10 +3,12 @@
 Per rank, with no per-step device sync: step time over a window after warm-up (one sync at each end), samples and
 tokens per second, peak memory, collective bytes per step averaged over the same window (an outer sync crosses
 on some steps only), exposed communication over the same window, host syncs per step (counted after the window:
-counting slows dispatch), the last loss and ``tail_loss``. Rank 0 writes them as JSON; ``docs/bench.md`` says what
-each column is. Lightning's own strategies time and count nothing, so the probe attaches ours (clock-reading
-gradient hooks on ``DDPStrategy``'s module, the counting collectives on ``ModelParallelStrategy``'s FSDP2 units, the
-counting backend on ``DeepSpeedStrategy``) without changing what they compute.
+counting slows dispatch), the last loss and ``tail_loss``; then, after the last step and outside the timed window,
+one validation on held-out data (``held_out_loss``, on the global weights under ``outer_sync``). Rank 0 writes them
+as JSON; ``docs/bench.md`` says what each column is. Lightning's own strategies time and count nothing, so the probe
+attaches ours (clock-reading gradient hooks on ``DDPStrategy``'s module, the counting collectives on
+``ModelParallelStrategy``'s FSDP2 units, the counting backend on ``DeepSpeedStrategy``) without changing what they
+compute.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communic
 
 SYNC_COUNT_STEPS = 2
 TAIL_FRACTION = 4  # tail_loss averages the last 1/TAIL_FRACTION of the optimizer steps (at least one)
+HELD_OUT_BATCHES = 8  # micro-batches of held-out data per rank of the job, evaluated once after the last step
+HELD_OUT_METRIC = "val_loss"  # what the model logs in validation_step (TinyGPT's name)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -53,11 +57,17 @@ class BenchProbe(L.Callback):
     Args:
         output: JSON file to write.
         warmup_steps: steps left out of the timing window (compilation, allocator warm-up).
+        held_out_batches: micro-batches of held-out data per rank of the job for the evaluation after the last step
+            (0: none). The job's ranks evaluate ``held_out_batches x world size`` of them in all, the same held-out
+            samples for every setup of one job, however the setup shares them out (:func:`evaluating_ranks`).
     """
 
-    def __init__(self, output: str, warmup_steps: int = 2) -> None:
+    def __init__(self, output: str, warmup_steps: int = 2, held_out_batches: int = HELD_OUT_BATCHES) -> None:
         self.output = Path(output)
         self.warmup_steps = warmup_steps
+        self.held_out_batches = held_out_batches
+        self._held_out_loss: torch.Tensor | None = None
+        self._held_out_seen = 0  # batches this rank evaluated
         self._window_start: float | None = None
         self._window_steps = 0
         self._step_time: float | None = None
@@ -151,6 +161,30 @@ class BenchProbe(L.Callback):
             loss = self._last_loss.float()
             self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
             self._tail_batches += 1
+        if trainer.global_step == trainer.max_steps:  # the last optimizer step is done
+            self._validate_after_the_last_step(trainer)
+
+    def _validate_after_the_last_step(self, trainer: L.Trainer) -> None:
+        """Have Lightning validate now, after the last step: bench's runs validate at no other time (the overlay's
+        ``limit_val_batches: 0``), so the timed steps hold no evaluation. Lightning validates once before a fit that
+        is asked to stop ends (here ``max_steps`` ends it anyway), whatever the recipe's validation interval."""
+        trainer.limit_val_batches = self.held_out_batches * trainer.world_size // evaluating_ranks(trainer)
+        trainer.check_val_every_n_epoch = None  # not only at the end of some epochs
+        trainer.should_stop = True
+
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._held_out_seen += 1
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._held_out_loss = trainer.callback_metrics.get(HELD_OUT_METRIC)  # reduced over the evaluating ranks
 
     def _comm_stats(self, trainer: L.Trainer) -> CommStats | None:
         return getattr(trainer.strategy, "comm_stats", None) or self._own_stats
@@ -176,11 +210,21 @@ class BenchProbe(L.Callback):
             "host_syncs_per_step": self._sync_count / SYNC_COUNT_STEPS if self._sync_count is not None else None,
             "final_loss": self._last_loss.item() if self._last_loss is not None else None,
             "tail_loss": (self._tail_sum / self._tail_batches).item() if self._tail_sum is not None else None,
+            "held_out_loss": self._held_out_loss.item() if self._held_out_loss is not None else None,
+            "held_out_batches": self._held_out_seen * evaluating_ranks(trainer),
         }
         per_rank = trainer.strategy.all_gather(torch.tensor(float(peak), device=pl_module.device))
         result["peak_memory_bytes_max_rank"] = int(per_rank.max().item()) if per_rank.dim() else peak
         if trainer.is_global_zero:
             self.output.write_text(json.dumps(result, indent=2))
+
+
+def evaluating_ranks(trainer: L.Trainer) -> int:
+    """The ranks one evaluation's data is shared out over: every rank of the job, or under ``outer_sync`` each node's
+    own (every node evaluates all of it, on the same global weights: ``docs/semi-sync.md``)."""
+    if getattr(trainer.strategy, "outer_sync", None) is not None:
+        return trainer.num_devices
+    return trainer.world_size
 
 
 def _bytes_so_far(stats: CommStats | None) -> dict[str, int]:

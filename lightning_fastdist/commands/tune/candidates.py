@@ -16,11 +16,14 @@ from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
 from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES, Recipe
 
-# Bench's rows of our strategies that tune tries by default (hsdp only across nodes, DeepSpeed where installed).
+# Bench's rows of our strategies that tune tries by default: hsdp and the semi-synchronous ones only across nodes,
+# those only where torchft is installed (:func:`offered`); DeepSpeed's are `not tried` where it is not installed.
 DEFAULT_SETUPS = (
     "ddp",
     "ddp-bf16",
     "ddp-powersgd",
+    "ddp-diloco",
+    "ddp-streaming-diloco",
     "fsdp-zero2",
     "fsdp-zero3",
     "fsdp-hsdp",
@@ -29,6 +32,15 @@ DEFAULT_SETUPS = (
     "deepspeed-zero3",
 )
 TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
+
+
+def offered(setup: BenchSetup, across_nodes: bool) -> bool:
+    """Whether tune tries ``setup`` on a job that spans several nodes (``across_nodes``) or one: ``fsdp-hsdp`` (one node
+    would leave it nothing to replicate across) and the rows that synchronise across nodes (``outer_sync``: the
+    DiLoCo ones) only across nodes, and those only where they can run (torchft installed: bench's ``needs``)."""
+    if setup.multi_node:
+        return across_nodes and setup.needs is None
+    return across_nodes or setup.name != "fsdp-hsdp"
 
 
 @dataclass(frozen=True)

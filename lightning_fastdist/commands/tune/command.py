@@ -1,16 +1,18 @@
 """``lightning-fastdist tune``: measure which setup trains the recipe fastest here, and write it as a recipe.
 
-Each candidate (our DDP with each gradient hook, FSDP2 ZeRO-2/3, HSDP across
-nodes, DeepSpeed ZeRO-1/2/3, then compile and larger micro-batches of the
-fastest) trains the recipe's own model, data and batch for a few steps in fresh
-processes, as ``bench`` trains its rows (``--launcher`` runs them across nodes).
-Before any starts, the memory plan (``doctor --simulate``'s trace of the recipe's
-step) prunes what cannot fit one device of ``--gpu-memory`` GiB (default: this
-machine's GPU; none on a CPU-only machine) and picks the least activation
-checkpointing that fits. A compressed or compiled candidate is accepted only if
-its loss stays within ``--loss-tolerance`` of the exact setup it is compared
-with. Successive halving then re-measures the fastest third with three times the
-steps until two have been compared, within ``--budget-minutes``.
+Each candidate (our DDP with each gradient hook, FSDP2 ZeRO-2/3, HSDP and
+DiLoCo across nodes, DeepSpeed ZeRO-1/2/3, then compile and larger
+micro-batches of the fastest) trains the recipe's own model, data and batch for
+a few steps in fresh processes, as ``bench`` trains its rows (``--launcher``
+runs them across nodes). Before any starts, the memory plan (``doctor
+--simulate``'s trace of the recipe's step) prunes what cannot fit one device of
+``--gpu-memory`` GiB (default: this machine's GPU; none on a CPU-only machine)
+and picks the least activation checkpointing that fits. A compressed,
+semi-synchronous or compiled candidate is accepted only if its loss (on held-out
+data, where the recipe validates) stays within ``--loss-tolerance`` of the exact
+setup it is compared with at equal tokens. Successive halving then re-measures
+the fastest third with three times the steps until two have been compared,
+within ``--budget-minutes``.
 
 Writes the winner as a recipe (``--output``: the user's recipe with its strategy
 and batch split replaced, the measured table as comments), every candidate's
@@ -44,6 +46,7 @@ from lightning_fastdist.commands.tune.candidates import (
     Candidate,
     MemoryPlan,
     least_checkpointing_that_fits,
+    offered,
     smaller_micro_batch,
 )
 from lightning_fastdist.commands.tune.search import Search, Trial
@@ -108,11 +111,12 @@ def memory_plan(args: argparse.Namespace) -> MemoryPlan:
 
 
 def base_candidates(args: argparse.Namespace, plan: MemoryPlan, split: tuple[int, int] | None) -> list[Candidate]:
-    """The named setups, each with the least checkpointing that fits, exact ones first; a compressed one is
-    compared with ``ddp`` at the same checkpointing (added when not named)."""
+    """The named setups that are offered here, each with the least checkpointing that fits, exact ones first; a
+    non-exact one (compressed, or semi-synchronous) is compared with ``ddp`` at the same checkpointing and batch split
+    (added when not named)."""
     setups = all_setups()
     across_nodes = plan.world_size > plan.gpus_per_node  # as the simulation decides whether to plan hsdp
-    names = [n for n in args.setup_list if n != "fsdp-hsdp" or across_nodes]
+    names = [name for name in args.setup_list if offered(setups[name], across_nodes)]
     axes = {"micro_batch": split[0], "accumulation": split[1]} if split else {}
     exact, compressed = [], []
     for name in names:
@@ -148,7 +152,8 @@ def progress_line(trial: Trial, round_number: int, elapsed_s: float) -> str:
     """One line per decision: the candidate, its round, and its numbers or why it has none."""
     head = f"[{elapsed_s / 60:5.1f} min] round {round_number}  {trial.candidate.name:<32}"
     if trial.status in ("measured", "winner") and trial.rounds:
-        return f"{head} {tune_output.numbers(trial.rounds[-1])}"
+        guard = f"\n{'':>{len(head)}} guard: {trial.guard}" if trial.guard else ""
+        return f"{head} {tune_output.numbers(trial.rounds[-1])}{guard}"
     return f"{head} {trial.status}: {trial.reason}"
 
 
@@ -193,6 +198,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     output = Path(args.output)
     tune_output.write_winner(output, args, trials, winner, argv)
     print(f"winner: {winner.candidate.name} ({tune_output.numbers(winner.rounds[-1])})")
+    if winner.guard:
+        print(f"  its loss guard: {winner.guard}")
     print(f"wrote {output}; train it with: lightning-fastdist fit --config {output}")
     return 0
 

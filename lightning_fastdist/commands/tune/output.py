@@ -58,25 +58,30 @@ def numbers(row: dict) -> str:
     """A measured row in one line."""
     unit = "tokens" if row.get("tokens_per_s") else "samples"
     exposed = row.get("exposed_comm_s")
+    held_out = row.get("held_out_loss")
     return (
         f"{row['steps']} steps  {throughput(row):,.0f} {unit}/s  "
         f"exposed {'n/a' if exposed is None else f'{1000 * exposed:.1f} ms'}  "
         f"peak {row['peak_memory_bytes_max_rank'] / 2**20:.0f} MiB  tail loss {row['tail_loss']:.4f}"
+        + ("" if held_out is None else f"  held-out loss {held_out:.4f}")
     )
 
 
 def table(trials: list[Trial]) -> list[str]:
-    """The candidates, round 1 and last round, as the recipe's comment lines."""
-    lines = [f"{'candidate':<32} {'status':<9} {'round 1':>12} {'last round':>17} {'tail loss':>9}  why"]
+    """The candidates, round 1 and last round (tokens/s; round 1's losses), as the recipe's comment lines."""
+    columns = f"{'round 1':>12} {'last round':>17} {'tail loss':>9} {'held-out':>9}"
+    lines = [f"{'candidate':<32} {'status':<9} {columns}  why"]
     for trial in trials:
         first = trial.rounds[0] if trial.rounds else None
         last = trial.rounds[-1] if len(trial.rounds) > 1 else None
+        held_out = first.get("held_out_loss") if first else None
         cells = [
             f"{trial.candidate.name:<32}",
             f"{trial.status:<9}",
             f"{throughput(first):>12,.0f}" if first else f"{'':>12}",
             f"{throughput(last):>9,.0f} (r{last['round']})" if last else f"{'':>17}",
             f"{first['tail_loss']:>9.4f}" if first else f"{'':>9}",
+            f"{held_out:>9.4f}" if held_out is not None else f"{'':>9}",
             f" {trial.reason}" if trial.reason else "",
         ]
         lines.append(" ".join(cells).rstrip())
@@ -128,6 +133,7 @@ def json_document(
                 "status": t.status,
                 "reason": t.reason,
                 "compared_with": t.candidate.compared_with,
+                "guard": t.guard,
                 "strategy": t.candidate.bench_setup().strategy_config(world_size=None),
                 "micro_batch": t.candidate.micro_batch,
                 "accumulation": t.candidate.accumulation,

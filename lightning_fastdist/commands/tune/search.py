@@ -1,11 +1,13 @@
 """How ``lightning-fastdist tune`` spends its budget: the order of trials, the quality guard, successive halving.
 
 Round 1 trains every candidate the memory plan kept, exact setups first and each compared one after the setup it
-is compared with; a candidate is accepted only if its loss (bench's ``tail_loss``) lies within ``loss_tolerance``
-of that one's on the same batches, checked again in each later round. Then successive halving: the fastest third
-(at least two) trains again for three times the steps, until two are left; the faster wins unless its loss has
-left its exact root's tolerance. A third rather than a half because a trial costs mostly its start-up. A run starts
-only if the runs so far say it ends within the budget. ``docs/tune.md`` has the details.
+is compared with; a candidate is accepted only if its loss lies within ``loss_tolerance`` of that one's after as many
+steps of the same global batch (equal tokens), checked again in each later round: bench's ``held_out_loss`` (the
+weights each setup delivers, on held-out data) where both rows have it, else its training ``tail_loss``. Then
+successive halving: the fastest third (at least two) trains again for three times the steps, until two are left; the
+faster wins unless its loss has left its exact root's tolerance. A third rather than a half because a trial costs
+mostly its start-up. A run starts only if the runs so far say it ends within the budget. ``docs/tune.md`` has the
+details.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Trial:
             a reference that did not run, or it cannot run here), ``measured`` (eliminated by halving), or
             ``winner``.
         reason: one line for every status but ``measured`` and ``winner``.
+        guard: the quality guard's comparison of its latest round in one line (within tolerance or not), for a
+            compared candidate once its reference trained as many steps.
         peak_plan_bytes: the memory plan's peak per rank, when there was a plan.
         rounds: bench's row per round it trained in (steps, tokens/s, exposed communication, loss, ...).
     """
@@ -39,6 +43,7 @@ class Trial:
     candidate: Candidate
     status: str = "waiting"
     reason: str | None = None
+    guard: str | None = None
     peak_plan_bytes: int | None = None
     rounds: list[dict] = field(default_factory=list)
 
@@ -49,6 +54,15 @@ class Trial:
 
 
 Measure = Callable[[Candidate, int, int], dict]  # (candidate, steps, round) -> bench's row for it
+
+
+def losses_to_compare(row: dict, reference_row: dict) -> tuple[str, float | None, float | None]:
+    """``(which loss, the candidate's, the reference's)``: the held-out loss where both rows have it (the loss of the
+    weights each setup delivers, the global ones under ``outer_sync``, on the same held-out samples), else the
+    training tail loss (each node's own weights under ``outer_sync``; on the same training batches)."""
+    if row.get("held_out_loss") is not None and reference_row.get("held_out_loss") is not None:
+        return "held-out loss", row["held_out_loss"], reference_row["held_out_loss"]
+    return "training tail loss", row.get("tail_loss"), reference_row.get("tail_loss")
 
 
 @dataclass
@@ -107,7 +121,7 @@ class Search:
             self.report(trial, round_number)
             return False
         trial.rounds.append({**row, "round": round_number, "steps": steps})
-        trial.status = "measured"
+        trial.status, trial.guard = "measured", None  # the guard compares this round's loss, when it can
         self._guard(trial)
         self.report(trial, round_number)
         return trial.status == "measured"
@@ -126,15 +140,20 @@ class Search:
         reference_row = next((r for r in reference.rounds if r["steps"] == steps), None)
         if reference_row is None:
             return
-        loss, expected, name = trial.rounds[-1]["tail_loss"], reference_row["tail_loss"], reference.candidate.name
+        kind, loss, expected = losses_to_compare(trial.rounds[-1], reference_row)
+        name = reference.candidate.name
         if loss is None or expected is None or not math.isfinite(loss):
-            trial.status, trial.reason = "rejected", f"no finite loss to compare with {name}'s"
-        elif abs(loss - expected) > self.loss_tolerance * abs(expected):
-            trial.status = "rejected"
-            trial.reason = (
-                f"tail loss {loss:.4f} vs {name}'s {expected:.4f} over {steps} steps: "
-                f"{100 * abs(loss - expected) / abs(expected):.3g}% apart, tolerance {100 * self.loss_tolerance:g}%"
-            )
+            trial.status, trial.reason = "rejected", f"no finite {kind} to compare with {name}'s"
+            trial.guard = trial.reason
+            return
+        within = abs(loss - expected) <= self.loss_tolerance * abs(expected)
+        trial.guard = (
+            f"{kind} {loss:.4f} vs {name}'s {expected:.4f}, both after {steps} steps of the same global batch "
+            f"(equal tokens): {100 * abs(loss - expected) / abs(expected):.3g}% apart, "
+            f"{'within' if within else 'beyond'} the tolerance of {100 * self.loss_tolerance:g}%"
+        )
+        if not within:
+            trial.status, trial.reason = "rejected", trial.guard
 
     def _exact_root(self, trial: Trial) -> Trial | None:
         """The exact setup at the end of ``trial``'s chain of references (``ddp`` for ``ddp-bf16+compile``)."""
@@ -220,7 +239,10 @@ class Search:
             for trial in survivors:
                 self._run(trial, steps, round_number)
             for trial in survivors:  # a reference that trained after the trial compared with it
+                guarded = trial.guard
                 self._guard(trial)
+                if trial.guard != guarded:  # its comparison of this round: printed now that there is one
+                    self.report(trial, round_number)
             ranking = sorted((t for t in survivors if t.status == "measured"), key=lambda t: -t.speed)
             if len(survivors) == 2:
                 break
