@@ -3,9 +3,10 @@
 Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm.accounting`): each collective's
 full-size tensor. ``docs/doctor.md`` ("The communication formula") has the table per mode. ``hsdp`` (``doctor
 --simulate`` only) is ZeRO-3 within shard groups of ``G`` ranks, then each rank's gradient shard, ``g N / G``,
-all-reduced across the ``W / G`` replicas. Under ``outer_sync`` (``doctor --simulate`` only) DDP all-reduces inside
-a node, and each node's local rank 0 sends its share of the pseudo-gradients across nodes
-(:func:`outer_sync_sent_per_step`). FSDP's padding to a multiple of ``W`` is left out; a single device
+all-reduced across the ``W / G`` replicas. Under ``outer_sync`` (``doctor --simulate`` only) DDP all-reduces (or
+FSDP's ZeRO-3 gathers and reduce-scatters) inside a node, and each process that talks across nodes sends its share
+of the pseudo-gradients it holds across nodes (:func:`outer_sync_sent_per_step`): DDP's local rank 0 all of them,
+every FSDP rank its shard's. FSDP's padding to a multiple of ``W`` is left out; a single device
 communicates nothing. The counts equal the strategies' counters on 2 CPU ranks (``tests/fsdp``, ``tests/ddp``,
 ``tests/deepspeed``).
 """
@@ -131,13 +132,15 @@ def comm_per_step(
 
 
 def outer_sync_sent_per_step(settings: OuterSync, parameters: int, nodes: int) -> int:
-    """Bytes a node's local rank 0 sends across nodes per optimizer step under ``outer_sync``, on average: every
-    parameter's pseudo-gradient once per ``every`` steps, in ``settings.dtype``, all-reduced on a ring of the nodes.
+    """Bytes a process that talks across nodes sends there per optimizer step under ``outer_sync``, on average: the
+    pseudo-gradient of every parameter it holds once per ``every`` steps, in ``settings.dtype``, all-reduced on a ring
+    of the nodes (with the process holding the same parameters on each).
 
     Args:
         settings: the outer synchronisation's options.
-        parameters: ``N``, the model's trainable parameters.
-        nodes: the nodes (torchft's replica groups of one process each).
+        parameters: the parameters it holds: ``N``, the model's trainable parameters, on DDP's local rank 0; its
+            shard of them on an FSDP rank.
+        nodes: the nodes (torchft's replica groups).
     """
     pseudo_gradients = parameters * PSEUDO_GRADIENT_DTYPES[settings.dtype].itemsize
     return CommEstimate("ddp", nodes, allreduce=pseudo_gradients).sent_per_device // settings.every

@@ -39,6 +39,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS, OuterSync, OuterSyncForm, form_of
 from lightning_fastdist.planning.comm_model import comm_per_step, outer_sync_sent_per_step
+from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.memory_model import (
     DEEPSPEED_MODES,
     FSDP_MODES,
@@ -46,6 +47,7 @@ from lightning_fastdist.planning.memory_model import (
     deepspeed_state,
 )
 from lightning_fastdist.planning.outer_sync_memory import OuterSyncMemory, outer_sync_memory
+from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.step_memory import (
     StepMemory,
     fake_world,
@@ -67,6 +69,11 @@ class NotTraceable(Exception):
     """The model or its step cannot be traced with fake tensors; the message says why, in one line."""
 
 
+def _outer_sync_name(setup: str, settings: OuterSync) -> str:
+    """Bench's name of ``setup`` (``ddp``, ``zero3``) with ``settings``' form of ``outer_sync``."""
+    return replace(Setup.from_plan_key(setup, "none", False), outer_sync=form_of(settings)).name
+
+
 @dataclass(frozen=True)
 class SimulatedSetup:
     """One row of the simulation: a setup, its checkpointing, and one rank's bytes.
@@ -75,11 +82,13 @@ class SimulatedSetup:
         setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp`` or ``ds-zero1/2/3``.
         activation_checkpointing: ``none``, ``full`` or ``selective``.
         cpu_offload: state moved to host memory (derived rows).
-        memory: bytes per rank (under ``outer_sync``, of each node's local rank 0, which holds the outer state).
+        memory: bytes per rank (under ``outer_sync``, of a rank that holds the outer state: on ``ddp`` each node's
+            local rank 0; on ``zero3``, sharded over one node's ranks, rank 0 of a node, whose shards are the largest).
         comm_bytes_per_step: bytes each rank sends per optimizer step on a ring.
         method: ``traced``, ``formula state, traced activations`` (DeepSpeed) or ``derived`` (offload,
             ``outer_sync``).
-        outer_sync: DiLoCo across nodes on top of ``ddp``: its options; ``None``: every step is synchronous.
+        outer_sync: DiLoCo across nodes on top of ``ddp`` or ``zero3``: its options; ``None``: every step is
+            synchronous.
         outer_memory: what ``outer_sync`` adds (its device bytes are in ``memory`` already, its host bytes only here).
     """
 
@@ -94,8 +103,9 @@ class SimulatedSetup:
 
     @property
     def name(self) -> str:
-        """The setup as listed: :attr:`setup`, or with ``outer_sync`` bench's name of it (``ddp-diloco``)."""
-        return self.setup if self.outer_sync is None else f"{self.setup}-{form_of(self.outer_sync)}"
+        """The setup as listed: :attr:`setup`, or with ``outer_sync`` bench's name of it (``ddp-diloco``,
+        ``fsdp-zero3-streaming-diloco``)."""
+        return self.setup if self.outer_sync is None else _outer_sync_name(self.setup, self.outer_sync)
 
     @property
     def plan_key(self) -> tuple[str, str, bool]:
@@ -193,6 +203,7 @@ def measure_setup(
     gpus_per_node: int,
     precision: str | None = None,
     fake: bool = True,
+    ranks: int | None = None,
 ) -> TracedStep:
     """Build the model, apply ``setup``'s plan, and measure its second training step on this rank.
 
@@ -207,11 +218,12 @@ def measure_setup(
         gpus_per_node: the shard group of ``hsdp``.
         precision: overrides the recipe's (DeepSpeed's activations run in its own dtype).
         fake: simulate (fake tensors, fake world) or measure for real.
+        ranks: FSDP shards over the world's first ``ranks`` (one node's, as under ``outer_sync``); ``None``: all.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 - private torch API
 
     precision = precision or run.precision
-    world_size = dist.get_world_size()
+    world_size = ranks or dist.get_world_size()
     module = _build(run, fake)
     parameters = sum(p.numel() for p in module.parameters() if p.requires_grad)
     block_classes = resolve_blocks(module, run.blocks)
@@ -316,7 +328,8 @@ class Simulation:
     not_traced: list[tuple[str, str, str]]
 
 
-_Task = tuple[str, str, "str | None"]  # (setup or "ds", checkpointing, precision override)
+# (setup or "ds", checkpointing, precision override, FSDP's ranks if not the world's)
+_Task = tuple[str, str, "str | None", "int | None"]
 
 
 def _start_worker(world_size: int) -> None:
@@ -327,9 +340,9 @@ def _start_worker(world_size: int) -> None:
 
 def _run_task(run: RecipeRun, batch: Any, task: _Task, *, gpus_per_node: int) -> TracedStep | str:
     """One trace, or the one-line reason it failed."""
-    setup, checkpointing, precision = task
+    setup, checkpointing, precision, ranks = task
     try:
-        return measure_setup(run, batch, setup, checkpointing, gpus_per_node, precision)
+        return measure_setup(run, batch, setup, checkpointing, gpus_per_node, precision, ranks=ranks)
     except NotTraceable as error:
         return str(error)
     except Exception as error:  # noqa: BLE001 - whatever fake tensors met (data-dependent shapes, custom kernels)
@@ -391,7 +404,7 @@ def simulate(
         run: the recipe.
         world_size: ranks to simulate.
         gpus_per_node: ranks per node; ``hsdp`` and the ``outer_sync`` rows are simulated when the world spans more
-            than one node.
+            than one node (``zero3``'s traced again, sharded over one node's ranks as it is under ``outer_sync``).
         checkpointing: the activation checkpointing modes to trace.
         processes: processes sharing the traces, this one and spawned workers (each a fake world of its
             own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
@@ -408,15 +421,23 @@ def simulate(
     if processes is None:
         large = sum(p.numel() for p in _build(run, fake=True).parameters()) >= PARALLEL_FROM_PARAMETERS
         processes = min(2, os.cpu_count() or 1) if large else 1
-    setups = ["ddp", "zero2", "zero3", *(["hsdp"] if world_size > gpus_per_node else [])]
+    spans_nodes = world_size > gpus_per_node  # outer_sync synchronises across nodes, and refuses one
+    setups = ["ddp", "zero2", "zero3", *(["hsdp"] if spans_nodes else [])]
     ds_precision = deepspeed_activation_precision(run.precision)
-    tasks: list[_Task] = [(s, mode, None) for mode in checkpointing for s in setups]
-    tasks += [("ds", mode, ds_precision) for mode in checkpointing]
+    tasks: list[_Task] = [(s, mode, None, None) for mode in checkpointing for s in setups]
+    tasks += [("ds", mode, ds_precision, None) for mode in checkpointing]
+    if spans_nodes:  # FSDP under outer_sync: each node a world of its own, sharded over its ranks
+        tasks += [("zero3", mode, None, gpus_per_node) for mode in checkpointing]
     results = _run_tasks(run, batch, tasks, world_size, gpus_per_node, processes)
     rows: list[SimulatedSetup] = []
     not_traced: list[tuple[str, str, str]] = []
+    outer_bases: dict[str, dict[str, StepMemory | str]] = {"ddp": {}, "zero3": {}}  # by checkpointing
     parameters = root_parameters = 0
-    for (setup, mode, _), result in zip(tasks, results):
+    for (setup, mode, _, ranks), result in zip(tasks, results):
+        if setup == "ddp" or ranks is not None:  # a DDP rank holds the same in a world of any size
+            outer_bases[setup][mode] = result if isinstance(result, str) else result.memory
+        if ranks is not None:  # only the base of the outer_sync rows
+            continue
         if isinstance(result, str):
             not_traced += [(name, mode, result) for name in (DEEPSPEED_MODES if setup == "ds" else (setup,))]
             continue
@@ -432,11 +453,10 @@ def simulate(
     if not rows:
         setup, mode, reason = not_traced[0]
         raise NotTraceable(f"{setup} with activation_checkpointing={mode}: {reason}")
-    ddp_rows = [row for row in rows if row.setup == "ddp"]
     outer_rows: list[SimulatedSetup] = []
-    if world_size > gpus_per_node and ddp_rows:  # outer_sync synchronises across nodes, and refuses one
+    if spans_nodes:
         nodes = world_size // gpus_per_node
-        outer_rows, refused = _outer_sync_rows(run, ddp_rows, parameters, root_parameters, gpus_per_node, nodes)
+        outer_rows, refused = _outer_sync_rows(run, outer_bases, parameters, root_parameters, gpus_per_node, nodes)
         not_traced += refused
     return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows) + outer_rows, not_traced)
 
@@ -455,36 +475,42 @@ def _outer_sync_settings(run: RecipeRun) -> list[OuterSync]:
 
 def _outer_sync_rows(
     run: RecipeRun,
-    ddp_rows: list[SimulatedSetup],
+    bases: dict[str, dict[str, StepMemory | str]],
     parameters: int,
     root_parameters: int,
     gpus_per_node: int,
     nodes: int,
 ) -> tuple[list[SimulatedSetup], list[tuple[str, str, str]]]:
-    """The ``ddp`` rows again with DiLoCo across the nodes, for each of :func:`_outer_sync_settings`: each node's local
-    rank 0 (which holds torchft's state, :mod:`~lightning_fastdist.planning.outer_sync_memory`), sending DDP's
-    gradients inside its node and its share of the pseudo-gradients across nodes; and a ``not_traced`` entry for each
-    form whose ``fragments`` the model's blocks cannot take, with the strategy's reason."""
+    """The ``ddp`` and the one-node ``zero3`` steps of ``bases`` (by checkpointing, or why one did not trace) again
+    with DiLoCo across the nodes, for each of :func:`_outer_sync_settings`, on a rank that holds torchft's state
+    (:mod:`~lightning_fastdist.planning.outer_sync_memory`): DDP's each node's local rank 0, with whole fragments;
+    FSDP's every rank, with its shard of each (rank 0's here, the largest). Each sends its setup's traffic inside
+    the node and the pseudo-gradients it holds across nodes. A ``not_traced`` entry for each form whose ``fragments``
+    the model's blocks cannot take, with the strategy's reason, and for each step that did not trace, with its own."""
     module = _build(run, fake=True)  # on the meta device: its fragments, as the strategy splits them
     blocks = outermost_block_modules(module, resolve_blocks(module, run.blocks))
     dtype = _TRUE_DTYPES.get(run.precision, torch.float32)
-    inner = comm_per_step("ddp", gpus_per_node, parameters, root_parameters, run.precision, run.accumulation)
     derived: list[SimulatedSetup] = []
     refused: list[tuple[str, str, str]] = []
-    for settings in _outer_sync_settings(run):
-        try:
-            fragments = split_into_fragments(module, blocks, settings.fragments)
-        except ValueError as error:
-            name = f"ddp-{form_of(settings)}"
-            refused += [(name, row.activation_checkpointing, str(error)) for row in ddp_rows]
-            continue
-        memory = outer_sync_memory(settings, [sum(p.numel() for p in f.parameters()) for f in fragments], dtype)
-        sent = inner.sent_per_device + outer_sync_sent_per_step(settings, parameters, nodes)
-        for row in ddp_rows:
-            m = row.memory
-            on_rank_0 = replace(m, optimizer=m.optimizer + memory.outer_momentum, peak=memory.device_peak(m))
-            mode = row.activation_checkpointing
-            derived.append(SimulatedSetup("ddp", mode, False, on_rank_0, sent, "derived", settings, memory))
+    for setup, steps in bases.items():
+        ranks = gpus_per_node if setup == "zero3" else 1  # the ranks a fragment is split over
+        inner = comm_per_step(setup, gpus_per_node, parameters, root_parameters, run.precision, run.accumulation)
+        for settings in _outer_sync_settings(run):
+            name = _outer_sync_name(setup, settings)
+            try:
+                fragments = split_into_fragments(module, blocks, settings.fragments)
+            except ValueError as error:
+                refused += [(name, mode, str(error)) for mode in steps]
+                continue
+            held = shard_numels(fragments, ranks, 0)
+            memory = outer_sync_memory(settings, held, dtype)
+            sent = inner.sent_per_device + outer_sync_sent_per_step(settings, sum(held), nodes)
+            for mode, step in steps.items():
+                if isinstance(step, str):
+                    refused.append((name, mode, step))
+                    continue
+                on_rank = replace(step, optimizer=step.optimizer + memory.outer_momentum, peak=memory.device_peak(step))
+                derived.append(SimulatedSetup(setup, mode, False, on_rank, sent, "derived", settings, memory))
     return derived, refused
 
 

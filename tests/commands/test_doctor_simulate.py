@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,10 @@ import yaml
 
 from lightning_fastdist import OuterSync
 from lightning_fastdist.commands.doctor.command import main as doctor
-from lightning_fastdist.commands.doctor.simulate import choose, format_simulation, simulation_json
+from lightning_fastdist.commands.doctor.simulate import OUTER_SYNC_NOTES, choose, format_simulation, simulation_json
 from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS
 from lightning_fastdist.planning.comm_model import comm_per_step
+from lightning_fastdist.planning.outer_sync_memory import OuterSyncMemory
 from lightning_fastdist.planning.simulate import RecipeRun, first_batch, measure_setup, simulate
 from tests.support.harness import cli_command, run_cli, run_function, run_launcher
 
@@ -83,7 +85,8 @@ def test_sharded_state_at_world_64_is_a_32nd_of_world_2_and_hsdp_shards_within_a
     assert "hsdp" not in by_setup[0] and by_setup[1]["hsdp"].params == pytest.approx(
         by_setup[0]["zero3"].params / 4, rel=0.05
     )
-    assert "ddp-diloco" not in by_setup[0] and "ddp-diloco" in by_setup[1]  # outer_sync spans nodes
+    for outer in ("ddp-diloco", "fsdp-zero3-diloco"):  # outer_sync spans nodes
+        assert outer not in by_setup[0] and outer in by_setup[1]
     ds3 = by_setup[1]["ds-zero3"]
     assert ds3.optimizer == -(-12 * large.parameters // 64)  # DeepSpeed's fp32 master copy and two moments, sharded
     assert simulate(run, 64, 8, checkpointing=("none",), processes=2).rows == large.rows  # two workers, same numbers
@@ -106,24 +109,45 @@ def test_outer_sync_rows_add_torchft_state_to_local_rank_0_and_are_never_recomme
     # DDP's gradients inside the node, and every pseudo-gradient in bf16 once per 4 steps across the 2 nodes.
     inner = comm_per_step("ddp", 2, n, 0, "32-true").sent_per_device
     assert diloco.comm_bytes_per_step == inner + 2 * n // 4
-    assert [(setup, reason) for setup, _, reason in simulation.not_traced] == [
-        (
-            "ddp-streaming-diloco",
-            "outer_sync.fragments=4 does not divide the model's 2 blocks: give a divisor of 2 (or name the blocks "
-            "with `blocks`).",
-        )
+    reason = (
+        "outer_sync.fragments=4 does not divide the model's 2 blocks: give a divisor of 2 (or name the blocks with "
+        "`blocks`)."
+    )
+    assert [(setup, why) for setup, _, why in simulation.not_traced] == [
+        ("ddp-streaming-diloco", reason),
+        ("fsdp-zero3-streaming-diloco", reason),
     ]
     lines = format_simulation(simulation, "32-true", 2**30, 2**30).splitlines()
     (row,) = [line for line in lines if line.startswith("  ddp-diloco ")]
     assert row.endswith(f"derived, {4 * n / 2**30:.3f}G on the host")
-    assert any(line.startswith("  ddp-streaming-diloco none       not traced") for line in lines)
+    assert any(line.split()[:4] == ["ddp-streaming-diloco", "none", "not", "traced,"] for line in lines)
     for usable in (2**30, 1):  # everything fits, nothing fits
         chosen, _ = choose(simulation, usable)
         document = simulation_json(simulation, usable, 2**30, chosen)
         assert chosen.outer_sync is None and document["recommendation"]["setup"] != "ddp-diloco"
-    (outer,) = [row for row in document["setups"] if "outer_sync" in row]
+    outer, _ = [row for row in document["setups"] if "outer_sync" in row]
     assert outer["setup"] == "ddp-diloco" and outer["outer_sync"]["options"]["momentum"] == 0.9
     assert outer["outer_sync"]["global_copy"] == 4 * n and outer["per_rank"]["peak"] == diloco.memory.peak
+
+
+def test_fsdp_outer_sync_rows_shard_over_one_node_and_every_rank_holds_torchft_state_of_its_shard():
+    """At 2 nodes x 2 ranks FSDP shards over the node's 2 ranks (the zero3 row of a world of 2, not of 4), and each
+    rank holds torchft's state for its half of each fragment (TinyGPT's dims 0 are even): the global copy, the outer
+    momentum, the pseudo-gradient in flight (fp32 and its bf16 copy) and, applied, with a copy of the weights."""
+    run = RecipeRun(TINY_GPT, TEXT, outer_sync={"every": 4, "fragments": 1, "delay": 1, "momentum": 0.9})
+    simulation = simulate(run, 4, 2, checkpointing=("none",))
+    rows = {row.name: row for row in simulation.rows}
+    one_node = {row.name: row for row in simulate(run, 2, 2, checkpointing=("none",)).rows}["zero3"]
+    diloco, half = rows["fsdp-zero3-diloco"], simulation.parameters // 2
+    assert diloco.outer_memory == OuterSyncMemory(4 * half, 4 * half, 6 * half, 8 * half, overlaps_steps=True)
+    on_top = replace(one_node.memory, optimizer=one_node.memory.optimizer + 4 * half)
+    assert diloco.memory == replace(on_top, peak=one_node.memory.peak + 4 * half + 6 * half)
+    assert diloco.memory.params > rows["zero3"].memory.params  # a node's share, not the world's
+    # ZeRO-3's traffic inside the node, and each rank's half of the pseudo-gradients in bf16 once per 4 steps.
+    assert diloco.comm_bytes_per_step == one_node.comm_bytes_per_step + 2 * half // 4
+    lines = format_simulation(simulation, "32-true", 2**30, 2**30).splitlines()
+    (row,) = [line for line in lines if line.startswith("  fsdp-zero3-diloco ")]
+    assert row.endswith(f"derived, {4 * half / 2**30:.3f}G on the host") and lines[-1] == OUTER_SYNC_NOTES["zero3"]
 
 
 def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():

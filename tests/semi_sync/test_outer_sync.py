@@ -19,6 +19,7 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
@@ -114,6 +115,14 @@ def _node_fits(
     return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
 
 
+def _assert_held_as_modelled(options: dict, held_numels: list[int], report: dict) -> None:
+    """What doctor --simulate adds for outer_sync on a rank holding ``held_numels`` of each fragment is what torchft
+    held on the rank of ``report`` (docs/semi-sync.md, "Memory")."""
+    modelled = outer_sync_memory(OuterSync(**options), held_numels, torch.float32)
+    for name, measured in report["held_bytes"].items():
+        assert getattr(modelled, name) == pytest.approx(measured, rel=0.10), name
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weights():
@@ -135,11 +144,8 @@ def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weig
     assert node0["validated"] == node1["validated"] and len(node0["validated"]) == 2
     assert node0["val_losses"] == node1["val_losses"]
     assert node0["final"] == node1["final"]
-    # What doctor --simulate adds for outer_sync is what torchft held (docs/semi-sync.md, "Memory").
-    for node in (node0, node1):
-        modelled = outer_sync_memory(OuterSync(**options), node["fragment_numels"], torch.float32)
-        for name, measured in node["held_bytes"].items():
-            assert getattr(modelled, name) == pytest.approx(measured, rel=0.10), name
+    for node in (node0, node1):  # local rank 0 holds whole fragments
+        _assert_held_as_modelled(options, node["fragment_numels"], node)
 
 
 @pytest.mark.slow
@@ -211,6 +217,13 @@ def test_fsdp_inside_each_node_every_rank_sends_its_shard_and_a_resume_goes_on_b
         assert on_node0["losses"] != on_node1["losses"]
     assert straight[0]["final"] != straight[1]["final"]  # two halves
     assert len({tuple(rank["val_losses"]) for rank in straight}) == 1
+    # Every rank holds torchft's state of its shard of each fragment, the outer momentum too (momentum 0.9 by default).
+    model = tiny_gpt()
+    fragments = split_into_fragments(model, list(model.blocks), options["fragments"])
+    assert shard_numels(fragments, 1, 0) == numels and OuterSync(**options).momentum > 0
+    for rank in straight:
+        assert all(rank["held_bytes"].values())
+        _assert_held_as_modelled(options, shard_numels(fragments, 2, rank["local_rank"]), rank)
     nodes = tmp_path / "step=4.ckpt.outer_sync"
     assert (tmp_path / "step=4.ckpt").is_dir() and sorted(p.name for p in nodes.iterdir()) == ["node00000", "node00001"]
     resumed = _node_fits(

@@ -8,7 +8,7 @@ Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; de
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
 all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights
-(under FSDP: of this rank's shards), and the most bytes torchft held on the rank.
+(under FSDP: of this rank's shards), and the most bytes torchft held on the rank (under FSDP: for its shards).
 
 Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
 [RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
@@ -104,11 +104,14 @@ class OuterSyncRecorder(L.Callback):
 
 
 class HeldBytesRecorder(L.Callback):
-    """The most bytes torchft's DiLoCo held at once on this rank (each node's local rank 0; the others hold none), by
-    what they are, as :class:`~lightning_fastdist.planning.outer_sync_memory.OuterSyncMemory` names them: the global
-    copies and the outer optimizers' state after each step; the pseudo-gradient of the fragment in flight after the
-    step that started its all-reduce, with the copies that cross the link (their bytes as the strategy counted the
-    tensors it sent); the pseudo-gradient and the local parameters torchft keeps when an outer step is applied."""
+    """The most bytes torchft's DiLoCo held at once on this rank (under DDP each node's local rank 0, the others hold
+    none; under FSDP every rank, for its shards), by what they are, as
+    :class:`~lightning_fastdist.planning.outer_sync_memory.OuterSyncMemory` names them: the global copies and the
+    outer optimizers' state after each step; the pseudo-gradient of the fragment in flight after the step that
+    started its all-reduce, with the copies that cross the link (their bytes as the strategy counted the tensors it
+    sent); the pseudo-gradient and the local parameters torchft keeps when an outer step is applied. A DTensor (an
+    FSDP rank's outer momentum, its pseudo-gradient as the parameters' gradient) counts its local shard's bytes
+    (:func:`~lightning_fastdist.planning.step_memory.tensor_bytes`)."""
 
     def __init__(self) -> None:
         self.held = dict.fromkeys(("global_copy", "outer_momentum", "in_flight", "applying"), 0)

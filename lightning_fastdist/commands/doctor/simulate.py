@@ -20,11 +20,19 @@ from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
 from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
-OUTER_SYNC_NOTE = (
-    "  ddp-diloco, ddp-streaming-diloco (outer_sync, never recommended: it changes what is computed): each node's "
-    "local rank 0, the ddp row plus torchft's state: the outer momentum in optimizer, a fragment's pseudo-gradient "
-    'in peak, the global copy on the host; the node\'s other ranks are the ddp row (docs/semi-sync.md, "Memory")'
-)
+# What the outer_sync rows on top of each setup stand for, printed under the table when it lists them.
+OUTER_SYNC_NOTES = {
+    "ddp": (
+        "  ddp-diloco, ddp-streaming-diloco (outer_sync, never recommended: it changes what is computed): each node's "
+        "local rank 0, the ddp row plus torchft's state: the outer momentum in optimizer, a fragment's pseudo-gradient "
+        'in peak, the global copy on the host; the node\'s other ranks are the ddp row (docs/semi-sync.md, "Memory")'
+    ),
+    "zero3": (
+        "  fsdp-zero3-diloco, fsdp-zero3-streaming-diloco (outer_sync, never recommended): every rank, zero3 sharded "
+        "over one node's ranks (not the world's) plus torchft's state of its shard (rank 0's, the largest): the outer "
+        "momentum in optimizer, a fragment's pseudo-gradient in peak, the global copy on the host"
+    ),
+}
 
 
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:
@@ -63,8 +71,8 @@ def format_simulation(simulation: Simulation, precision: str, usable_bytes: int,
         )
     for setup, checkpointing, reason in simulation.not_traced:
         lines.append(f"  {setup:{width}} {checkpointing:10} not traced, and would fail in training too: {reason}")
-    if any(row.outer_sync is not None for row in simulation.rows):
-        lines.append(OUTER_SYNC_NOTE)
+    outer_setups = {row.setup for row in simulation.rows if row.outer_sync is not None}
+    lines += [note for setup, note in OUTER_SYNC_NOTES.items() if setup in outer_setups]
     return "\n".join(lines)
 
 
