@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from lightning_fastdist.commands.bench.setups import all_setups
-from lightning_fastdist.commands.tune.candidates import DEFAULT_SETUPS, Candidate, MemoryPlan, offered
+from lightning_fastdist.commands.tune.candidates import DEFAULT_SETUPS, Candidate, MemoryPlan, memory_verdict, offered
 from lightning_fastdist.commands.tune.command import base_candidates, main, progress_line
 from lightning_fastdist.commands.tune.search import Search
 from lightning_fastdist.planning.advisor import HEADROOM
 from lightning_fastdist.planning.memory_model import GiB
+from lightning_fastdist.recipes.recipe import Recipe
 from tests.support.emulated_cluster import REPO_ROOT
 from tests.support.harness import cli_command, run_cli_forked, run_launcher
 
@@ -251,3 +252,20 @@ def test_the_diloco_rows_are_candidates_across_nodes_only_and_compared_with_exac
     diloco = all_setups()["ddp-diloco"]
     assert offered(diloco, across_nodes=True)
     assert not offered(replace(diloco, needs="torchft is not installed"), across_nodes=True)
+
+
+def test_a_semi_synchronous_candidate_is_planned_with_torchfts_state_not_the_plain_ddp_row(tmp_path):
+    """The memory plan has a ``ddp`` row and a ``ddp-streaming-diloco`` row under one plan key; a streaming candidate
+    is judged by its own: DDP's step plus the outer momentum (the recipe's ``momentum: 0.9``) and the pseudo-gradient
+    in flight during its ``delay`` steps."""
+    recipe = Recipe.read("cpu_smoke").config
+    outer_sync = {"every": 4, "fragments": 2, "delay": 1, "momentum": 0.9}
+    recipe["trainer"]["strategy"]["init_args"]["outer_sync"] = outer_sync
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    plan = MemoryPlan(Recipe.read(str(tmp_path / "recipe.yaml")), world_size=4, gpus_per_node=2, usable_bytes=64 * GiB)
+    setups = all_setups()
+    exact, _ = memory_verdict(Candidate(setups["ddp"]), plan)
+    streaming, _ = memory_verdict(Candidate(setups["ddp-streaming-diloco"]), plan)
+    rows = {row.name: row for row in plan.simulation(None).rows if row.activation_checkpointing == "none"}
+    assert (exact, streaming) == (rows["ddp"].memory.peak, rows["ddp-streaming-diloco"].memory.peak)
+    assert streaming > exact

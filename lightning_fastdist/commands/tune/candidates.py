@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.commands.bench.setups import BenchSetup
 from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
+from lightning_fastdist.parallel.semi_sync.settings import OuterSync, OuterSyncForm, form_of
 from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
@@ -153,7 +154,11 @@ def memory_verdict(candidate: Candidate, plan: MemoryPlan) -> tuple[int | None, 
     simulation = plan.simulation(candidate.micro_batch)
     if simulation is None:
         return None, None
-    row = next((r for r in simulation.rows if r.plan_key == candidate.plan_key), None)
+    form = _outer_sync_form(candidate.setup.strategy_args.get("outer_sync"))
+    row = next(
+        (r for r in simulation.rows if r.plan_key == candidate.plan_key and _outer_sync_form(r.outer_sync) == form),
+        None,
+    )
     if row is None:
         traced = next(
             (reason for s, mode, reason in simulation.not_traced if (s, mode) == candidate.plan_key[:2]), None
@@ -164,6 +169,11 @@ def memory_verdict(candidate: Candidate, plan: MemoryPlan) -> tuple[int | None, 
             f"memory plan: peak {readable_bytes(row.memory.peak)} per rank > {readable_bytes(plan.usable_bytes)} usable"
         )
     return row.memory.peak, None
+
+
+def _outer_sync_form(options: OuterSync | dict | None) -> OuterSyncForm | None:
+    """``diloco`` or ``streaming-diloco`` (a simulated row holds the recipe's own options of its form), or ``None``."""
+    return form_of(options) if options else None
 
 
 def readable_bytes(count: int) -> str:
