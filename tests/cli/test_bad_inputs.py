@@ -225,6 +225,13 @@ ROWS = [
         "outer_sync.fragments=3 does not divide the model's 2 blocks: give a divisor of 2",
         merge(strategy("FastDDPStrategy", outer_sync={"every": 6, "fragments": 3}),
               {"model": {"init_args": {"n_layer": 2}}, "trainer": {"num_nodes": 2, "devices": 1}})),
+    Row("outer-sync-min-nodes-above-num-nodes",
+        "FastDDPStrategy: outer_sync.min_nodes=3 is more than the job's num_nodes=2: give 1 to 2",
+        merge(strategy("FastDDPStrategy", outer_sync={"every": 4, "min_nodes": 3}),
+              {"trainer": {"num_nodes": 2, "devices": 1}})),
+    Row("outer-sync-fsdp-hsdp",
+        "FastFSDPStrategy: outer_sync synchronises across nodes every `every` steps and sharding='hsdp' every step",
+        strategy("FastFSDPStrategy", sharding="hsdp", outer_sync={"every": 4})),
     Row("deepspeed-sync-batchnorm",
         ("FastDeepSpeedStrategy: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never converts "
          "BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."),
