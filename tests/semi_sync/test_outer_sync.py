@@ -256,7 +256,8 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
 def test_with_min_nodes_the_other_nodes_train_on_when_one_is_killed():
     """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done). The two others go
     on at the next sync without restarting: the quorum holds 2 nodes from step 8, no sync is skipped, they end with
-    the same global weights, and one line names the lost node and the step."""
+    the same global weights, neither reads a sample the other read in that epoch, and one line names the lost node
+    and the step."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps = 12
     commands, environments = _node_commands(
@@ -276,6 +277,8 @@ def test_with_min_nodes_the_other_nodes_train_on_when_one_is_killed():
         assert node["members"] == [3] * 7 + [2] * 5  # the quorum of step 8 is the first without node 2
         assert node["syncs"] == [step // 2 for step in range(1, steps + 1)]  # no outer step lost
     assert survivors[0]["final"] == survivors[1]["final"]
+    read = [{(epoch, index) for epoch, indices in node["samples"] for index in indices} for node in survivors]
+    assert len(read[0]) == len(read[1]) == 4 * steps and not read[0] & read[1]  # no sample trained twice
     lost = "outer_sync: node2 left the job at step 8 (no heartbeat for 5 s, or not at the sync within 30 s): 2 of 3"
     assert all(lost in err for _, err in outputs[:2])
 

@@ -279,17 +279,29 @@ class EmulatedCluster:
         return run_processes(commands, environments, timeout=timeout, cwd=cwd)
 
     def start(
-        self, command: Sequence[str], env: dict[str, str] | None = None, cwd: str | Path | None = None
+        self,
+        command: Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        output: Path | None = None,
     ) -> list[subprocess.Popen]:
-        """Start ``command`` on every node without waiting; its output goes to this process's, unless redirected.
+        """Start ``command`` on every node without waiting; its output goes to this process's, or with ``output`` (a
+        folder) to ``nodeK.out`` and ``nodeK.err`` there.
 
         Each node's command leads its own process group; :meth:`close` kills whatever is left in the namespaces.
         """
         commands, environments = self._launch(command, env)
-        return [
-            subprocess.Popen(node_command, env={**os.environ, **extra}, cwd=cwd, start_new_session=True)
-            for node_command, extra in zip(commands, environments)
-        ]
+        processes = []
+        for node, (node_command, extra) in enumerate(zip(commands, environments)):
+            streams = {}
+            if output is not None:
+                streams = {name: open(output / f"node{node}.{name[3:]}", "w") for name in ("stdout", "stderr")}
+            processes.append(
+                subprocess.Popen(node_command, env={**os.environ, **extra}, cwd=cwd, start_new_session=True, **streams)
+            )
+            for stream in streams.values():
+                stream.close()  # the child holds its own copy
+        return processes
 
     # ------------------------------------------------------------ what crossed the link
 

@@ -39,16 +39,19 @@ from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny
 
 
 class RandomWindows(Dataset):
-    """``length`` random ``(input, target)`` windows, the same on every node for one ``seed``."""
+    """``length`` random ``(input, target)`` windows, the same on every node for one ``seed`` (a length the ranks
+    divide: a sampler pads a share with samples of another)."""
 
-    def __init__(self, length: int = 64, seed: int = 0) -> None:
+    def __init__(self, length: int = 96, seed: int = 0) -> None:  # 96: the same share for 1, 2, 3, 4 or 6 ranks
         generator = torch.Generator().manual_seed(seed)
         self.windows = torch.randint(0, 256, (length, BLOCK_SIZE + 1), generator=generator)
+        self.served: list[int] = []  # indices read, in order (the loader reads in this process)
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.served.append(int(index))
         return self.windows[index, :-1], self.windows[index, 1:]
 
 
@@ -73,6 +76,8 @@ class OuterSyncRecorder(L.Callback):
         self.validated: list[str] = []
         self.val_losses: list[float] = []
         self.step_ends: list[float] = []  # wall clock, for benchmarks/lost_node.py (tests never read it)
+        self.training_data: RandomWindows | None = None
+        self.samples: list[tuple[int, list[int]]] = []  # per step: the epoch and the training samples' indices
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self._counting = count_host_syncs()
@@ -91,6 +96,9 @@ class OuterSyncRecorder(L.Callback):
         run = strategy.outer_sync.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
         self.members.append(len(run.members) if run is not None else -1)
+        if self.training_data is not None:
+            self.samples.append((trainer.current_epoch, self.training_data.served[:]))
+            self.training_data.served.clear()
         self.step_ends.append(time.time())
         traffic = strategy.comm_stats.last_step.get(OUTER_ALL_REDUCE)
         self.outer_bytes.append(traffic.bytes if traffic is not None else 0)
@@ -168,12 +176,14 @@ def main(
     )  # fmt: skip
     model = tiny_gpt()
     # The resumable loader continues an epoch where a checkpoint left it (a plain one restarts the epoch).
-    train, val = ResumableDataLoader(RandomWindows(), batch_size=4), DataLoader(RandomWindows(16, seed=1), batch_size=4)
+    recorder.training_data = RandomWindows()
+    train = ResumableDataLoader(recorder.training_data, batch_size=4)
+    val = DataLoader(RandomWindows(16, seed=1), batch_size=4)
     trainer.fit(model, train, val, ckpt_path=resume_from)
     report = {
         "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": losses.losses, "syncs": recorder.syncs,
         "outer_bytes": recorder.outer_bytes, "members": recorder.members, "step_ends": recorder.step_ends,
-        "validated": recorder.validated,
+        "validated": recorder.validated, "samples": recorder.samples,
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
     }  # fmt: skip
