@@ -7,7 +7,7 @@ global weights, for outer_sync) on the same ``--val-batches`` held-out batches. 
 per setup its held-out loss and its distance from exact DDP's. Needs root, ``ip`` and ``tc``.
 
     python benchmarks/semi_sync_quality.py                          # ddp, ddp-diloco, ddp-streaming-diloco
-    python benchmarks/semi_sync_quality.py --steps 400 --setups ddp ddp-streaming-diloco
+    python benchmarks/semi_sync_quality.py --steps 1000 --seed 7 --setups ddp ddp-streaming-diloco
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.support.emulated_cluster import cannot_emulate  # noqa: E402
 VAL_LOSS = re.compile(r"val_loss\s*│\s*([0-9.]+)")
 
 
-def train(setup: str, steps: int, folder: Path) -> None:
+def train(setup: str, steps: int, seed: int, folder: Path) -> None:
     """Train ``setup`` (a bench row) on 2 emulated nodes; its checkpoints land in ``folder/checkpoints``."""
     row = all_setups()[setup]
     strategy = json.dumps(row.strategy_config(world_size=2))
@@ -38,6 +38,7 @@ def train(setup: str, steps: int, folder: Path) -> None:
         sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", "cpu_smoke", "--trainer.num_nodes", "2",
         "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.strategy", strategy,
         "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", str(steps),
+        "--seed_everything", str(seed),
     ]  # fmt: skip
     log = folder / "fit.log"
     with open(log, "w") as output:
@@ -64,6 +65,7 @@ def held_out_loss(folder: Path, val_batches: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=1234, help="seed_everything: initial weights and data order")
     parser.add_argument("--val-batches", type=int, default=64, help="held-out batches of 16 x 128 tokens")
     parser.add_argument("--setups", nargs="+", default=["ddp", "ddp-diloco", "ddp-streaming-diloco"])
     args = parser.parse_args(argv)
@@ -76,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         for setup in args.setups:
             folder = Path(scratch, setup)
             folder.mkdir()
-            train(setup, args.steps, folder)
+            train(setup, args.steps, args.seed, folder)
             losses[setup] = held_out_loss(folder, args.val_batches)
             print(f"{setup:24} held-out loss after {args.steps} steps: {losses[setup]:.4f}", flush=True)
     exact = losses.get("ddp")
     result = {
         "steps": args.steps,
+        "seed": args.seed,
         "val_batches": args.val_batches,
         "held_out_loss": losses,
         "vs_ddp": {name: loss / exact - 1 for name, loss in losses.items()} if exact else None,

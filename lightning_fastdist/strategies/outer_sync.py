@@ -63,7 +63,7 @@ class OuterSyncJob:
         self.owner = owner
         self.sharded = sharded
         self.group: ReplicaGroup | None = None
-        self.run: OuterSyncRun | None = None  # on each node's local rank 0, while fitting
+        self.run: OuterSyncRun | None = None  # where this process talks across nodes, while fitting
         self._fragments: list[nn.Module] = []
         self._steps = 0  # optimizer steps of this fit (the schedule's clock on every rank)
         self._hook: Any = None
