@@ -12,7 +12,7 @@ import yaml
 from lightning_fastdist.cli import main
 from lightning_fastdist.recipes import available_recipes, recipes_dir
 from tests.support.fault_runs import saved_step
-from tests.support.harness import cli_command, free_port, run_cli, run_cli_forked, run_processes
+from tests.support.harness import cli_command, free_port_span, run_cli, run_cli_forked, run_processes
 
 # A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
 TINY = [
@@ -104,7 +104,7 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
 def fit_on_two_loopback_nodes(config: str, *options: str) -> list[dict[str, str]]:
     """Run ``config`` (the tiny workload, eager compile, CPU) under torchrun on two loopback nodes of one rank each;
     return the metrics rank 0 logged."""
-    port = str(free_port())
+    port = str(free_port_span(4))  # outer_sync's lighthouse at +1, its node stores at +2 and +3
     nodes = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,

@@ -23,7 +23,7 @@ from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
-from tests.support.harness import free_port, run_processes
+from tests.support.harness import free_port_span, run_processes
 from tests.support.workloads import tiny_gpt
 
 # Bytes a node may send besides the weights and pseudo-gradients: headers, torchft's heartbeats (10 a second to the
@@ -94,7 +94,7 @@ def _node_commands(
     options: dict, steps: int, *checkpointing: str, nodes: int = 2, **environment: str
 ) -> tuple[list, list]:
     """The command and environment of each of ``nodes`` "nodes" of this machine running the outer_sync fit."""
-    port = free_port()
+    port = free_port_span(3 + nodes)  # the lighthouse at +1, each node's store at +2+node
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node), **environment}

@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -64,6 +65,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_span(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago on every interface, below the
+    kernel's range of ports it hands out to outgoing connections (a job that binds ``MASTER_PORT + k``, as
+    ``outer_sync`` does for its lighthouse and node stores, would otherwise race another test's connections)."""
+    generator = random.Random()
+    while True:
+        first = generator.randrange(20000, 32000 - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("", port))
+            except OSError:
+                continue
+        return first
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
