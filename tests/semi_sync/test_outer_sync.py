@@ -112,6 +112,7 @@ def _node_fits(
     )
     outputs = run_processes(commands, environments, timeout=240)
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
+    assert len(reports) == 2 * ranks_per_node, "\n".join(f"--- node {o.rank}:\n{o.stdout[-3000:]}" for o in outputs)
     return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
 
 

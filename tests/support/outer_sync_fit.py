@@ -187,7 +187,9 @@ def main(
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
     }  # fmt: skip
-    print("FIT", json.dumps(report), flush=True)
+    # One write for the whole line: the node's ranks share its output file, and a buffered print of a line longer than
+    # the buffer would go out in pieces between which another rank's line can land.
+    os.write(sys.stdout.fileno(), f"FIT {json.dumps(report)}\n".encode())
 
 
 if __name__ == "__main__":
