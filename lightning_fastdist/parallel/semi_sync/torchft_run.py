@@ -122,7 +122,7 @@ class OuterSyncRun:
         timeout: for torchft's collectives and quorums.
         stats: the strategy's byte counts; the outer all-reduces are recorded as :data:`OUTER_ALL_REDUCE`.
         clock: the strategy's exposed-communication clock; waiting for an outer all-reduce counts.
-        report: called with the one line saying which nodes left the quorum, and before which step (``None``: not
+        report: called with the one line saying which nodes left the quorum, and at which step (``None``: not
             said here).
     """
 
@@ -162,7 +162,7 @@ class OuterSyncRun:
             init_sync=False,  # the weights are made equal below, through the public all-reduce
         )
         self.steps = 0  # optimizer steps of this fit, counted before each
-        self.members: tuple[str, ...] = ()  # the nodes of the latest quorum
+        self.quorum_nodes: tuple[str, ...] = ()  # the nodes of the latest quorum
         self._report = report
         self.manager._client = _QuorumMembers(self.manager._client, self._note_members)
         _wait_for_every_node(group, timeout)
@@ -193,8 +193,8 @@ class OuterSyncRun:
 
     def _note_members(self, members: tuple[str, ...]) -> None:
         """After each quorum: report the nodes that were in the previous one and are not in this one."""
-        lost = [node for node in self.members if node not in members]
-        self.members = members
+        lost = [node for node in self.quorum_nodes if node not in members]
+        self.quorum_nodes = members
         if lost and self._report is not None:
             self._report(
                 f"outer_sync: {', '.join(lost)} left the job at step {self.steps} (no heartbeat for 5 s, or not at the "
