@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,23 +27,27 @@ sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 from lightning_fastdist.commands.bench.setups import all_setups  # noqa: E402
 from tests.support.emulated_cluster import cannot_emulate  # noqa: E402
 
+ENVIRONMENT = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 VAL_LOSS = re.compile(r"val_loss\s*│\s*([0-9.]+)")
 
 
-def train(setup: str, steps: int, seed: int, folder: Path) -> None:
+def train(setup: str, steps: int, seed: int, ranks_per_node: int, folder: Path) -> None:
     """Train ``setup`` (a bench row) on 2 emulated nodes; its checkpoints land in ``folder/checkpoints``."""
     row = all_setups()[setup]
-    strategy = json.dumps(row.strategy_config(world_size=2))
-    launcher = [sys.executable, "-m", "tests.support.emulated_cluster", "--nodes", "2", "--ranks-per-node", "1", "--"]
+    strategy = json.dumps(row.strategy_config(world_size=2 * ranks_per_node))
+    ranks = str(ranks_per_node)
+    launcher = [sys.executable, "-m", "tests.support.emulated_cluster", "--nodes", "2", "--ranks-per-node", ranks, "--"]
     fit = [
         sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", "cpu_smoke", "--trainer.num_nodes", "2",
-        "--trainer.devices", "1", "--trainer.max_steps", str(steps), "--trainer.strategy", strategy,
+        "--trainer.devices", ranks, "--trainer.max_steps", str(steps), "--trainer.strategy", strategy,
         "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", str(steps),
         "--seed_everything", str(seed),
     ]  # fmt: skip
     log = folder / "fit.log"
     with open(log, "w") as output:
-        code = subprocess.run([*launcher, *fit], cwd=folder, stdout=output, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(
+            [*launcher, *fit], cwd=folder, env=ENVIRONMENT, stdout=output, stderr=subprocess.STDOUT
+        ).returncode
     if code != 0:
         raise SystemExit(f"{setup}: training exited {code}; see {log}")
 
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=1234, help="seed_everything: initial weights and data order")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks of each node (16 samples a step each)")
     parser.add_argument("--val-batches", type=int, default=64, help="held-out batches of 16 x 128 tokens")
     parser.add_argument("--setups", nargs="+", default=["ddp", "ddp-diloco", "ddp-streaming-diloco"])
     args = parser.parse_args(argv)
@@ -78,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         for setup in args.setups:
             folder = Path(scratch, setup)
             folder.mkdir()
-            train(setup, args.steps, args.seed, folder)
+            train(setup, args.steps, args.seed, args.ranks_per_node, folder)
             losses[setup] = held_out_loss(folder, args.val_batches)
             print(f"{setup:24} held-out loss after {args.steps} steps: {losses[setup]:.4f}", flush=True)
     exact = losses.get("ddp")
     result = {
         "steps": args.steps,
         "seed": args.seed,
+        "ranks_per_node": args.ranks_per_node,
         "val_batches": args.val_batches,
         "held_out_loss": losses,
         "vs_ddp": {name: loss / exact - 1 for name, loss in losses.items()} if exact else None,
