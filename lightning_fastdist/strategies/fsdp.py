@@ -318,13 +318,16 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._comm_log.new_fit()
         super().on_train_start()
         if self.outer_sync is not None:  # after Lightning restored a checkpoint's state: this node's own on top
-            module = self.lightning_module
-            blocks = outermost_block_modules(module, resolve_blocks(module, self.plan.blocks))
-            node_rng = self.outer_sync.start(
-                self.model, blocks, self.optimizers, self.timeout, stats=self.comm_stats, clock=self.exposed_comm
+            self.outer_sync.start(
+                self.model,
+                self.lightning_module,
+                self.plan.blocks,
+                self.optimizers,
+                self.timeout,
+                self._resume,
+                stats=self.comm_stats,
+                clock=self.exposed_comm,
             )
-            if node_rng is not None:
-                self._resume.take_from(node_rng, self.local_rank, self.num_processes)
         assert self.lightning_module is not None
         align_resumed_batch_count(self.lightning_module.trainer)
 

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
+from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
+from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import (
@@ -43,7 +45,7 @@ from lightning_fastdist.parallel.semi_sync.torchft_run import (
     import_torchft,
     start_lighthouse,
 )
-from lightning_fastdist.strategies.exact_resume import RNG_KEY
+from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
 from lightning_fastdist.strategies.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
@@ -135,17 +137,21 @@ class OuterSyncJob:
     def start(
         self,
         model: nn.Module,
-        blocks: Sequence[nn.Module],
+        module: nn.Module,
+        blocks: BlocksOption,
         optimizers: Sequence[torch.optim.Optimizer],
         timeout: timedelta,
+        resume: ResumeState,
         **counting: Any,
-    ) -> dict[str, Any] | None:
+    ) -> None:
         """Hook the one optimizer's ``step`` with DiLoCo (after the weights are made equal across nodes), and put back
-        what :meth:`load` read of a checkpoint the fit resumes from: call when training starts, after Lightning
-        restored the checkpoint's own state (loading an optimizer's state may step it, which DiLoCo would count).
+        what :meth:`load` read of a checkpoint the fit resumes from (this node's random states into ``resume``): call
+        when training starts, after Lightning restored the checkpoint's own state (loading an optimizer's state may
+        step it, which DiLoCo would count).
 
-        Returns:
-            a checkpoint holding this node's random states for the exact-resume state, or ``None``.
+        Args:
+            model: the model as trained (wrapped or sharded); ``module``: the LightningModule, whose ``blocks`` (the
+                plan's option) are split into fragments.
         """
         if len(optimizers) != 1:
             raise ValueError(
@@ -154,7 +160,8 @@ class OuterSyncJob:
             )
         assert self.group is not None, "join_node_group first"
         self.close_run()  # a second fit in the same process starts afresh
-        self._fragments = split_into_fragments(model, blocks, self.settings.fragments)
+        block_modules = outermost_block_modules(module, resolve_blocks(module, blocks))
+        self._fragments = split_into_fragments(model, block_modules, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
         if self.group.talks_across_nodes:
             report = _warn if self.group.local_rank == 0 else None  # once per node
@@ -165,7 +172,9 @@ class OuterSyncJob:
             _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
             self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
         self._steps = 0
-        return self._resume(model, optimizers[0])
+        node_rng = self._resume(model, optimizers[0])
+        if node_rng is not None:
+            resume.take_from(node_rng, self.group.local_rank, self.group.ranks_per_node)
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
