@@ -6,6 +6,8 @@
 - **Another world size or batch size**: a :class:`~lightning_fastdist.data.ResumableDataLoader` resumes by samples,
   which can be another number of batches; :func:`align_resumed_batch_count` moves Lightning's count there, so the
   epoch ends after its real last batch.
+- **A node that rejoins a running job** (``outer_sync`` with ``min_nodes``) takes the position a live node sent:
+  :func:`training_position` on that node, :func:`continue_after` on this one.
 """
 
 from __future__ import annotations
@@ -65,3 +67,54 @@ def align_resumed_batch_count(trainer: pl.Trainer) -> None:
         tracker.started += shift
         tracker.processed += shift
         tracker.completed += shift
+
+
+def training_position(trainer: pl.Trainer) -> dict[str, Any]:
+    """Where training stands during an optimizer step, as :func:`continue_after` takes it on another node of the same
+    job: the epoch, the batches of the epoch and of the fit (this one counted), the training loaders' positions, the
+    learning-rate schedulers' states (this step's update not yet applied)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return {
+        "epoch": trainer.current_epoch,
+        "epoch_batches": epoch_loop.batch_progress.current.ready,
+        "batches": epoch_loop.batch_progress.total.ready,
+        "batches_that_stepped": epoch_loop._batches_that_stepped,
+        "loaders": [loader.state_dict() for loader in _resumable(trainer)],
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+    }
+
+
+def continue_after(trainer: pl.Trainer, position: dict[str, Any], optimizer_steps: int) -> None:
+    """Set the loops, loaders and schedulers of a fit that has not started its first batch to where another node of
+    the job stood during its optimizer step ``optimizer_steps`` (:func:`training_position`), as if this trainer had
+    taken that step too: the next batch is the one after it. Call in ``on_train_start``, before
+    :func:`align_resumed_batch_count`."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    for tracker in (fit_loop.epoch_progress.current, fit_loop.epoch_progress.total):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = position["epoch"]
+    progress = epoch_loop.batch_progress
+    for tracker, count in ((progress.current, position["epoch_batches"]), (progress.total, position["batches"])):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = count
+    steps = (
+        epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+        if trainer.lightning_module.automatic_optimization
+        else epoch_loop.manual_optimization.optim_step_progress.total
+    )
+    steps.ready = steps.completed = optimizer_steps
+    for loader, state in zip(_resumable(trainer), position["loaders"], strict=True):
+        loader.load_state_dict(state)
+    for config, state in zip(trainer.lr_scheduler_configs, position["schedulers"], strict=True):
+        config.scheduler.load_state_dict(state)
+    # The schedulers' update at the end of that step, as Lightning makes it (its count is the one before the step).
+    epoch_loop._batches_that_stepped = position["batches_that_stepped"]
+    epoch_loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+    if position["epoch_batches"] == trainer.num_training_batches:
+        epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+    # The epoch continues as after a checkpoint written at that batch's end: Lightning keeps the counts set above
+    # and counts the batch as stepped.
+    epoch_loop.restarting = True
+
+
+def _resumable(trainer: pl.Trainer) -> list[ResumableDataLoader]:
+    return [loader for loader in _training_loaders(trainer) if isinstance(loader, ResumableDataLoader)]

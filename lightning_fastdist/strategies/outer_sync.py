@@ -17,11 +17,16 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
   the link still carries the model once per node, and nothing is broadcast.
 - **Evaluating** (:meth:`OuterSyncJob.evaluate_on_global_weights`): on the global weights (the last outer step's),
   the same on every node; the local ones are put back afterwards.
+- **Rejoining**: a node restarted with the same command while the others train (``min_nodes`` below the job's
+  nodes) takes a live node's weights, optimizer state, schedule and training position through torchft at their next
+  quorum, and trains on from the step after it (:mod:`~lightning_fastdist.parallel.semi_sync.rejoin`,
+  :func:`~lightning_fastdist.strategies.loop_state.continue_after`).
 - **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import warnings
@@ -30,6 +35,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
@@ -38,6 +44,7 @@ from torch import nn
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
+from lightning_fastdist.parallel.semi_sync.rejoin import Rejoined, load_optimizer_snapshot
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import (
     OuterSyncRun,
@@ -46,6 +53,7 @@ from lightning_fastdist.parallel.semi_sync.torchft_run import (
     start_lighthouse,
 )
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
+from lightning_fastdist.strategies.loop_state import continue_after, training_position
 from lightning_fastdist.strategies.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
@@ -137,7 +145,7 @@ class OuterSyncJob:
     def start(
         self,
         model: nn.Module,
-        module: nn.Module,
+        module: pl.LightningModule,
         blocks: BlocksOption,
         optimizers: Sequence[torch.optim.Optimizer],
         timeout: timedelta,
@@ -163,18 +171,45 @@ class OuterSyncJob:
         block_modules = outermost_block_modules(module, resolve_blocks(module, blocks))
         self._fragments = split_into_fragments(model, block_modules, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
+        trainer = module.trainer
         if self.group.talks_across_nodes:
             report = _warn if self.group.local_rank == 0 else None  # once per node
             self.run = OuterSyncRun(
-                self.settings, model, self._fragments, optimizers[0], self.group, timeout, report=report, **counting
+                self.settings,
+                model,
+                self._fragments,
+                optimizers[0],
+                self.group,
+                timeout,
+                report=report,
+                position=functools.partial(training_position, trainer),
+                **counting,
             )
+        rejoined = self._rejoined_in_node()
         if not self.sharded:
             _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
             self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
         self._steps = 0
+        if rejoined is not None:  # a live node's state, newer than any checkpoint this fit was given
+            self._pending_resume = None
+            if self.run is None:  # under DDP local rank 0 loaded it; its weights came with the broadcast above
+                load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
+            self._steps = rejoined.step
+            continue_after(trainer, rejoined.position, rejoined.step)
+            return
         node_rng = self._resume(model, optimizers[0])
         if node_rng is not None:
             resume.take_from(node_rng, self.group.local_rank, self.group.ranks_per_node)
+
+    def _rejoined_in_node(self) -> Rejoined | None:
+        """How this node joined a running job, if it did (:mod:`~lightning_fastdist.parallel.semi_sync.rejoin`):
+        under DDP local rank 0 received the live node's state and tells the node's other ranks."""
+        rejoined = self.run.rejoined if self.run is not None else None
+        if self.sharded or dist.get_world_size() == 1:
+            return rejoined
+        shared = [rejoined]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks

@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -254,34 +256,69 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_with_min_nodes_the_other_nodes_train_on_when_one_is_killed():
-    """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done). The two others go
-    on at the next sync without restarting: the quorum holds 2 nodes from step 8, no sync is skipped, they end with
-    the same global weights, neither reads a sample the other read in that epoch, and one line names the lost node
-    and the step."""
+def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_when_restarted(tmp_path):
+    """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done), and started again
+    with the same command once the others finished step 10 (they wait there for it to start training).
+
+    The two others go on at the next sync without restarting: the quorum holds 2 nodes from step 8, no sync is
+    skipped, one line names the lost node and the step. The restarted node joins at a later sync: it receives a live
+    node's weights, Adam state, global copy and schedule from that node's memory (its bytes counted), starts its
+    first step from the others' weights bit for bit, trains the remaining steps with them (equal weights after every
+    sync) and reads none of the samples they read; all three end with the same weights."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
-    steps = 12
+    steps, started = 20, tmp_path / "started"
     commands, environments = _node_commands(
-        options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_KILL="2:6"
+        options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_HOLD=f"10:{started}"
     )
+    kill = {"OUTER_SYNC_FIT_KILL": "2:6"}
     nodes = [
         subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command, env={**os.environ, **kill, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for command, extra in zip(commands, environments)
     ]
+    assert nodes[2].wait(timeout=240) == -9
+    deadline = time.monotonic() + 240
+    while not Path(f"{started}.held").exists() and time.monotonic() < deadline:  # the others finished step 10
+        time.sleep(0.1)
+    again = {**environments[2], "OUTER_SYNC_FIT_ANNOUNCE": str(started)}
+    nodes[2] = subprocess.Popen(
+        commands[2], env={**os.environ, **again}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     outputs = [node.communicate(timeout=240) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0, -9], outputs[0][1][-3000:]
-    survivors = [json.loads(line[4:]) for out, _ in outputs[:2] for line in out.splitlines() if line.startswith("FIT ")]
+    assert [node.returncode for node in nodes] == [0, 0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    *survivors, restarted = [
+        next(json.loads(line[4:]) for line in out.splitlines() if line.startswith("FIT ")) for out, _ in outputs
+    ]
+    came_back = restarted["rejoined"]["step"]  # the others' first sync after it started (timing decides which)
+    assert came_back in range(12, steps + 1, 2)
     for node in survivors:
-        assert len(node["losses"]) == steps
-        assert node["members"] == [3] * 7 + [2] * 5  # the quorum of step 8 is the first without node 2
+        assert node["steps"] == list(range(1, steps + 1))
+        assert node["members"] == [3] * 7 + [2] * (came_back - 8) + [3] * (steps - came_back + 1)
         assert node["syncs"] == [step // 2 for step in range(1, steps + 1)]  # no outer step lost
-    assert survivors[0]["final"] == survivors[1]["final"]
+    assert restarted["steps"] == list(range(came_back + 1, steps + 1))
+    assert restarted["syncs"] == [step // 2 for step in restarted["steps"]]
+    assert restarted["first_digest"] == survivors[0]["digests"][came_back - 1]  # bit for bit, from the first step
+    for step in restarted["steps"][1::2]:  # after each sync all three hold the same weights
+        assert restarted["digests"][step - came_back - 1] == survivors[0]["digests"][step - 1]
+        assert survivors[1]["digests"][step - 1] == survivors[0]["digests"][step - 1]
+    assert restarted["final"] == survivors[0]["final"] == survivors[1]["final"]
+    model = tiny_gpt()
+    parameters, numel = len(list(model.parameters())), sum(p.numel() for p in model.parameters())
+    # fp32: the weights, Adam's two moments and DiLoCo's global copy; Adam's step counts (outer SGD without momentum
+    # holds no state).
+    assert restarted["rejoined"]["bytes"] == 4 * numel * 4 + 4 * parameters
+    source = restarted["rejoined"]["source"]
+    assert source in ("node0", "node1")
     read = [{(epoch, index) for epoch, indices in node["samples"] for index in indices} for node in survivors]
-    assert len(read[0]) == len(read[1]) == 4 * steps and not read[0] & read[1]  # no sample trained twice
+    read.append({(epoch, index) for epoch, indices in restarted["samples"] for index in indices})
+    assert [len(indices) for indices in read] == [4 * steps, 4 * steps, 4 * (steps - came_back)]
+    assert not (read[0] & read[1] or read[2] & (read[0] | read[1]))  # no sample trained twice
     lost = "outer_sync: node2 left the job at step 8 (no heartbeat for 5 s, or not at the sync within 30 s): 2 of 3"
-    assert all(lost in err for _, err in outputs[:2])
+    back = f"outer_sync: node2 came back at step {came_back} (restarted): 3 of 3 nodes train on."
+    assert all(lost in err and back in err for _, err in outputs[:2])
+    rejoined = f"outer_sync: node2 rejoined the job at step {came_back} with the weights, optimizer state and schedule"
+    assert f"{rejoined} of {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[2][1]
 
 
 @pytest.mark.slow

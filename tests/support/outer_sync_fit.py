@@ -2,7 +2,9 @@
 under FastFSDPStrategy(outer_sync=...) with ``OUTER_SYNC_FIT_ENGINE=fsdp``.
 
 With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted); with
-``OUTER_SYNC_FIT_KILL=N:S`` every rank of node ``N`` SIGKILLs itself after step ``S`` (a node lost). Nodes:
+``OUTER_SYNC_FIT_KILL=N:S`` every rank of node ``N`` SIGKILLs itself after step ``S`` (a node lost). A node restarted
+after that rejoins: with ``OUTER_SYNC_FIT_HOLD=S:FILE`` the other nodes write ``FILE.held`` after step ``S`` and wait
+until ``FILE`` exists, and with ``OUTER_SYNC_FIT_ANNOUNCE=FILE`` a node writes ``FILE`` when its training starts. Nodes:
 ``OUTER_SYNC_FIT_NODES`` (default 2).
 Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
@@ -78,8 +80,24 @@ class OuterSyncRecorder(L.Callback):
         self.step_ends: list[float] = []  # wall clock, for benchmarks/lost_node.py (tests never read it)
         self.training_data: RandomWindows | None = None
         self.samples: list[tuple[int, list[int]]] = []  # per step: the epoch and the training samples' indices
+        self.steps: list[int] = []  # the global step after each step this process trained
+        self.digests: list[str] = []  # the weights after each step
+        self.first_digest: str | None = None  # the weights the first step started from
+        self.rejoined: dict | None = None  # how this node joined a running job, if it did
+        self.started = time.time()  # wall clock, for benchmarks/lost_node.py
+
+    def on_train_start(self, trainer, module) -> None:
+        announce = os.environ.get("OUTER_SYNC_FIT_ANNOUNCE")
+        if announce:
+            open(announce, "w").close()
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.first_digest is None:
+            self.first_digest = digest(module)
+            run = trainer.strategy.outer_sync.run
+            joined = run.rejoined if run is not None else None
+            if joined is not None:
+                self.rejoined = {"source": joined.source, "step": joined.step, "bytes": joined.received_bytes}
         self._counting = count_host_syncs()
         self._counting.__enter__()
 
@@ -92,6 +110,13 @@ class OuterSyncRecorder(L.Callback):
         if (trainer.node_rank, trainer.global_step) == (int(node), int(step)):
             print("KILLED", trainer.node_rank, trainer.global_step, time.time(), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        hold_step, _, hold_file = os.environ.get("OUTER_SYNC_FIT_HOLD", "0:").partition(":")
+        if trainer.global_step == int(hold_step) and trainer.node_rank != int(node):
+            open(f"{hold_file}.held", "w").close()
+            while not os.path.exists(hold_file):
+                time.sleep(0.1)
+        self.steps.append(trainer.global_step)
+        self.digests.append(digest(module))
         strategy = trainer.strategy
         run = strategy.outer_sync.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
@@ -186,6 +211,8 @@ def main(
         "validated": recorder.validated, "samples": recorder.samples,
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
+        "steps": recorder.steps, "digests": recorder.digests, "first_digest": recorder.first_digest,
+        "started": recorder.started, "rejoined": recorder.rejoined,
     }  # fmt: skip
     # One write for the whole line: the node's ranks share its output file, and a buffered print of a line longer than
     # the buffer would go out in pieces between which another rank's line can land.

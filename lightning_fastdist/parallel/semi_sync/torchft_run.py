@@ -8,27 +8,36 @@ and the all-reduce of one fragment's pseudo-gradient, and ``delay`` steps later 
 
 What is ours: the lighthouse started by global rank 0 and stopped with the job (no extra command), every node
 waiting for the others before the first quorum, the weights made equal across nodes before the first step, the
-pseudo-gradient sent in bf16, its bytes and waiting counted in the strategy's ``comm/*`` metrics, and one line when
-a node leaves the quorum. torchft's public API, and three of its private names: each fragment's global copy (for
-evaluation), DiLoCo's position in the schedule (for exact resume) and the manager's client (to read which nodes
+pseudo-gradient sent in bf16, its bytes and waiting counted in the strategy's ``comm/*`` metrics, one line when a
+node leaves the quorum, and a node restarted while the others train joining them (:mod:`.rejoin`). torchft's public
+API, and these private names: each fragment's global copy (for evaluation), DiLoCo's position in the schedule (for
+exact resume and rejoining), the fragment it syncs next and its two halves of a sync (for rejoining: the node that
+joins does what the others do after the quorum that brought it in), and the manager's client (to read which nodes
 each quorum holds).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, TimedWork
+from lightning_fastdist.parallel.semi_sync.rejoin import (
+    NODE_STATE_KEY,
+    CountedTransport,
+    NodeState,
+    Rejoined,
+    load_optimizer_snapshot,
+    local_part,
+)
 from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 
 INSTALL_HINT = "pip install lightning-fastdist[ft]"
@@ -92,6 +101,7 @@ class ReplicaGroup:
         return self.ranks_per_node if self.sharded else 1
 
 
+TRAINING_KEY = "outer_sync/training"  # in node 0's store while the nodes train: a node that starts then rejoins
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a sync for this long is left out
 
 
@@ -122,9 +132,13 @@ class OuterSyncRun:
         timeout: for torchft's collectives and quorums.
         stats: the strategy's byte counts; the outer all-reduces are recorded as :data:`OUTER_ALL_REDUCE`.
         clock: the strategy's exposed-communication clock; waiting for an outer all-reduce counts.
-        report: called with the one line saying which nodes left the quorum, and at which step (``None``: not
-            said here).
+        report: called with the one line saying which nodes left or joined the quorum, and at which step (``None``:
+            not said here).
+        position: returns the training position a node that rejoins receives (``None`` by default); where this
+            node rejoined, :attr:`rejoined` holds the one it received.
     """
+
+    fitted_in_this_process = False  # whether a run started in this process before (then it never rejoins)
 
     def __init__(
         self,
@@ -137,6 +151,7 @@ class OuterSyncRun:
         stats: CommStats | None = None,
         clock: ExposedCommClock | None = None,
         report: Callable[[str], object] | None = None,
+        position: Callable[[], Any] = lambda: None,
     ) -> None:
         torchft = import_torchft("outer_sync")
         from torchft.local_sgd import DiLoCo
@@ -144,6 +159,7 @@ class OuterSyncRun:
         self.settings = settings
         self.group = group
         self.fragments = list(fragments)
+        self._transport = CountedTransport(timeout)
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
@@ -160,13 +176,28 @@ class OuterSyncRun:
             lighthouse_addr=group.lighthouse,
             replica_id=f"node{group.node_rank}",
             init_sync=False,  # the weights are made equal below, through the public all-reduce
+            checkpoint_transport=cast(Any, self._transport),  # torchft's HTTP transport, its bytes counted
         )
         self.steps = 0  # optimizer steps of this fit, counted before each
         self.quorum_nodes: tuple[str, ...] = ()  # the nodes of the latest quorum
+        self._quorum_replicas: tuple[str, ...] = ()  # its torchft replica ids (a restarted node has a new one)
+        self.rejoined: Rejoined | None = None
         self._report = report
+        self._recovery_source: str | None = None
         self.manager._client = _QuorumMembers(self.manager._client, self._note_members)
-        _wait_for_every_node(group, timeout)
-        self._equalize(model)
+        first_store = torch.distributed.TCPStore(
+            *group.first_store, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+        # A process that fitted before is one of the job's own (a second fit); one that did not, started while the
+        # others train, was restarted.
+        joining = first_store.check([TRAINING_KEY]) and not OuterSyncRun.fitted_in_this_process
+        OuterSyncRun.fitted_in_this_process = True
+        if not joining:
+            _wait_for_every_node(first_store, group)
+            self._equalize(model)
+            if group.node_rank == 0:
+                first_store.set(TRAINING_KEY, "")
+        self._first_store = first_store
         self.outer_optimizers = [
             torch.optim.SGD(
                 fragment.parameters(), lr=settings.lr, momentum=settings.momentum, nesterov=settings.nesterov
@@ -183,24 +214,80 @@ class OuterSyncRun:
             fragment_sync_delay=settings.delay,
             fragment_update_alpha=settings.mix,
         )
+        self._node_state = NodeState(model, inner_optimizer, self._schedule, position)
+        self.manager.register_state_dict_fn(NODE_STATE_KEY, self._node_state.receive, self._node_state.snapshot)
         self.diloco.__enter__()
         self.fragment_due = 0  # the fragment DiLoCo syncs at the next step that applies one
         self._hook = inner_optimizer.register_step_pre_hook(self._before_step)
+        if joining:
+            self._rejoin()
+
+    def _schedule(self) -> dict[str, int]:
+        """Where the schedule stands, as a node that rejoins takes it (read in the optimizer step's hook)."""
+        return {"steps": self.steps, "local_step": self.diloco._local_step}
+
+    def _rejoin(self) -> None:
+        """Join nodes that have been training: at their next fragment's quorum torchft gives this node a live node's
+        state (:mod:`.rejoin`), and it then does what they do after that quorum (start the fragment's all-reduce,
+        and apply it where the schedule has no delay), so that it takes their next step with them."""
+        self.manager.start_quorum()  # returns once the others came to a quorum, this node healed
+        received = self._node_state.received
+        if received is None:
+            raise RuntimeError(
+                f"outer_sync: node{self.group.node_rank} started while the other nodes train and received no state "
+                f"from them (they had not applied an outer step yet, or the transfer failed: {self.manager.errored()}):"
+                " restart the whole job, or start this node again once they applied one."
+            )
+        self._node_state.received = None
+        self._node_state.restore_weights(received["weights"])
+        load_optimizer_snapshot(self._node_state.optimizer, received["optimizer"])
+        schedule = received["schedule"]
+        self.steps = schedule["steps"]
+        self.diloco._local_step = schedule["local_step"]
+        self.fragment_due = self.diloco._current_fragment()
+        fragment = self.diloco._fragments[self.fragment_due]
+        fragment.prepare_sync()
+        if self.diloco._local_step == self.diloco._sync_every:
+            fragment.perform_sync()
+            self.diloco._local_step = 0
+        self.rejoined = Rejoined(
+            source=self._recovery_source or "?",
+            step=self.steps,
+            received_bytes=self._transport.received_bytes,
+            position=received["position"],
+            inner_optimizer=received["optimizer"],
+        )
+        if self._report is not None:
+            self._report(
+                f"outer_sync: node{self.group.node_rank} rejoined the job at step {self.steps} with the weights, "
+                f"optimizer state and schedule of {self.rejoined.source} ({self.rejoined.received_bytes:,} bytes "
+                "from its memory, not from a checkpoint): it trains on from the next step."
+            )
 
     def _before_step(self, *_: Any) -> None:
         self.steps += 1
         self.fragment_due = self.manager.current_step() % len(self.outer_optimizers)  # as DiLoCo picks it
 
-    def _note_members(self, members: tuple[str, ...]) -> None:
-        """After each quorum: report the nodes that were in the previous one and are not in this one."""
-        lost = [node for node in self.quorum_nodes if node not in members]
-        self.quorum_nodes = members
-        if lost and self._report is not None:
+    def _note_members(self, replicas: tuple[str, ...], source: str | None) -> None:
+        """After each quorum (``replicas``: its members, ``node2:<uuid>`` each): report the nodes that left it and
+        those that joined it since the previous one (``source``: the node this one heals from, if it does)."""
+        before = self._quorum_replicas
+        lost = _nodes(replica for replica in before if replica not in replicas)
+        joined = _nodes(replica for replica in replicas if before and replica not in before)
+        self._quorum_replicas = replicas
+        self.quorum_nodes = _nodes(replicas)
+        self._recovery_source = source
+        if self._report is None:
+            return
+        training = f"{len(self.quorum_nodes)} of {self.group.num_nodes} nodes train on"
+        if lost:
             self._report(
                 f"outer_sync: {', '.join(lost)} left the job at step {self.steps} (no heartbeat for 5 s, or not at the "
-                f"sync within {LEFT_OUT_AFTER.seconds} s): {len(members)} of {self.group.num_nodes} nodes train on; "
-                "the data the lost nodes read is not trained from here (docs/fault-tolerance.md)."
+                f"sync within {LEFT_OUT_AFTER.seconds} s): {training}; the data the lost nodes read is not trained "
+                "from here (docs/fault-tolerance.md)."
             )
+        if joined:
+            self._report(f"outer_sync: {', '.join(joined)} came back at step {self.steps} (restarted): {training}.")
 
     def _equalize(self, model: nn.Module) -> None:
         """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
@@ -247,18 +334,19 @@ class OuterSyncRun:
         return self.manager.current_step()
 
     def close(self) -> None:
-        """Unhook the inner optimizer and stop this rank's torchft servers."""
+        """Unhook the inner optimizer and stop this rank's torchft servers (node 0: the nodes no longer train, so a
+        node that starts now starts a fit of its own)."""
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+        if self.group.node_rank == 0 and self.group.local_rank == 0:
+            self._first_store.delete_key(TRAINING_KEY)
 
 
-def _wait_for_every_node(group: ReplicaGroup, timeout: timedelta) -> None:
-    """Return once every process that talks across nodes got here, counted in node 0's store: the first quorum then
-    holds every node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would
-    miss the weights made equal)."""
-    host, port = group.first_store
-    store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+def _wait_for_every_node(store: torch.distributed.Store, group: ReplicaGroup) -> None:
+    """Return once every process that talks across nodes got here, counted in node 0's ``store``: the first quorum
+    then holds every node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late
+    would miss the weights made equal)."""
     arrived = store.add("outer_sync/arrived", 1)
     everyone = group.num_nodes * group.members
     if arrived % everyone == 0:  # the last of this fit's arrivals (a second fit in the same job counts on)
@@ -267,9 +355,10 @@ def _wait_for_every_node(group: ReplicaGroup, timeout: timedelta) -> None:
 
 
 class _QuorumMembers:
-    """torchft's manager client, telling ``note`` the nodes of each quorum it receives (``node3``, ...)."""
+    """torchft's manager client, telling ``note`` the nodes of each quorum it receives (``node3``, ...), and the node
+    this one heals from where it does."""
 
-    def __init__(self, client: Any, note: Callable[[tuple[str, ...]], None]) -> None:
+    def __init__(self, client: Any, note: Callable[[tuple[str, ...], str | None], None]) -> None:
         self._client = client
         self._note = note
 
@@ -278,13 +367,14 @@ class _QuorumMembers:
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
-        self._note(tuple(sorted(replica.split(":")[0] for replica in quorum.replica_ids)))
+        source = quorum.replica_ids[quorum.recover_src_replica_rank] if quorum.heal else None  # in replica rank order
+        self._note(tuple(quorum.replica_ids), _nodes([source])[0] if source else None)
         return quorum
 
 
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """What this process holds of ``tensor``: its shard of a DTensor (sharing its storage), else ``tensor``."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _nodes(replicas: Iterable[str]) -> tuple[str, ...]:
+    """The nodes of torchft replica ids (``node2:<uuid>``: ``node2``), sorted."""
+    return tuple(sorted(replica.split(":")[0] for replica in replicas))
 
 
 class _CountedManager:
