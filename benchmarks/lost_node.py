@@ -1,19 +1,24 @@
-"""A node lost mid-run under ``outer_sync`` with ``min_nodes``: what the other nodes do, in the emulated cluster.
+"""A node lost mid-run under ``outer_sync`` with ``min_nodes``, then restarted: what every node does, in the emulated
+cluster.
 
 Three emulated nodes x 1 rank train TinyGPT (``tests/support/outer_sync_fit.py``) with DiLoCo across the nodes
 (parameter averaging every 2 steps, ``min_nodes: 2``) twice: once uninterrupted, once with every rank of node 2
-SIGKILLed after step ``--kill-at``. From the second run, measured on the surviving nodes:
+SIGKILLed after step ``--kill-at`` and node 2 started again with the same command once the others finished step
+``--kill-at + 4`` (they wait there until it starts training, so that it joins before the run ends). Measured:
 
 - ``continue_s``: seconds from the kill to the end of the survivors' first step whose quorum no longer holds node 2
   (torchft's lighthouse drops a node whose heartbeat stopped for 5 s);
+- ``rejoin_s``: seconds from the restart to the end of the restarted node's first step (it starts Python, joins
+  the others' next sync, receives a live node's state from its memory and trains); ``rejoin_bytes`` what it received;
+- ``weights_equal_after_rejoin``: its weights equal the others' bit for bit when its first step starts and after its
+  first sync;
 - ``steps_lost``: outer steps the survivors did not commit (each would have discarded up to ``every`` steps of their
   work), and steps they did not train;
-- ``samples_repeated``: training samples read by both survivors in the same epoch;
-- ``final_loss_vs_uninterrupted``: the survivors' last validation loss (of the global weights, on the same held-out
-  data) relative to the uninterrupted run's.
+- ``samples_repeated``: training samples read by two nodes in the same epoch (the restarted node included);
+- ``final_loss_vs_uninterrupted``: the last validation loss (of the global weights, on the same held-out data)
+  relative to the uninterrupted run's.
 
-``rejoin_s`` and ``weights_equal_after_rejoin`` are ``null``: a node restarted with the same command does not join a
-running job yet (issue 38). The last line is one JSON object. Needs root, ``ip`` and ``tc``.
+The last line is one JSON object. Needs root, ``ip`` and ``tc``.
 
     python benchmarks/lost_node.py
     python benchmarks/lost_node.py --steps 40 --kill-at 12
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,55 +46,105 @@ OPTIONS = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "
 KILL_LINE = re.compile(r"^KILLED \d+ \d+ ([0-9.]+)$", re.MULTILINE)
 
 
-def run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], list[int], float | None]:
-    """One fit of ``steps`` steps on 3 emulated nodes; with ``kill_at``, node 2 is SIGKILLed after that step.
-    Returns the reports of the nodes that finished, every node's exit status, and the kill's wall-clock time."""
+def run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], list[int], float | None, float | None]:
+    """One fit of ``steps`` steps on 3 emulated nodes; with ``kill_at``, node 2 is SIGKILLed after that step and
+    started again once the others finished step ``kill_at + 4``. Returns every node's report (node 2's of its
+    restart), every node's exit status, and the wall-clock times of the kill and of the restart."""
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(OPTIONS), str(steps)]
     env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
+    started = folder / "started"
     if kill_at is not None:
-        env["OUTER_SYNC_FIT_KILL"] = f"{KILLED}:{kill_at}"
+        env["OUTER_SYNC_FIT_HOLD"] = f"{kill_at + 4}:{started}"
     folder.mkdir()
+    restarted_at = None
     with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        processes = cluster.start(command, env=env, cwd=ROOT, output=folder)
+        kill = {"OUTER_SYNC_FIT_KILL": f"{KILLED}:{kill_at}"} if kill_at is not None else {}
+        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
+        if kill_at is not None:
+            processes[KILLED].wait(timeout=600)
+            while not Path(f"{started}.held").exists():
+                time.sleep(0.05)
+            restarted_at = time.time()
+            again = {**env, "OUTER_SYNC_FIT_ANNOUNCE": str(started)}
+            processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)
         codes = [process.wait(timeout=600) for process in processes]
-    outputs = [(folder / f"node{node}.out").read_text() for node in range(NODES)]
+    names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
+    outputs = [(folder / f"{name}.out").read_text() for name in names]
     reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
-    killed = KILL_LINE.search(outputs[KILLED])
-    return reports, codes, float(killed.group(1)) if killed else None
+    killed = KILL_LINE.search((folder / f"node{KILLED}.out").read_text())
+    return reports, codes, float(killed.group(1)) if killed else None, restarted_at
 
 
-def samples_read_twice(survivors: list[dict]) -> int:
-    """Training samples both survivors read in the same epoch."""
-    by_epoch: list[dict[int, set[int]]] = []
-    for report in survivors:
-        epochs: dict[int, set[int]] = {}
-        for epoch, indices in report["samples"]:
-            epochs.setdefault(epoch, set()).update(indices)
-        by_epoch.append(epochs)
-    first, second = by_epoch
-    return sum(len(first[epoch] & second.get(epoch, set())) for epoch in first)
+def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
+    """Today's path, without ``min_nodes``: the same job writing a checkpoint every ``save_every`` steps, node 2
+    SIGKILLed after step ``kill_at``, and the whole job restarted from its last checkpoint as soon as node 2 is gone
+    (a scheduler that notices at once: the best case for this path). Returns the seconds from the kill to the end of
+    the first step after the restart, and the steps trained again."""
+    options = {name: value for name, value in OPTIONS.items() if name != "min_nodes"}
+    checkpoints = folder / "checkpoints"
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
+    command += [str(checkpoints), str(save_every)]
+    env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
+    (folder / "first").mkdir(parents=True)
+    (folder / "resumed").mkdir()
+    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
+        kill = {"OUTER_SYNC_FIT_KILL": f"{KILLED}:{kill_at}"}
+        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder / "first")
+        processes[KILLED].wait(timeout=600)
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        last = max(checkpoints.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+        resumed = cluster.start([*command, str(last)], env=env, cwd=ROOT, output=folder / "resumed")
+        codes = [process.wait(timeout=600) for process in resumed]
+    if codes != [0] * NODES:
+        raise SystemExit(f"the job restarted from {last.name} exited {codes}")
+    killed = KILL_LINE.search((folder / "first" / f"node{KILLED}.out").read_text())
+    assert killed is not None
+    outputs = [(folder / "resumed" / f"node{node}.out").read_text() for node in range(NODES)]
+    reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
+    first_step_end = max(report["step_ends"][0] for report in reports)
+    return first_step_end - float(killed.group(1)), kill_at - reports[0]["steps"][0] + 1
+
+
+def samples_read_twice(reports: list[dict]) -> int:
+    """Training samples two nodes read in the same epoch."""
+    read = [{(epoch, index) for epoch, indices in report["samples"] for index in indices} for report in reports]
+    return sum(len(read[i] & read[j]) for i in range(len(read)) for j in range(i + 1, len(read)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=10, help="node 2 is SIGKILLed after this optimizer step")
+    parser.add_argument("--save-every", type=int, default=4, help="checkpoints of today's path, every so many steps")
     args = parser.parse_args(argv)
     reason = cannot_emulate()
     if reason:
         print(f"cannot run the emulated cluster here: {reason}")
         return 2
     with tempfile.TemporaryDirectory(prefix="lost-node-") as scratch:
-        uninterrupted, codes, _ = run(args.steps, None, Path(scratch, "uninterrupted"))
+        uninterrupted, codes, _, _ = run(args.steps, None, Path(scratch, "uninterrupted"))
         if codes != [0] * NODES:
             raise SystemExit(f"the uninterrupted run exited {codes}; see its output above")
-        survivors, codes, killed_at = run(args.steps, args.kill_at, Path(scratch, "killed"))
-        if codes[:KILLED] != [0] * KILLED or killed_at is None:
-            raise SystemExit(f"the run with node {KILLED} killed exited {codes}")
+        reports, codes, killed_at, restarted_at = run(args.steps, args.kill_at, Path(scratch, "killed"))
+        if codes != [0] * NODES or killed_at is None or restarted_at is None:
+            raise SystemExit(f"the run with node {KILLED} killed and restarted exited {codes}")
+        job_restart_s, steps_trained_again = restart_path(
+            args.steps, args.kill_at, args.save_every, Path(scratch, "restart")
+        )
+    *survivors, restarted = reports
     first_without = [report["members"].index(NODES - 1) for report in survivors]
     continue_s = max(report["step_ends"][step] for report, step in zip(survivors, first_without)) - killed_at
     uncommitted = max(args.steps // OPTIONS["every"] - report["syncs"][-1] for report in survivors)
     untrained = max(args.steps - len(report["losses"]) for report in survivors)
+    came_back = restarted["rejoined"]["step"]
+    first_sync = restarted["steps"].index(came_back + OPTIONS["every"])
+    weights_equal = (
+        restarted["first_digest"] == survivors[0]["digests"][came_back - 1]
+        and restarted["digests"][first_sync] == survivors[0]["digests"][came_back + OPTIONS["every"] - 1]
+    )
     reference = uninterrupted[0]["val_losses"][-1]
     result = {
         "nodes": NODES,
@@ -96,13 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         "continue_s": round(continue_s, 2),
         "first_step_without_it": first_without[0] + 1,
         "steps_lost": uncommitted + untrained,
-        "samples_repeated": samples_read_twice(survivors),
-        "survivors_weights_equal": len({report["final"] for report in survivors}) == 1,
+        "rejoin_s": round(restarted["step_ends"][0] - restarted_at, 2),
+        "rejoined_at_step": came_back,
+        "rejoined_from": restarted["rejoined"]["source"],
+        "rejoin_bytes": restarted["rejoined"]["bytes"],
+        "weights_equal_after_rejoin": weights_equal,
+        "samples_repeated": samples_read_twice(reports),
+        "final_weights_equal": len({report["final"] for report in reports}) == 1,
         "final_loss": survivors[0]["val_losses"][-1],
         "final_loss_uninterrupted": reference,
         "final_loss_vs_uninterrupted": survivors[0]["val_losses"][-1] / reference - 1,
-        "rejoin_s": None,
-        "weights_equal_after_rejoin": None,
+        "restart_path_resume_s": round(job_restart_s, 2),
+        "restart_path_steps_trained_again": steps_trained_again,
+        "restart_path_save_every": args.save_every,
     }
     print(json.dumps(result))
     return 0

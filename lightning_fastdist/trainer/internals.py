@@ -145,6 +145,9 @@ PRIVATE_ATTRIBUTES = {
     f"{CONNECTORS}.signal_connector._SignalConnector._register_signal": PrivateName(
         ("trainer.preemption",), "install the signal handlers"
     ),
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped": PrivateName(
+        ("strategies.loop_state",), "give a node that rejoins a running job the others' logging and scheduler count"
+    ),
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": PrivateName(
         ("trainer.preemption",), "drop the per-batch SIGTERM broadcast (a host sync)"
     ),

@@ -122,6 +122,20 @@ def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def _start(
+    command: list[str], env: dict[str, str], cwd: str | Path | None, output: Path | None, name: str
+) -> subprocess.Popen:
+    """Start one node's command leading its own process group; with ``output``, writing ``NAME.out`` and ``NAME.err``
+    there."""
+    streams = {}
+    if output is not None:
+        streams = {stream: open(output / f"{name}.{stream[3:]}", "w") for stream in ("stdout", "stderr")}
+    process = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd, start_new_session=True, **streams)
+    for stream in streams.values():
+        stream.close()  # the child holds its own copy
+    return process
+
+
 class EmulatedCluster:
     """``nodes`` x ``ranks_per_node`` ranks on this machine, nodes linked at ``link_mbit`` Mbit/s each way.
 
@@ -142,6 +156,7 @@ class EmulatedCluster:
         self.name = f"{PREFIX}-{os.getpid()}-{next(_cluster_numbers)}"
         self._created: list[str] = []
         self._ports = itertools.count(29500)  # a fresh port per run: node 0's namespace is ours alone
+        self._port = 0  # the last run's
         self._sigterm_installed = False
 
     @property
@@ -258,9 +273,9 @@ class EmulatedCluster:
     def _launch(self, command: Sequence[str], env: dict[str, str] | None) -> tuple[list[list[str]], list[dict]]:
         if not self._created:
             raise RuntimeError("the cluster is not built: use it as `with EmulatedCluster(...) as cluster:`")
-        port = next(self._ports)
+        self._port = next(self._ports)
         commands = [self.node_command(node, command) for node in range(self.nodes)]
-        environments = [{**self.node_environment(node, port), **(env or {})} for node in range(self.nodes)]
+        environments = [{**self.node_environment(node, self._port), **(env or {})} for node in range(self.nodes)]
         return commands, environments
 
     def run(
@@ -291,17 +306,23 @@ class EmulatedCluster:
         Each node's command leads its own process group; :meth:`close` kills whatever is left in the namespaces.
         """
         commands, environments = self._launch(command, env)
-        processes = []
-        for node, (node_command, extra) in enumerate(zip(commands, environments)):
-            streams = {}
-            if output is not None:
-                streams = {name: open(output / f"node{node}.{name[3:]}", "w") for name in ("stdout", "stderr")}
-            processes.append(
-                subprocess.Popen(node_command, env={**os.environ, **extra}, cwd=cwd, start_new_session=True, **streams)
-            )
-            for stream in streams.values():
-                stream.close()  # the child holds its own copy
-        return processes
+        return [
+            _start(node_command, extra, cwd, output, f"node{node}")
+            for node, (node_command, extra) in enumerate(zip(commands, environments))
+        ]
+
+    def start_again(
+        self,
+        node: int,
+        command: Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        output: Path | None = None,
+    ) -> subprocess.Popen:
+        """Start ``command`` on node ``node`` alone, in the job :meth:`start` began last (its ports): a node restarted
+        while the others run. With ``output``, its output goes to ``nodeK.again.out`` and ``nodeK.again.err`` there."""
+        environment = {**self.node_environment(node, self._port), **(env or {})}
+        return _start(self.node_command(node, command), environment, cwd, output, f"node{node}.again")
 
     # ------------------------------------------------------------ what crossed the link
 

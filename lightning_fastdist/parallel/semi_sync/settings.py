@@ -40,8 +40,9 @@ class OuterSync:
         mix: after a fragment's sync, its weights become ``lerp(global, local, mix)``; 0 takes the new global
             weights (what the steps during ``delay`` did to that fragment is dropped), 0.5 keeps half of it.
         min_nodes: the fewest nodes the job trains on: with fewer than all, a node lost after the start (killed,
-            preempted, its link down) leaves the others training on at their next sync instead of ending the job
-            (``docs/fault-tolerance.md``). ``None`` (the default): every node, so a lost node ends the job.
+            preempted, its link down) leaves the others training on at their next sync instead of ending the job,
+            and started again with the same command it joins them (``docs/fault-tolerance.md``). ``None`` (the
+            default): every node, so a lost node ends the job.
     """
 
     every: int = 100
