@@ -256,7 +256,8 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_when_restarted(tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_when_restarted(tmp_path, engine):
     """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done), and started again
     with the same command once the others finished step 10 (they wait there for it to start training).
 
@@ -264,12 +265,12 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     skipped, one line names the lost node and the step. The restarted node joins at a later sync: it receives a live
     node's weights, Adam state, global copy and schedule from that node's memory (its bytes counted), starts its
     first step from the others' weights bit for bit, trains the remaining steps with them (equal weights after every
-    sync) and reads none of the samples they read; all three end with the same weights."""
+    sync) and reads none of the samples they read; all three end with the same weights. Under FSDP (one rank per
+    node: its one shard is the whole model) the weights and Adam's moments travel as DTensors' local shards."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps, started = 20, tmp_path / "started"
-    commands, environments = _node_commands(
-        options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_HOLD=f"10:{started}"
-    )
+    hold = {"OUTER_SYNC_FIT_HOLD": f"10:{started}", "OUTER_SYNC_FIT_ENGINE": engine}
+    commands, environments = _node_commands(options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", **hold)
     kill = {"OUTER_SYNC_FIT_KILL": "2:6"}
     nodes = [
         subprocess.Popen(
