@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.callbacks.step_clock import clock_for
 from lightning_fastdist.diagnostics import bottleneck_checks as checks
 from lightning_fastdist.diagnostics.comm_probe import time_collectives
@@ -283,7 +284,9 @@ class BottleneckReport(Callback):
 
     def _write(self, trainer: Trainer, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        title = f"Bottleneck report (batches {self.start_step}-{self._end - 1}, {trainer.world_size} rank(s))"
+        ranks, training = trainer.world_size, training_ranks(trainer)
+        of = f"{training} of {ranks} rank(s) training at the end" if training != ranks else f"{ranks} rank(s)"
+        title = f"Bottleneck report (batches {self.start_step}-{self._end - 1}, {of})"
         json_path, markdown_path = directory / f"{self.filename}.json", directory / f"{self.filename}.md"
         json_path.write_text(checks.render_json(self.rows, self.details))
         markdown_path.write_text(checks.render_markdown(self.rows, title))

@@ -82,6 +82,12 @@ def is_encoder_decoder(module: Any) -> bool:
     return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in module.modules())
 
 
+def training_ranks(trainer: Trainer) -> int:
+    """The ranks training now: the strategy's ``training_ranks`` where it has one (under ``outer_sync`` with
+    ``min_nodes``, those of the nodes still in the job), else the trainer's world size."""
+    return getattr(trainer.strategy, "training_ranks", trainer.world_size)
+
+
 @dataclass
 class _Window:
     start: Any
@@ -161,7 +167,8 @@ class SpeedMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._units.update(self.count_units(batch))
+        ranks = training_ranks(trainer)
+        self._units.update({unit: count * ranks for unit, count in self.count_units(batch).items()})
         if is_logging_step(trainer):
             self._close_window()
             self._log_finished_windows(trainer, pl_module)
@@ -190,8 +197,9 @@ class SpeedMonitor(Callback):
             self._pending.pop(0)
         if seconds <= 0:
             return
-        ranks = trainer.world_size
-        metrics = {f"speed/{unit}_per_sec": count * ranks / seconds for unit, count in units.items()}
+        ranks = training_ranks(trainer)
+        metrics = {f"speed/{unit}_per_sec": count / seconds for unit, count in units.items()}
+        metrics["speed/ranks"] = ranks
         if units["tokens"] and self.flops_per_token is not None:
             flops_per_sec = metrics["speed/tokens_per_sec"] * self.flops_per_token
             metrics["speed/tflops_per_sec"] = flops_per_sec / TERA

@@ -265,6 +265,12 @@ class FastDDPStrategy(DDPStrategy):
             self.recompiles.start()
         super().setup(trainer)
 
+    @property
+    def training_ranks(self) -> int:
+        """The ranks training now (what :class:`~lightning_fastdist.SpeedMonitor` counts): every rank, or under
+        outer_sync with ``min_nodes`` those of the nodes still in the job."""
+        return self.outer_sync.training_ranks(self.world_size) if self.outer_sync is not None else self.world_size
+
     @override
     def on_train_start(self) -> None:
         self._comm_log.new_fit()

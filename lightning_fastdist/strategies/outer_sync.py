@@ -227,6 +227,14 @@ class OuterSyncJob:
         if self.run is not None:  # every other rank read it before joining the broadcast
             self._store.delete_key(key)
 
+    def training_ranks(self, world_size: int) -> int:
+        """The ranks of the nodes in the latest quorum (known where this process talks across nodes, global rank 0
+        among them; elsewhere, and before the first quorum, ``world_size``)."""
+        if self.run is None or not self.run.quorum_nodes:
+            return world_size
+        assert self.group is not None
+        return len(self.run.quorum_nodes) * self.group.ranks_per_node
+
     def evaluate_on_global_weights(self, model: nn.Module) -> None:
         """Give ``model`` the global weights (under DDP local rank 0 holds them and sends them to the node's other
         ranks), keeping a copy of this rank's own for :meth:`back_to_own_weights`. Call on every rank of the node."""

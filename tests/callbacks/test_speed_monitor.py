@@ -117,6 +117,7 @@ def test_figures_are_consistent_logged_on_log_steps_only_and_cost_no_sync(tmp_pa
     for row in rows:
         samples, tokens = float(row["speed/samples_per_sec"]), float(row["speed/tokens_per_sec"])
         assert samples > 0 and tokens == pytest.approx(samples * 16, rel=1e-6)
+        assert float(row["speed/ranks"]) == 1
         assert float(row["speed/tflops_per_sec"]) == pytest.approx(tokens * model.flops_per_token / 1e12, rel=1e-6)
         assert float(row["speed/mfu"]) == pytest.approx(tokens * model.flops_per_token / peak, rel=1e-6)
     counts = syncs.counts_by_label()

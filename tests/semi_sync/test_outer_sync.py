@@ -296,6 +296,7 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     for node in survivors:
         assert node["steps"] == list(range(1, steps + 1))
         assert node["members"] == [3] * 7 + [2] * (came_back - 8) + [3] * (steps - came_back + 1)
+        assert node["training_ranks"] == node["members"]  # what SpeedMonitor counts (one rank per node)
         assert node["syncs"] == [step // 2 for step in range(1, steps + 1)]  # no outer step lost
     assert restarted["steps"] == list(range(came_back + 1, steps + 1))
     assert restarted["syncs"] == [step // 2 for step in restarted["steps"]]

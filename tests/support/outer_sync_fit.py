@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SpeedMonitor, SyncFreeLogging
+from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE, local_part
@@ -81,6 +82,7 @@ class OuterSyncRecorder(L.Callback):
         self.training_data: RandomWindows | None = None
         self.samples: list[tuple[int, list[int]]] = []  # per step: the epoch and the training samples' indices
         self.steps: list[int] = []  # the global step after each step this process trained
+        self.training_ranks: list[int] = []  # the ranks SpeedMonitor counts at each step
         self.digests: list[str] = []  # the weights after each step
         self.first_digest: str | None = None  # the weights the first step started from
         self.rejoined: dict | None = None  # how this node joined a running job, if it did
@@ -116,6 +118,7 @@ class OuterSyncRecorder(L.Callback):
             while not os.path.exists(hold_file):
                 time.sleep(0.1)
         self.steps.append(trainer.global_step)
+        self.training_ranks.append(training_ranks(trainer))
         self.digests.append(digest(module))
         strategy = trainer.strategy
         run = strategy.outer_sync.run  # on each rank that talks across nodes
@@ -212,7 +215,7 @@ def main(
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
         "steps": recorder.steps, "digests": recorder.digests, "first_digest": recorder.first_digest,
-        "started": recorder.started, "rejoined": recorder.rejoined,
+        "started": recorder.started, "rejoined": recorder.rejoined, "training_ranks": recorder.training_ranks,
     }  # fmt: skip
     # One write for the whole line: the node's ranks share its output file, and a buffered print of a line longer than
     # the buffer would go out in pieces between which another rank's line can land.
