@@ -3,12 +3,16 @@
 Between two outer syncs every node has weights, an inner optimizer state and random states of its own. The
 checkpoint global rank 0 publishes holds what the nodes share: the global weights (its ``state_dict``, so it loads
 into a plain model as what the nodes agreed on), the outer optimizers' momentum and torchft's step count, under
-:data:`CHECKPOINT_KEY`. Each node writes its own before that, and waits for the other nodes' (a barrier across
-nodes) before global rank 0 publishes: under DDP its local rank 0 writes ``<checkpoint>.outer_sync/nodeNNNNN.pt``
-(staged and renamed); under FSDP its ranks write their shards, and of the outer optimizers, as a distributed
-checkpoint folder ``<checkpoint>.outer_sync/nodeNNNNN`` (``torch.distributed.checkpoint``, published atomically).
+:data:`CHECKPOINT_KEY`. Each node writes its own before that, and waits for the other nodes' (counted in node 0's
+store: a node that rejoined at that step has nothing to write, and a collective would pair with its next one) before
+global rank 0 publishes: under DDP its local rank 0 writes ``<checkpoint>.outer_sync/nodeNNNNN.pt`` (staged and
+renamed); under FSDP its ranks write their shards, and of the outer optimizers, as a distributed checkpoint folder
+``<checkpoint>.outer_sync/nodeNNNNN`` (``torch.distributed.checkpoint``, published atomically).
 A resume reads its node's state and puts its weights, inner optimizer and random states back when training starts
 (after Lightning restored the checkpoint's own), so the run goes on bit for bit.
+
+A node that had left the job (``min_nodes``) when the others saved has no state in the checkpoint: resumed, it
+takes the first node's, as a node that rejoins a running job does.
 
 A checkpoint written while a fragment's all-reduce is in flight (the ``delay`` steps before it is applied) cannot
 resume exactly (the all-reduce's result is not in it), nor can one written on a stop signal (the global weights
@@ -18,6 +22,7 @@ only: the nodes stop on their own): resuming a fit from either is refused in one
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
-from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun, ReplicaGroup
+from lightning_fastdist.parallel.semi_sync.torchft_run import LEFT_OUT_AFTER, OuterSyncRun, ReplicaGroup
 from lightning_fastdist.strategies.side_files import read_side_file, write_side_file
 
 CHECKPOINT_KEY = "fast_outer_sync"
@@ -93,7 +98,14 @@ def save_node_state(
         weights = [p.detach().to("cpu", copy=True) for p in model.parameters()]
         write_side_file({**own, "weights": weights, "inner_optimizer": optimizer.state_dict()}, path)
     checkpoint[CHECKPOINT_KEY] = shared
-    run.barrier()  # every node's state is complete before global rank 0 publishes
+    missing = run.wait_for_saves(optimizer_steps)  # every node's state is complete before global rank 0 publishes
+    if missing and group.node_rank == 0 and group.local_rank == 0:
+        warnings.warn(
+            f"outer_sync: not every one of {', '.join(missing)} wrote its state of the checkpoint of step "
+            f"{optimizer_steps} within {LEFT_OUT_AFTER.seconds} s (a node left the job since the last sync): a resume "
+            "gives a node without its state another node's.",
+            stacklevel=2,
+        )
 
 
 def _sharded_state(run: OuterSyncRun, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -136,13 +148,39 @@ def read_node_state(
             "resume on as many nodes and ranks, or load only its weights (the global ones) into a new run."
         )
     sharded = "ranks_per_node" in saved
-    path = node_file(checkpoint_path, node, sharded, follow_link=True)
+    source = _node_with_state(checkpoint_path, node, num_nodes, sharded)
+    path = node_file(checkpoint_path, source, sharded, follow_link=True)
     state = read_side_file(f"{path}/{_SHARDED_NODE_META}" if sharded else path, weights_only=False)
     state["path"] = path
-    if state.get("optimizer_steps") != steps or state.get("node") != node:
+    if state.get("optimizer_steps") != steps or state.get("node") != source:
         found = state.get("optimizer_steps")
         raise ValueError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
+    if source != node:
+        warnings.warn(
+            f"outer_sync: node{node} has no state in this checkpoint (it had left the job when step {steps} was "
+            f"saved): it resumes from node{source}'s weights and optimizer state, as a node that rejoins a running "
+            "job does, and with random states of its own.",
+            stacklevel=2,
+        )
+        state["rng"] = None  # another node's random states would repeat its draws
     return state
+
+
+def _node_with_state(checkpoint_path: Any, node: int, num_nodes: int, sharded: bool) -> int:
+    """``node`` if the checkpoint holds its state, else the first node whose state it holds: a node that had left the
+    job (``min_nodes``) when the others saved wrote none.
+
+    Raises:
+        ValueError: the checkpoint holds no node's state.
+    """
+    for candidate in (node, *range(num_nodes)):
+        fs, path = fsspec.core.url_to_fs(node_file(checkpoint_path, candidate, sharded, follow_link=True))
+        if fs.exists(path):
+            return candidate
+    raise ValueError(
+        f"outer_sync: {node_file(checkpoint_path, node, sharded)} is missing, and so is every other node's state "
+        "beside this checkpoint: resume from another checkpoint, or load only its weights (the global ones)."
+    )
 
 
 def restore_node_state(

@@ -270,7 +270,8 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps, started = 20, tmp_path / "started"
     hold = {"OUTER_SYNC_FIT_HOLD": f"10:{started}", "OUTER_SYNC_FIT_ENGINE": engine}
-    commands, environments = _node_commands(options, steps, nodes=3, OUTER_SYNC_FIT_NODES="3", **hold)
+    saved = tmp_path / "checkpoints"  # every 4 steps: those of steps 8 and 12 lack node 2's state
+    commands, environments = _node_commands(options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", **hold)
     kill = {"OUTER_SYNC_FIT_KILL": "2:6"}
     nodes = [
         subprocess.Popen(
@@ -321,6 +322,19 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     assert all(lost in err and back in err for _, err in outputs[:2])
     rejoined = f"outer_sync: node2 rejoined the job at step {came_back} with the weights, optimizer state and schedule"
     assert f"{rejoined} of {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[2][1]
+    assert not any("wrote its state of the checkpoint" in err for _, err in outputs)  # no node waited for another
+
+    # The whole job resumed from step 8, which node 2 missed: it takes node 0's state and all three go on together.
+    commands, environments = _node_commands(
+        options, 10, str(tmp_path / "resumed"), "100", str(saved / "step=8.ckpt"), nodes=3, OUTER_SYNC_FIT_NODES="3",
+        OUTER_SYNC_FIT_ENGINE=engine,
+    )  # fmt: skip
+    resumed = run_processes(commands, environments, timeout=240)
+    reports = [json.loads(line[4:]) for o in resumed for line in o.stdout.splitlines() if line.startswith("FIT ")]
+    assert [report["steps"] for report in reports] == [[9, 10]] * 3
+    assert len({report["final"] for report in reports}) == 1
+    fallback = "outer_sync: node2 has no state in this checkpoint (it had left the job when step 8 was saved): it "
+    assert f"{fallback}resumes from node0's weights and optimizer state" in resumed[2].stderr
 
 
 @pytest.mark.slow

@@ -181,6 +181,7 @@ class OuterSyncRun:
         self.steps = 0  # optimizer steps of this fit, counted before each
         self.quorum_nodes: tuple[str, ...] = ()  # the nodes of the latest quorum
         self._quorum_replicas: tuple[str, ...] = ()  # its torchft replica ids (a restarted node has a new one)
+        self._joined: dict[str, int] = {}  # the nodes that came back, and at which step
         self.rejoined: Rejoined | None = None
         self._report = report
         self._recovery_source: str | None = None
@@ -192,11 +193,13 @@ class OuterSyncRun:
         # others train, was restarted.
         joining = first_store.check([TRAINING_KEY]) and not OuterSyncRun.fitted_in_this_process
         OuterSyncRun.fitted_in_this_process = True
-        if not joining:
-            _wait_for_every_node(first_store, group)
+        if joining:
+            self._fit = first_store.get(TRAINING_KEY).decode()
+        else:
+            self._fit = str(_wait_for_every_node(first_store, group))
             self._equalize(model)
             if group.node_rank == 0:
-                first_store.set(TRAINING_KEY, "")
+                first_store.set(TRAINING_KEY, self._fit)
         self._first_store = first_store
         self.outer_optimizers = [
             torch.optim.SGD(
@@ -286,6 +289,7 @@ class OuterSyncRun:
                 f"sync within {LEFT_OUT_AFTER.seconds} s): {training}; the data the lost nodes read is not trained "
                 "from here (docs/fault-tolerance.md)."
             )
+        self._joined.update(dict.fromkeys(joined, self.steps))
         if joined:
             self._report(f"outer_sync: {', '.join(joined)} came back at step {self.steps} (restarted): {training}.")
 
@@ -324,9 +328,20 @@ class OuterSyncRun:
         # Inner steps since the last fragment's sync: where DiLoCo's schedule stands (torchft keeps no public setter).
         self.diloco._local_step = optimizer_steps % self.settings.steps_between_fragments
 
-    def barrier(self) -> None:
-        """Wait until this process's counterpart on every node got here (a one-element all-reduce across the nodes)."""
-        self.manager.allreduce(torch.zeros(1), reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    def wait_for_saves(self, step: int) -> list[str]:
+        """Wait until this process's counterpart on every node of the latest quorum wrote its state of the checkpoint
+        of ``step``, counted in node 0's store; return the nodes that did not within :data:`LEFT_OUT_AFTER` (they
+        left the job since). A node that joined at that quorum has no state to write: it is not waited for (a
+        collective across the nodes would pair with its next one instead)."""
+        saving = [node for node in self.quorum_nodes if self._joined.get(node) != self.steps]
+        key = f"outer_sync/{self._fit}/saved/{step}"
+        if self._first_store.add(key, 1) == len(saving) * self.group.members:
+            self._first_store.set(f"{key}/all", "")
+        try:
+            self._first_store.wait([f"{key}/all"], LEFT_OUT_AFTER)
+        except torch.distributed.DistStoreError:
+            return saving
+        return []
 
     @property
     def syncs(self) -> int:
@@ -343,15 +358,17 @@ class OuterSyncRun:
             self._first_store.delete_key(TRAINING_KEY)
 
 
-def _wait_for_every_node(store: torch.distributed.Store, group: ReplicaGroup) -> None:
+def _wait_for_every_node(store: torch.distributed.Store, group: ReplicaGroup) -> int:
     """Return once every process that talks across nodes got here, counted in node 0's ``store``: the first quorum
     then holds every node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late
-    would miss the weights made equal)."""
+    would miss the weights made equal). Returns which fit of the job this is (1, 2, ...)."""
     arrived = store.add("outer_sync/arrived", 1)
     everyone = group.num_nodes * group.members
+    fit = (arrived - 1) // everyone + 1
     if arrived % everyone == 0:  # the last of this fit's arrivals (a second fit in the same job counts on)
-        store.set(f"outer_sync/everyone/{arrived // everyone}", "")
-    store.wait([f"outer_sync/everyone/{(arrived - 1) // everyone + 1}"])
+        store.set(f"outer_sync/everyone/{fit}", "")
+    store.wait([f"outer_sync/everyone/{fit}"])
+    return fit
 
 
 class _QuorumMembers:
