@@ -54,18 +54,18 @@ def run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], list
     env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
     started = folder / "started"
     if kill_at is not None:
-        env["OUTER_SYNC_FIT_HOLD"] = f"{kill_at + 4}:{started}"
+        env["NODE_FAULT_HOLD"] = f"{kill_at + 4}:{started}"
     folder.mkdir()
     restarted_at = None
     with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"OUTER_SYNC_FIT_KILL": f"{KILLED}:{kill_at}"} if kill_at is not None else {}
+        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"} if kill_at is not None else {}
         processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
         if kill_at is not None:
             processes[KILLED].wait(timeout=600)
             while not Path(f"{started}.held").exists():
                 time.sleep(0.05)
             restarted_at = time.time()
-            again = {**env, "OUTER_SYNC_FIT_ANNOUNCE": str(started)}
+            again = {**env, "NODE_FAULT_ANNOUNCE": str(started)}
             processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)
         codes = [process.wait(timeout=600) for process in processes]
     names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
@@ -88,7 +88,7 @@ def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tup
     (folder / "first").mkdir(parents=True)
     (folder / "resumed").mkdir()
     with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"OUTER_SYNC_FIT_KILL": f"{KILLED}:{kill_at}"}
+        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"}
         processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder / "first")
         processes[KILLED].wait(timeout=600)
         for process in processes:

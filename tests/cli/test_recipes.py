@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +14,10 @@ import yaml
 
 from lightning_fastdist.cli import main
 from lightning_fastdist.recipes import available_recipes, recipes_dir
+from tests.support.emulated_cluster import REPO_ROOT
 from tests.support.fault_runs import saved_step
 from tests.support.harness import cli_command, free_port_span, run_cli, run_cli_forked, run_processes
+from tests.support.node_faults import start_again_once_held
 
 # A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
 TINY = [
@@ -141,3 +146,42 @@ def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchr
     assert outer and all(count > 0 for count in outer)  # a fragment's bf16 pseudo-gradient on every logged step
     (node_files,) = (in_tmp_dir / "checkpoints" / "multi_node_ethernet").glob("*step=4.ckpt.outer_sync")
     assert sorted(p.name for p in node_files.iterdir()) == ["node00000.pt", "node00001.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_multi_node_ethernet_recipe_trains_on_without_a_lost_node_and_takes_it_back(in_tmp_dir):
+    """The recipe's ``min_nodes: 1`` on two loopback nodes (Lightning's launcher): node 1 is SIGKILLed after step 4,
+    node 0 trains on alone and waits after step 8 until node 1, started again with the same command, trains; node 1
+    joins at a later sync with node 0's state, and rank 0's ``speed/ranks`` says 2, then 1, then 2."""
+    started = in_tmp_dir / "started"
+    command = cli_command(
+        "fit", "--config", "multi_node_ethernet", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+        "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_steps", "16",
+        "--trainer.log_every_n_steps", "1", "--trainer.strategy.init_args.outer_sync.every", "2",
+        "--trainer.strategy.init_args.outer_sync.delay", "0",
+        "--trainer.callbacks+=tests.support.node_faults.NodeFaults",
+    )  # fmt: skip
+    port = str(free_port_span(4))
+    environments = [
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "PYTHONPATH": str(REPO_ROOT),
+         "NODE_FAULT_KILL": "1:4", "NODE_FAULT_HOLD": f"8:{started}"}
+        for node in range(2)
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for extra in environments
+    ]
+    nodes[1] = start_again_once_held(nodes[1], command, environments[1], started)
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    came_back = int(re.search(r"node1 rejoined the job at step (\d+) .* of node0", outputs[1][1]).group(1))
+    # A fragment crosses at every step (2 fragments every 2 steps): step 5's quorum is the first without node 1.
+    assert "outer_sync: node1 left the job at step 5" in outputs[0][1]
+    assert f"outer_sync: node1 came back at step {came_back} (restarted): 2 of 2 nodes train on." in outputs[0][1]
+    rows = metrics(Path("lightning_logs"))
+    ranks = {int(row["step"]): float(row["speed/ranks"]) for row in rows if row.get("speed/ranks")}
+    # Logged at each step (Lightning names step k's values k - 1): the ranks of the nodes in that step's quorum.
+    assert ranks == {step - 1: 1.0 if 5 <= step < came_back else 2.0 for step in range(1, 17)}

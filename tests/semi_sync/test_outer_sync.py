@@ -11,8 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -26,6 +24,7 @@ from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import free_port_span, run_processes
+from tests.support.node_faults import start_again_once_held
 from tests.support.workloads import tiny_gpt
 
 # Bytes a node may send besides the weights and pseudo-gradients: headers, torchft's heartbeats (10 a second to the
@@ -242,7 +241,7 @@ def test_fsdp_inside_each_node_every_rank_sends_its_shard_and_a_resume_goes_on_b
 def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_refused_in_one_line(tmp_path):
     """Each node stops on its own (no agreement across nodes yet): its checkpoint holds the global weights only."""
     options = {"every": 4, "fragments": 2, "delay": 1}
-    commands, environments = _node_commands(options, 12, str(tmp_path), "100", OUTER_SYNC_FIT_SIGTERM_AT="5")
+    commands, environments = _node_commands(options, 12, str(tmp_path), "100", NODE_FAULT_SIGTERM_AT="5")
     nodes = [
         subprocess.Popen(command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for command, extra in zip(commands, environments)
@@ -269,24 +268,18 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     node: its one shard is the whole model) the weights and Adam's moments travel as DTensors' local shards."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps, started = 20, tmp_path / "started"
-    hold = {"OUTER_SYNC_FIT_HOLD": f"10:{started}", "OUTER_SYNC_FIT_ENGINE": engine}
+    faults = {"NODE_FAULT_KILL": "2:6", "NODE_FAULT_HOLD": f"10:{started}", "OUTER_SYNC_FIT_ENGINE": engine}
     saved = tmp_path / "checkpoints"  # every 4 steps: those of steps 8 and 12 lack node 2's state
-    commands, environments = _node_commands(options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", **hold)
-    kill = {"OUTER_SYNC_FIT_KILL": "2:6"}
+    commands, environments = _node_commands(
+        options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", **faults
+    )
     nodes = [
         subprocess.Popen(
-            command, env={**os.environ, **kill, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for command, extra in zip(commands, environments)
     ]
-    assert nodes[2].wait(timeout=240) == -9
-    deadline = time.monotonic() + 240
-    while not Path(f"{started}.held").exists() and time.monotonic() < deadline:  # the others finished step 10
-        time.sleep(0.1)
-    again = {**environments[2], "OUTER_SYNC_FIT_ANNOUNCE": str(started)}
-    nodes[2] = subprocess.Popen(
-        commands[2], env={**os.environ, **again}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    nodes[2] = start_again_once_held(nodes[2], commands[2], environments[2], started)  # once the others did step 10
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0, 0], "\n".join(err[-3000:] for _, err in outputs)
     *survivors, restarted = [

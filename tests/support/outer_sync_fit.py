@@ -1,11 +1,8 @@
 """One node's fit of TinyGPT under FastDDPStrategy(outer_sync=...), run once per node by tests (``NODE_RANK`` set);
 under FastFSDPStrategy(outer_sync=...) with ``OUTER_SYNC_FIT_ENGINE=fsdp``.
 
-With ``OUTER_SYNC_FIT_SIGTERM_AT=S`` every rank sends itself SIGTERM during step ``S`` (a job preempted); with
-``OUTER_SYNC_FIT_KILL=N:S`` every rank of node ``N`` SIGKILLs itself after step ``S`` (a node lost). A node restarted
-after that rejoins: with ``OUTER_SYNC_FIT_HOLD=S:FILE`` the other nodes write ``FILE.held`` after step ``S`` and wait
-until ``FILE`` exists, and with ``OUTER_SYNC_FIT_ANNOUNCE=FILE`` a node writes ``FILE`` when its training starts. Nodes:
-``OUTER_SYNC_FIT_NODES`` (default 2).
+Faults (a SIGTERM, a node SIGKILLed, the others holding until it is back) are :mod:`tests.support.node_faults`'s,
+set by its environment variables. Nodes: ``OUTER_SYNC_FIT_NODES`` (default 2).
 Ranks per node: ``EMULATED_RANKS_PER_NODE`` (as the emulated cluster sets it; default 1). Each rank reads its own
 share of random token windows, so the nodes' weights part between outer syncs. Every rank
 prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so far and the bytes of the outer
@@ -23,7 +20,6 @@ import functools
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 
@@ -38,6 +34,7 @@ from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE, local_part
 from lightning_fastdist.planning.step_memory import optimizer_state_tensors, tensor_bytes
+from tests.support.node_faults import NodeFaults
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
 
 
@@ -88,11 +85,6 @@ class OuterSyncRecorder(L.Callback):
         self.rejoined: dict | None = None  # how this node joined a running job, if it did
         self.started = time.time()  # wall clock, for benchmarks/lost_node.py
 
-    def on_train_start(self, trainer, module) -> None:
-        announce = os.environ.get("OUTER_SYNC_FIT_ANNOUNCE")
-        if announce:
-            open(announce, "w").close()
-
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.first_digest is None:
             self.first_digest = digest(module)
@@ -106,17 +98,6 @@ class OuterSyncRecorder(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._counting.__exit__(None, None, None)
         self.host_syncs.append(self._counting.count)
-        if trainer.global_step == int(os.environ.get("OUTER_SYNC_FIT_SIGTERM_AT", "0")):
-            os.kill(os.getpid(), signal.SIGTERM)
-        node, _, step = os.environ.get("OUTER_SYNC_FIT_KILL", "-1:0").partition(":")
-        if (trainer.node_rank, trainer.global_step) == (int(node), int(step)):
-            print("KILLED", trainer.node_rank, trainer.global_step, time.time(), flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        hold_step, _, hold_file = os.environ.get("OUTER_SYNC_FIT_HOLD", "0:").partition(":")
-        if trainer.global_step == int(hold_step) and trainer.node_rank != int(node):
-            open(f"{hold_file}.held", "w").close()
-            while not os.path.exists(hold_file):
-                time.sleep(0.1)
         self.steps.append(trainer.global_step)
         self.training_ranks.append(training_ranks(trainer))
         self.digests.append(digest(module))
@@ -188,7 +169,7 @@ def main(
     options: dict, steps: int, folder: str | None = None, save_every: int = 0, resume_from: str | None = None
 ) -> None:
     losses, recorder, held = LossRecorder(), OuterSyncRecorder(), HeldBytesRecorder()
-    callbacks: list[L.Callback] = [recorder, losses, held, SyncFreeLogging(), SpeedMonitor()]
+    callbacks: list[L.Callback] = [NodeFaults(), recorder, losses, held, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
     if os.environ.get("OUTER_SYNC_FIT_ENGINE") == "fsdp":

@@ -1,0 +1,66 @@
+"""Faults a test or a benchmark injects into one node's fit, set by environment variables so that a recipe run
+through the CLI takes them too (``--trainer.callbacks+=tests.support.node_faults.NodeFaults``, with the repository
+on ``PYTHONPATH``):
+
+- ``NODE_FAULT_SIGTERM_AT=S``: every rank sends itself SIGTERM during step ``S`` (a job preempted);
+- ``NODE_FAULT_KILL=N:S``: every rank of node ``N`` prints ``KILLED N S <time>`` and SIGKILLs itself after step ``S``
+  (a node lost);
+- ``NODE_FAULT_HOLD=S:FILE``: the other nodes write ``FILE.held`` after step ``S`` and wait until ``FILE`` exists, and
+  ``NODE_FAULT_ANNOUNCE=FILE``: a node writes ``FILE`` when its training starts. Together: a node restarted after
+  the others held joins them before their run ends, whatever the machine's speed.
+
+Put it before callbacks that record a step, so that they record no step of a node killed after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+class NodeFaults(L.Callback):
+    """The faults the environment variables of this module's docstring ask for."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        announce = os.environ.get("NODE_FAULT_ANNOUNCE")
+        if announce:
+            open(announce, "w").close()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
+        step = trainer.global_step
+        if step == int(os.environ.get("NODE_FAULT_SIGTERM_AT", "0")):
+            os.kill(os.getpid(), signal.SIGTERM)
+        killed_node, _, kill_step = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")
+        if (trainer.node_rank, step) == (int(killed_node), int(kill_step)):
+            print("KILLED", trainer.node_rank, step, time.time(), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        hold_step, _, hold_file = os.environ.get("NODE_FAULT_HOLD", "0:").partition(":")
+        if step == int(hold_step) and trainer.node_rank != int(killed_node):
+            open(f"{hold_file}.held", "w").close()
+            while not os.path.exists(hold_file):
+                time.sleep(0.1)
+
+
+def start_again_once_held(
+    killed: subprocess.Popen, command: list[str], environment: dict[str, str], started: Path, timeout: float = 240
+) -> subprocess.Popen:
+    """Wait until the node ``killed`` was SIGKILLed (``NODE_FAULT_KILL``) and the others hold
+    (``NODE_FAULT_HOLD=S:started``), then start it again with the same ``command`` and ``environment``, without the
+    kill and announcing itself (``NODE_FAULT_ANNOUNCE``); its output is piped, as text."""
+    assert killed.wait(timeout=timeout) == -signal.SIGKILL
+    deadline = time.monotonic() + timeout
+    while not Path(f"{started}.held").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    again = {name: value for name, value in environment.items() if name != "NODE_FAULT_KILL"}
+    return subprocess.Popen(
+        command,
+        env={**os.environ, **again, "NODE_FAULT_ANNOUNCE": str(started)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
