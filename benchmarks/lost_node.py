@@ -16,7 +16,9 @@ SIGKILLed after step ``--kill-at`` and node 2 started again with the same comman
   work), and steps they did not train;
 - ``samples_repeated``: training samples read by two nodes in the same epoch (the restarted node included);
 - ``final_loss_vs_uninterrupted``: the last validation loss (of the global weights, on the same held-out data)
-  relative to the uninterrupted run's.
+  relative to the uninterrupted run's;
+- ``min_nodes_overhead``: seconds per step of the uninterrupted run against the same run without ``min_nodes``;
+- ``restart_path_*``: today's path beside it (:func:`restart_path`).
 
 The last line is one JSON object. Needs root, ``ip`` and ``tc``.
 
@@ -46,11 +48,16 @@ OPTIONS = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "
 KILL_LINE = re.compile(r"^KILLED \d+ \d+ ([0-9.]+)$", re.MULTILINE)
 
 
-def run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], list[int], float | None, float | None]:
+WITHOUT_MIN_NODES = {name: value for name, value in OPTIONS.items() if name != "min_nodes"}
+
+
+def run(
+    steps: int, kill_at: int | None, folder: Path, options: dict = OPTIONS
+) -> tuple[list[dict], list[int], float | None, float | None]:
     """One fit of ``steps`` steps on 3 emulated nodes; with ``kill_at``, node 2 is SIGKILLed after that step and
     started again once the others finished step ``kill_at + 4``. Returns every node's report (node 2's of its
     restart), every node's exit status, and the wall-clock times of the kill and of the restart."""
-    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(OPTIONS), str(steps)]
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
     env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
     started = folder / "started"
     if kill_at is not None:
@@ -80,9 +87,8 @@ def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tup
     SIGKILLed after step ``kill_at``, and the whole job restarted from its last checkpoint as soon as node 2 is gone
     (a scheduler that notices at once: the best case for this path). Returns the seconds from the kill to the end of
     the first step after the restart, and the steps trained again."""
-    options = {name: value for name, value in OPTIONS.items() if name != "min_nodes"}
     checkpoints = folder / "checkpoints"
-    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(WITHOUT_MIN_NODES), str(steps)]
     command += [str(checkpoints), str(save_every)]
     env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
     (folder / "first").mkdir(parents=True)
@@ -108,6 +114,12 @@ def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tup
     return first_step_end - float(killed.group(1)), kill_at - reports[0]["steps"][0] + 1
 
 
+def step_seconds(reports: list[dict]) -> float:
+    """Seconds per step of an uninterrupted run, from the end of the first step to the end of the last (validation
+    included), on its slowest node."""
+    return max((ends[-1] - ends[0]) / (len(ends) - 1) for ends in (report["step_ends"] for report in reports))
+
+
 def samples_read_twice(reports: list[dict]) -> int:
     """Training samples two nodes read in the same epoch."""
     read = [{(epoch, index) for epoch, indices in report["samples"] for index in indices} for report in reports]
@@ -126,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="lost-node-") as scratch:
         uninterrupted, codes, _, _ = run(args.steps, None, Path(scratch, "uninterrupted"))
-        if codes != [0] * NODES:
-            raise SystemExit(f"the uninterrupted run exited {codes}; see its output above")
+        plain, plain_codes, _, _ = run(args.steps, None, Path(scratch, "without-min-nodes"), WITHOUT_MIN_NODES)
+        if codes != [0] * NODES or plain_codes != [0] * NODES:
+            raise SystemExit(f"the uninterrupted runs exited {codes} and {plain_codes}")
         reports, codes, killed_at, restarted_at = run(args.steps, args.kill_at, Path(scratch, "killed"))
         if codes != [0] * NODES or killed_at is None or restarted_at is None:
             raise SystemExit(f"the run with node {KILLED} killed and restarted exited {codes}")
@@ -164,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         "final_loss": survivors[0]["val_losses"][-1],
         "final_loss_uninterrupted": reference,
         "final_loss_vs_uninterrupted": survivors[0]["val_losses"][-1] / reference - 1,
+        "step_s": round(step_seconds(uninterrupted), 4),
+        "step_s_without_min_nodes": round(step_seconds(plain), 4),
+        "min_nodes_overhead": step_seconds(uninterrupted) / step_seconds(plain) - 1,
         "restart_path_resume_s": round(job_restart_s, 2),
         "restart_path_steps_trained_again": steps_trained_again,
         "restart_path_save_every": args.save_every,
