@@ -255,10 +255,11 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_when_restarted(tmp_path, engine):
-    """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done), and started again
-    with the same command once the others finished step 10 (they wait there for it to start training).
+@pytest.mark.parametrize(("engine", "fault"), [("ddp", "SIGKILL"), ("fsdp", "SIGTERM")])
+def test_with_min_nodes_a_lost_node_is_left_out_and_rejoins_from_a_live_peer_when_restarted(tmp_path, engine, fault):
+    """Three nodes, ``min_nodes: 2``; node 2 is SIGKILLed after step 6 (the sync of step 6 done), or sent SIGTERM
+    there (preempted alone: it stops by itself with exit status 143 and writes nothing, not being global rank 0), and
+    started again with the same command once the others finished step 10 (they wait there for it to start training).
 
     The two others go on at the next sync without restarting: the quorum holds 2 nodes from step 8, no sync is
     skipped, one line names the lost node and the step. The restarted node joins at a later sync: it receives a live
@@ -268,10 +269,10 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     node: its one shard is the whole model) the weights and Adam's moments travel as DTensors' local shards."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps, started = 20, tmp_path / "started"
-    faults = {"NODE_FAULT_KILL": "2:6", "NODE_FAULT_HOLD": f"10:{started}", "OUTER_SYNC_FIT_ENGINE": engine}
+    faults = {"NODE_FAULT_KILL": "2:6", "NODE_FAULT_KILL_SIGNAL": fault, "NODE_FAULT_HOLD": f"10:{started}"}
     saved = tmp_path / "checkpoints"  # every 4 steps: those of steps 8 and 12 lack node 2's state
     commands, environments = _node_commands(
-        options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", **faults
+        options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_ENGINE=engine, **faults
     )
     nodes = [
         subprocess.Popen(
@@ -316,6 +317,7 @@ def test_with_min_nodes_a_killed_node_is_left_out_and_rejoins_from_a_live_peer_w
     rejoined = f"outer_sync: node2 rejoined the job at step {came_back} with the weights, optimizer state and schedule"
     assert f"{rejoined} of {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[2][1]
     assert not any("wrote its state of the checkpoint" in err for _, err in outputs)  # no node waited for another
+    assert sorted(path.name for path in saved.glob("*.ckpt")) == [f"step={step}.ckpt" for step in (12, 16, 20, 4, 8)]
 
     # The whole job resumed from step 8, which node 2 missed: it takes node 0's state and all three go on together.
     commands, environments = _node_commands(

@@ -4,7 +4,7 @@ on ``PYTHONPATH``):
 
 - ``NODE_FAULT_SIGTERM_AT=S``: every rank sends itself SIGTERM during step ``S`` (a job preempted);
 - ``NODE_FAULT_KILL=N:S``: every rank of node ``N`` prints ``KILLED N S <time>`` and SIGKILLs itself after step ``S``
-  (a node lost);
+  (a node lost), or sends itself ``NODE_FAULT_KILL_SIGNAL`` (``SIGTERM``: a node preempted);
 - ``NODE_FAULT_HOLD=S:FILE``: the other nodes write ``FILE.held`` after step ``S`` and wait until ``FILE`` exists, and
   ``NODE_FAULT_ANNOUNCE=FILE``: a node writes ``FILE`` when its training starts. Together: a node restarted after
   the others held joins them before their run ends, whatever the machine's speed.
@@ -38,7 +38,7 @@ class NodeFaults(L.Callback):
         killed_node, _, kill_step = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")
         if (trainer.node_rank, step) == (int(killed_node), int(kill_step)):
             print("KILLED", trainer.node_rank, step, time.time(), flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.Signals[os.environ.get("NODE_FAULT_KILL_SIGNAL", "SIGKILL")])
         hold_step, _, hold_file = os.environ.get("NODE_FAULT_HOLD", "0:").partition(":")
         if step == int(hold_step) and trainer.node_rank != int(killed_node):
             open(f"{hold_file}.held", "w").close()
@@ -49,10 +49,12 @@ class NodeFaults(L.Callback):
 def start_again_once_held(
     killed: subprocess.Popen, command: list[str], environment: dict[str, str], started: Path, timeout: float = 240
 ) -> subprocess.Popen:
-    """Wait until the node ``killed`` was SIGKILLed (``NODE_FAULT_KILL``) and the others hold
-    (``NODE_FAULT_HOLD=S:started``), then start it again with the same ``command`` and ``environment``, without the
-    kill and announcing itself (``NODE_FAULT_ANNOUNCE``); its output is piped, as text."""
-    assert killed.wait(timeout=timeout) == -signal.SIGKILL
+    """Wait until the node ``killed`` ended (``NODE_FAULT_KILL``: SIGKILLed, or stopped by SIGTERM with exit status
+    143) and the others hold (``NODE_FAULT_HOLD=S:started``), then start it again with the same ``command`` and
+    ``environment``, without the kill and announcing itself (``NODE_FAULT_ANNOUNCE``); its output is piped, as text."""
+    ended = killed.wait(timeout=timeout)
+    expected = 128 + signal.SIGTERM if environment.get("NODE_FAULT_KILL_SIGNAL") == "SIGTERM" else -signal.SIGKILL
+    assert ended == expected, killed.stderr.read()[-3000:] if killed.stderr else ended
     deadline = time.monotonic() + timeout
     while not Path(f"{started}.held").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
