@@ -275,8 +275,9 @@ class OuterSyncRun:
         """After each quorum (``replicas``: its members, ``node2:<uuid>`` each): report the nodes that left it and
         those that joined it since the previous one (``source``: the node this one heals from, if it does)."""
         before = self._quorum_replicas
-        lost = _nodes(replica for replica in before if replica not in replicas)
+        left = _nodes(replica for replica in before if replica not in replicas)
         joined = _nodes(replica for replica in replicas if before and replica not in before)
+        lost = tuple(node for node in left if node not in joined)  # a node restarted in time is both: it came back
         self._quorum_replicas = replicas
         self.quorum_nodes = _nodes(replicas)
         self._recovery_source = source
