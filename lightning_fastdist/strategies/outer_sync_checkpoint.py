@@ -101,9 +101,9 @@ def save_node_state(
     missing = run.wait_for_saves(optimizer_steps)  # every node's state is complete before global rank 0 publishes
     if missing and group.node_rank == 0 and group.local_rank == 0:
         warnings.warn(
-            f"outer_sync: not every one of {', '.join(missing)} wrote its state of the checkpoint of step "
-            f"{optimizer_steps} within {LEFT_OUT_AFTER.seconds} s (a node left the job since the last sync): a resume "
-            "gives a node without its state another node's.",
+            f"outer_sync: {', '.join(missing)} did not write its state of the checkpoint of step {optimizer_steps} "
+            f"within {LEFT_OUT_AFTER.seconds} s (it left the job since the last sync): a resume gives a node without "
+            "its state another node's.",
             stacklevel=2,
         )
 

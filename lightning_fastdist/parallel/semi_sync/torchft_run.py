@@ -336,12 +336,13 @@ class OuterSyncRun:
         collective across the nodes would pair with its next one instead)."""
         saving = [node for node in self.quorum_nodes if self._joined.get(node) != self.steps]
         key = f"outer_sync/{self._fit}/saved/{step}"
+        self._first_store.set(f"{key}/node{self.group.node_rank}", "")
         if self._first_store.add(key, 1) == len(saving) * self.group.members:
             self._first_store.set(f"{key}/all", "")
         try:
             self._first_store.wait([f"{key}/all"], LEFT_OUT_AFTER)
         except torch.distributed.DistStoreError:
-            return saving
+            return [node for node in saving if not self._first_store.check([f"{key}/{node}"])]
         return []
 
     @property
