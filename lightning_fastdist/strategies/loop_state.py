@@ -112,7 +112,10 @@ def continue_after(trainer: pl.Trainer, position: dict[str, Any], optimizer_step
     if position["epoch_batches"] == trainer.num_training_batches:
         epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
     # The epoch continues as after a checkpoint written at that batch's end: Lightning keeps the counts set above
-    # and counts the batch as stepped.
+    # and counts the batch as stepped. Where a checkpoint given to this fit was restored, its restart stages would
+    # move the counts again: this position replaces it.
+    fit_loop.reset_restart_stage()
+    epoch_loop.reset_restart_stage()
     epoch_loop.restarting = True
 
 

@@ -265,7 +265,8 @@ def test_with_min_nodes_a_lost_node_is_left_out_and_rejoins_from_a_live_peer_whe
     skipped, one line names the lost node and the step. The restarted node joins at a later sync: it receives a live
     node's weights, Adam state, global copy and schedule from that node's memory (its bytes counted), starts its
     first step from the others' weights bit for bit, trains the remaining steps with them (equal weights after every
-    sync) and reads none of the samples they read; all three end with the same weights. Under FSDP (one rank per
+    sync) and reads none of the samples they read, even when it is also given a checkpoint to resume from (the live
+    state replaces it); all three end with the same weights. Under FSDP (one rank per
     node: its one shard is the whole model) the weights and Adam's moments travel as DTensors' local shards."""
     options = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
     steps, started = 20, tmp_path / "started"
@@ -280,7 +281,10 @@ def test_with_min_nodes_a_lost_node_is_left_out_and_rejoins_from_a_live_peer_whe
         )
         for command, extra in zip(commands, environments)
     ]
-    nodes[2] = start_again_once_held(nodes[2], commands[2], environments[2], started)  # once the others did step 10
+    # Under DDP it is given the checkpoint of step 4 to resume from as well (as `--ckpt_path last` would): the live
+    # state replaces it.
+    again = [*commands[2], str(saved / "step=4.ckpt")] if engine == "ddp" else commands[2]
+    nodes[2] = start_again_once_held(nodes[2], again, environments[2], started)  # once the others did step 10
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0, 0], "\n".join(err[-3000:] for _, err in outputs)
     *survivors, restarted = [
