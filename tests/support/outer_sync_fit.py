@@ -83,7 +83,6 @@ class OuterSyncRecorder(L.Callback):
         self.digests: list[str] = []  # the weights after each step
         self.first_digest: str | None = None  # the weights the first step started from
         self.rejoined: dict | None = None  # how this node joined a running job, if it did
-        self.started = time.time()  # wall clock, for benchmarks/lost_node.py
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.first_digest is None:
@@ -196,7 +195,7 @@ def main(
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
         "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
         "steps": recorder.steps, "digests": recorder.digests, "first_digest": recorder.first_digest,
-        "started": recorder.started, "rejoined": recorder.rejoined, "training_ranks": recorder.training_ranks,
+        "rejoined": recorder.rejoined, "training_ranks": recorder.training_ranks,
     }  # fmt: skip
     # One write for the whole line: the node's ranks share its output file, and a buffered print of a line longer than
     # the buffer would go out in pieces between which another rank's line can land.
