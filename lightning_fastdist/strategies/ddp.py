@@ -59,6 +59,7 @@ from lightning_fastdist.strategies.exact_resume import ResumeState
 from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite, save_one_file
 from lightning_fastdist.strategies.job import (
     check_names_at_launch,
+    check_names_before_joining,
     explain_lost_peer_of_job,
     join_process_group_once,
     names_checkable,
@@ -220,6 +221,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_names_before_joining(self._launcher, self, self.check_names)
         super().setup_environment()
         with _named_errors():
             self.comm.check_backend(self._get_process_group_backend(), self.root_device)

@@ -57,6 +57,7 @@ from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
 from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite
 from lightning_fastdist.strategies.job import (
     check_names_at_launch,
+    check_names_before_joining,
     explain_lost_peer_of_job,
     join_process_group_once,
     names_checkable,
@@ -181,6 +182,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_names_before_joining(self._launcher, self, self.check_names)
         device = self.root_device
         if device.type not in DEVICE_TYPES:
             raise RuntimeError(f"{type(self).__name__}: runs on {' or '.join(DEVICE_TYPES)}, not {device.type}.")

@@ -65,6 +65,7 @@ from lightning_fastdist.strategies.exact_resume import ResumeState
 from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite, save_one_file
 from lightning_fastdist.strategies.job import (
     check_names_at_launch,
+    check_names_before_joining,
     explain_lost_peer_of_job,
     join_process_group_once,
     names_checkable,
@@ -206,6 +207,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        check_names_before_joining(self._launcher, self, self.check_names)
         self.set_world_ranks()
         if self.outer_sync is not None:  # torch.distributed's world is the node: FSDP shards inside it
             self.outer_sync.join_node_group(self, self._get_process_group_backend(), self.timeout)

@@ -57,6 +57,16 @@ def check_names_at_launch(
     launcher.launch = checked  # type: ignore[method-assign]  # on this instance only, on purpose (see above)
 
 
+def check_names_before_joining(
+    launcher: _Launcher | None, strategy: ParallelStrategy, check_names: Callable[[LightningModule | None], None]
+) -> None:
+    """Where the processes were started outside Lightning (torchrun, SLURM: no ``launcher``), call
+    ``check_names(strategy.lightning_module)`` before the first collective: every rank then refuses at the same point,
+    and none is cut off inside a collective by a peer that refused and left first."""
+    if launcher is None:
+        check_names(strategy.lightning_module)
+
+
 def _checked_launch(
     launch: Callable[..., Any],
     strategy: ParallelStrategy,
