@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 # Tracker categories (the values of torch's _MemRefType and _FSDPRefType) that are model state or gathered weights;
 # every other category at the peak (activations, temporaries, inputs, unsharded gradients) counts as activations.
@@ -106,15 +107,11 @@ def to_empty_keeping_ties(module: nn.Module, device: str | torch.device) -> None
                 submodule._buffers[name] = replaced[id(buffer)]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard)."""
     storages = {}
     for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
+        storage = local_part(tensor).untyped_storage()
         storages[storage._cdata] = storage.nbytes()  # one entry per storage: tied weights count once
     return sum(storages.values())
 

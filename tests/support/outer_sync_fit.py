@@ -32,7 +32,8 @@ from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SpeedMonitor, 
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
-from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE, local_part
+from lightning_fastdist.parallel.fsdp.local_shards import local_part
+from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.planning.step_memory import optimizer_state_tensors, tensor_bytes
 from tests.support.node_faults import NodeFaults
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
+from lightning_fastdist.parallel.fsdp.local_shards import local_part
+
 NODE_STATE_KEY = "lightning_fastdist"  # the name NodeState's functions are registered under, on every node
 
 
@@ -135,11 +137,6 @@ class CountedTransport:
         state = self._transport.recv_checkpoint(*args, **kwargs)
         self.received_bytes += tensor_bytes_of(state)
         return state
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """What this process holds of ``tensor``: its shard of a DTensor (sharing its storage), else ``tensor``."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _placed_as(parameter: torch.Tensor, value: Any) -> Any:

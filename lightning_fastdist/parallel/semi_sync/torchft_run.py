@@ -30,13 +30,13 @@ from torch import nn
 
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, TimedWork
+from lightning_fastdist.parallel.fsdp.local_shards import local_part
 from lightning_fastdist.parallel.semi_sync.rejoin import (
     NODE_STATE_KEY,
     CountedTransport,
     NodeState,
     Rejoined,
     load_optimizer_snapshot,
-    local_part,
 )
 from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 
