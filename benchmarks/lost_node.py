@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 
 from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate  # noqa: E402
+from tests.support.node_faults import wait_until_held  # noqa: E402
 
 NODES, KILLED = 3, 2
 OPTIONS = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
@@ -69,8 +70,7 @@ def run(
         processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
         if kill_at is not None:
             processes[KILLED].wait(timeout=600)
-            while not Path(f"{started}.held").exists():
-                time.sleep(0.05)
+            wait_until_held(started, timeout=600)
             restarted_at = time.time()
             again = {**env, "NODE_FAULT_ANNOUNCE": str(started)}
             processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)

@@ -46,6 +46,14 @@ class NodeFaults(L.Callback):
                 time.sleep(0.1)
 
 
+def wait_until_held(started: Path, timeout: float = 240) -> None:
+    """Return once the other nodes hold (``NODE_FAULT_HOLD=S:started`` wrote ``started.held``), or after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not Path(f"{started}.held").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def start_again_once_held(
     killed: subprocess.Popen, command: list[str], environment: dict[str, str], started: Path, timeout: float = 240
 ) -> subprocess.Popen:
@@ -55,9 +63,7 @@ def start_again_once_held(
     ended = killed.wait(timeout=timeout)
     expected = 128 + signal.SIGTERM if environment.get("NODE_FAULT_KILL_SIGNAL") == "SIGTERM" else -signal.SIGKILL
     assert ended == expected, killed.stderr.read()[-3000:] if killed.stderr else ended
-    deadline = time.monotonic() + timeout
-    while not Path(f"{started}.held").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until_held(started, timeout)
     again = {name: value for name, value in environment.items() if name != "NODE_FAULT_KILL"}
     return subprocess.Popen(
         command,
