@@ -3,12 +3,9 @@
 Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 
 - **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
-- **Joining** (:meth:`OuterSyncJob.join_node_group`): the ranks of a node form their own world, rendezvousing in a
-  store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's lighthouse at
-  ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one ``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's
-  global ranks and world size: the training sampler shards over every rank of every node (evaluation data over
-  the node's ranks: every node evaluates all of it), global rank 0 writes the logs. Collectives of Lightning's own
-  (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node.
+- **Joining** (:meth:`OuterSyncJob.join_node_group`): one world per node
+  (:mod:`~lightning_fastdist.strategies.node_worlds`); evaluation data is shared over the node's ranks, so that every
+  node evaluates all of it.
 - **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
   process that talks across nodes. Under DDP that is each node's local rank 0 (a replica group of one, so the link
   carries each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the
@@ -19,7 +16,7 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
   the same on every node; the local ones are put back afterwards.
 - **Rejoining**: a node restarted with the same command while the others train (``min_nodes`` below the job's
   nodes) takes a live node's weights, optimizer state, schedule and training position through torchft at their next
-  quorum, and trains on from the step after it (:mod:`~lightning_fastdist.parallel.semi_sync.rejoin`,
+  quorum, and trains on from the step after it (:mod:`~lightning_fastdist.parallel.replica_groups.rejoin`,
   :func:`~lightning_fastdist.strategies.loop_state.continue_after`).
 - **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
 """
@@ -27,10 +24,8 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 from __future__ import annotations
 
 import functools
-import os
-import socket
 import warnings
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -43,25 +38,20 @@ from torch import nn
 
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
+from lightning_fastdist.parallel.replica_groups.group import ReplicaGroup
+from lightning_fastdist.parallel.replica_groups.rejoin import Rejoined, load_optimizer_snapshot
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
-from lightning_fastdist.parallel.semi_sync.rejoin import Rejoined, load_optimizer_snapshot
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
-from lightning_fastdist.parallel.semi_sync.torchft_run import (
-    OuterSyncRun,
-    ReplicaGroup,
-    import_torchft,
-    start_lighthouse,
-)
+from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun
 from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
 from lightning_fastdist.strategies.loop_state import continue_after, training_position
+from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_node, share_in_node
 from lightning_fastdist.strategies.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
     restore_node_state,
     save_node_state,
 )
-
-LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
 
 
 class OuterSyncJob:
@@ -72,75 +62,32 @@ class OuterSyncJob:
         self.settings = settings
         self.owner = owner
         self.sharded = sharded
-        self.group: ReplicaGroup | None = None
+        self.nodes = NodeWorlds(owner, "outer_sync", settings.min_nodes, sharded)
         self.run: OuterSyncRun | None = None  # where this process talks across nodes, while fitting
         self._fragments: list[nn.Module] = []
         self._steps = 0  # optimizer steps of this fit (the schedule's clock on every rank)
         self._hook: Any = None
-        self._store: dist.Store | None = None  # the node's own store, shared by its ranks
-        self._lighthouse: Any = None
         self._own_weights: list[torch.Tensor] | None = None
         self.fragment_numels: list[int] = []  # elements of each fragment, once fitting started
         self._pending_resume: tuple[dict, dict] | None = None
 
+    @property
+    def group(self) -> ReplicaGroup | None:
+        """Where this process's node stands in the job (once joined)."""
+        return self.nodes.group
+
     def check_launch(self, num_nodes: int) -> None:
         """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
         torchft."""
-        if num_nodes < 2:
-            raise ValueError(
-                f"{self.owner}: outer_sync synchronises across nodes and this job has num_nodes={num_nodes}: "
-                "give Trainer(num_nodes=2 or more), or remove outer_sync (inside a node every step is synchronous)."
-            )
-        if (self.settings.min_nodes or 0) > num_nodes:
-            raise ValueError(
-                f"{self.owner}: outer_sync.min_nodes={self.settings.min_nodes} is more than the job's "
-                f"num_nodes={num_nodes}: give 1 to {num_nodes} (or leave it out: every node)."
-            )
-        import_torchft(self.owner)
+        self.nodes.check_launch(num_nodes, "remove outer_sync (inside a node every step is synchronous)")
 
     def check_fragments(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         """Raise the one-line ``ValueError`` of ``fragments`` that do not divide ``model``'s blocks."""
         split_into_fragments(model, blocks, self.settings.fragments)
 
     def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
-        """Join this node's own world (and, on global rank 0, start the lighthouse). Call after the strategy set
-        its world ranks."""
-        environment = strategy.cluster_environment
-        assert environment is not None and strategy.accelerator is not None
-        strategy.accelerator.setup_device(strategy.root_device)
-        main_port = environment.main_port
-        self.group = ReplicaGroup(
-            node_rank=strategy.node_rank,
-            num_nodes=strategy.num_nodes,
-            local_rank=strategy.local_rank,
-            sharded=self.sharded,
-            ranks_per_node=strategy.num_processes,
-            min_nodes=self.settings.min_nodes or strategy.num_nodes,
-            store_host=socket.gethostname(),
-            store_port=main_port + 2 + strategy.node_rank,
-            lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
-            first_store=(environment.main_address, main_port + 2),
-        )
-        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ:
-            self._lighthouse = start_lighthouse(main_port + 1, self.group.min_nodes)
-        if dist.is_initialized():
-            return
-        store = dist.TCPStore(
-            self.group.store_host,
-            self.group.store_port,
-            strategy.num_processes,
-            is_master=strategy.local_rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        self._store = dist.PrefixStore("outer_sync", store)
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("default_pg", store),
-            rank=strategy.local_rank,
-            world_size=strategy.num_processes,
-            timeout=timeout,
-        )
+        """Join this node's own world (:meth:`NodeWorlds.join`). Call after the strategy set its world ranks."""
+        self.nodes.join(strategy, backend, timeout)
 
     def start(
         self,
@@ -187,7 +134,7 @@ class OuterSyncJob:
             )
         rejoined = self._rejoined_in_node()
         if not self.sharded:
-            _broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
+            broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
             self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
         self._steps = 0
         if rejoined is not None:  # a live node's state, newer than any checkpoint this fit was given
@@ -202,14 +149,10 @@ class OuterSyncJob:
             resume.take_from(node_rng, self.group.local_rank, self.group.ranks_per_node)
 
     def _rejoined_in_node(self) -> Rejoined | None:
-        """How this node joined a running job, if it did (:mod:`~lightning_fastdist.parallel.semi_sync.rejoin`):
+        """How this node joined a running job, if it did (:mod:`~lightning_fastdist.parallel.replica_groups.rejoin`):
         under DDP local rank 0 received the live node's state and tells the node's other ranks."""
         rejoined = self.run.rejoined if self.run is not None else None
-        if self.sharded or dist.get_world_size() == 1:
-            return rejoined
-        shared = [rejoined]
-        dist.broadcast_object_list(shared, src=0)
-        return shared[0]
+        return rejoined if self.sharded else share_in_node(rejoined)
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
@@ -218,22 +161,21 @@ class OuterSyncJob:
         self._steps += 1
         if self._steps % self.settings.steps_between_fragments or dist.get_world_size() == 1:
             return
-        assert self._store is not None
+        store = self.nodes.store
+        assert store is not None
         key = f"applied/{self._steps}"
         if self.run is not None:
-            self._store.set(key, str(self.run.fragment_due))
-        fragment = int(self._store.get(key))
-        _broadcast_in_node(self._fragments[fragment].parameters())
+            store.set(key, str(self.run.fragment_due))
+        fragment = int(store.get(key))
+        broadcast_in_node(self._fragments[fragment].parameters())
         if self.run is not None:  # every other rank read it before joining the broadcast
-            self._store.delete_key(key)
+            store.delete_key(key)
 
     def training_ranks(self, world_size: int) -> int:
         """The ranks of the nodes in the latest quorum (known where this process talks across nodes, global rank 0
         among them; elsewhere, and before the first quorum, ``world_size``)."""
-        if self.run is None or not self.run.quorum_nodes:
-            return world_size
-        assert self.group is not None
-        return len(self.run.quorum_nodes) * self.group.ranks_per_node
+        quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
+        return self.nodes.training_ranks(quorum_nodes, world_size)
 
     def evaluate_on_global_weights(self, model: nn.Module) -> None:
         """Give ``model`` the global weights (under DDP local rank 0 holds them and sends them to the node's other
@@ -248,7 +190,7 @@ class OuterSyncJob:
         if self.run is not None:
             self.run.load_global_weights()
         if not self.sharded:
-            _broadcast_in_node(model.parameters())
+            broadcast_in_node(model.parameters())
 
     def back_to_own_weights(self, model: nn.Module) -> None:
         """Put back the weights :meth:`evaluate_on_global_weights` kept."""
@@ -343,19 +285,8 @@ class OuterSyncJob:
     def teardown(self) -> None:
         """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
         self.close_run()
-        if self._lighthouse is not None:
-            self._lighthouse.shutdown()
-            self._lighthouse = None
+        self.nodes.stop_lighthouse()
 
 
 def _warn(line: str) -> None:
     warnings.warn(line, stacklevel=2)
-
-
-def _broadcast_in_node(parameters: Iterable[torch.Tensor]) -> None:
-    """Give the node's other ranks local rank 0's values of ``parameters`` (a collective of the node's world)."""
-    if dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for parameter in parameters:
-            dist.broadcast(parameter.data, src=0)

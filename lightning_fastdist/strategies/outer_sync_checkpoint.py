@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
-from lightning_fastdist.parallel.semi_sync.torchft_run import LEFT_OUT_AFTER, OuterSyncRun, ReplicaGroup
+from lightning_fastdist.parallel.replica_groups.group import LEFT_OUT_AFTER, ReplicaGroup
+from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun
 from lightning_fastdist.strategies.side_files import read_side_file, write_side_file
 
 CHECKPOINT_KEY = "fast_outer_sync"

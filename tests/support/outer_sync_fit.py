@@ -104,7 +104,7 @@ class OuterSyncRecorder(L.Callback):
         strategy = trainer.strategy
         run = strategy.outer_sync.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
-        self.members.append(len(run.quorum_nodes) if run is not None else -1)
+        self.members.append(len(run.membership.quorum_nodes) if run is not None else -1)
         if self.training_data is not None:
             self.samples.append((trainer.current_epoch, self.training_data.served[:]))
             self.training_data.served.clear()

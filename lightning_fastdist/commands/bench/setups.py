@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
-from lightning_fastdist.parallel.semi_sync import torchft_run
+from lightning_fastdist.parallel.replica_groups.group import INSTALL_HINT as TORCHFT_HINT
+from lightning_fastdist.parallel.replica_groups.group import torchft_available
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES
 
@@ -139,7 +140,7 @@ def ours(setup: Setup, name: str | None = None, exact: bool = True, needs: str |
 def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
     """Every setup bench knows, by name, in the order the table lists them."""
     no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"
-    no_torchft = None if torchft_run.torchft_available() else f"torchft is not installed ({torchft_run.INSTALL_HINT})"
+    no_torchft = None if torchft_available() else f"torchft is not installed ({TORCHFT_HINT})"
     setups = [
         BenchSetup("lightning-ddp", "DDP", LIGHTNING_DDP),
         BenchSetup(

@@ -1,0 +1,262 @@
+"""What every form of training across torchft replica groups shares: where a node stands, the lighthouse, the
+``Manager`` of a process that talks across nodes, node 0's store where the nodes meet, and who each quorum holds.
+
+torchft (PyTorch's fault-tolerance library) is built for replica groups: each group is a torch.distributed world of
+its own (here: one node), and a ``Manager`` per rank forms a quorum of the groups through a lighthouse server and
+all-reduces across them on a process group it reconfigures per quorum. What is ours: the lighthouse started by
+global rank 0 and stopped with the job (no extra command), every node waiting for the others before the first quorum,
+the weights made equal across nodes before the first step, one line when a node leaves the quorum or comes back, and
+a restarted node told apart from one of the job's own. torchft's public API, and one private name: the manager's
+client (to read which nodes each quorum holds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fastdist.parallel.fsdp.local_shards import local_part
+
+INSTALL_HINT = "pip install lightning-fastdist[ft]"
+TRAINING_KEY = "outer_sync/training"  # in node 0's store while the nodes train: a node that starts then rejoins
+LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
+
+
+def torchft_available() -> bool:
+    """Whether ``torchft`` can be imported (without importing it)."""
+    return importlib.util.find_spec("torchft") is not None
+
+
+def import_torchft(owner: str) -> ModuleType:
+    """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command."""
+    if not torchft_available():
+        raise ImportError(f"{owner} needs torchft, which is not installed: {INSTALL_HINT}")
+    import torchft
+
+    return torchft
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Where one node stands in the job, and where its torchft servers are.
+
+    A node is one of torchft's replica groups. Where its ranks hold the same weights (DDP) one process talks
+    across nodes for the node, its local rank 0: a replica group of one. Where each rank holds a shard (FSDP)
+    every rank talks, with the ranks holding the same shard on the other nodes: a replica group of the node's ranks.
+
+    Attributes:
+        node_rank: this node's index; ``num_nodes`` in all.
+        local_rank: this process's rank inside its node.
+        sharded: whether each rank of the node holds its own shard of the weights (every rank talks across nodes).
+        ranks_per_node: the node's processes.
+        min_nodes: the fewest nodes a quorum may hold (fewer than ``num_nodes``: the job survives a lost node).
+        store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
+            across nodes rendezvous in the store of one node.
+        store_port: the port of this node's store (the node's own torch.distributed world).
+        lighthouse: ``http://HOST:PORT`` of the lighthouse.
+        first_store: ``(host, port)`` of node 0's store, where the nodes wait for each other before the first quorum.
+    """
+
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    sharded: bool
+    ranks_per_node: int
+    min_nodes: int
+    store_host: str
+    store_port: int
+    lighthouse: str
+    first_store: tuple[str, int]
+
+    @property
+    def talks_across_nodes(self) -> bool:
+        """Whether this process runs torchft's ``Manager`` (sends across nodes for its node, or for its shard)."""
+        return self.sharded or self.local_rank == 0
+
+    @property
+    def members(self) -> int:
+        """Processes of the node that talk across nodes: torchft's replica group size."""
+        return self.ranks_per_node if self.sharded else 1
+
+
+def start_lighthouse(port: int, min_nodes: int, owner: str) -> Any:
+    """Start torchft's lighthouse in this process, on every interface at ``port``; ``shutdown()`` stops it.
+
+    A quorum holds every group that heartbeats (one whose heartbeat stops for 5 s is left out), and at least
+    ``min_nodes``: once ``min_nodes`` asked, the lighthouse waits up to :data:`LEFT_OUT_AFTER` for the other
+    heartbeating groups (torchft's default, 100 ms, would split nodes a few milliseconds apart into different
+    quorums)."""
+    import_torchft(owner)
+    from torchft.coordination import LighthouseServer
+
+    join_timeout_ms = int(LEFT_OUT_AFTER.total_seconds() * 1000)
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_nodes, join_timeout_ms=join_timeout_ms)
+
+
+def new_manager(group: ReplicaGroup, timeout: timedelta, transport: Any, async_quorum: bool, owner: str) -> Any:
+    """torchft's ``Manager`` for this process's replica group (``node2``), on gloo, sending a node that heals its
+    state over ``transport``; with ``async_quorum`` a quorum overlaps the step's compute and a node that heals
+    sits that step out."""
+    torchft = import_torchft(owner)
+    return torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=group.min_nodes,
+        use_async_quorum=async_quorum,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=group.local_rank if group.sharded else 0,
+        world_size=group.members,
+        store_addr=group.store_host,
+        store_port=group.store_port,
+        lighthouse_addr=group.lighthouse,
+        replica_id=f"node{group.node_rank}",
+        init_sync=False,  # the weights are made equal by equalize_weights, through the public all-reduce
+        checkpoint_transport=transport,
+    )
+
+
+def equalize_weights(manager: Any, model: nn.Module, owner: str) -> None:
+    """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
+    all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast). Each
+    process sends what it holds: the whole weights, or its shard of them. Starts a quorum of its own."""
+    manager.start_quorum()
+    keeps_its_own = manager.participating_rank() == 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            held = local_part(parameter)
+            if not keeps_its_own:
+                held.zero_()
+            manager.allreduce(held, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        raise RuntimeError(f"{owner}: making the weights equal across nodes failed: {manager.errored()}")
+
+
+class FitRegister:
+    """Node 0's store, where the nodes of a fit wait for each other, and where a node that starts finds whether the
+    others are training (then it was restarted, and rejoins them)."""
+
+    fitted_in_this_process = False  # whether a fit started in this process before (then it never rejoins)
+
+    def __init__(self, group: ReplicaGroup, timeout: timedelta) -> None:
+        self.group = group
+        self.store = torch.distributed.TCPStore(
+            *group.first_store, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+        # A process that fitted before is one of the job's own (a second fit); one that did not, started while the
+        # others train, was restarted.
+        self.joining = self.store.check([TRAINING_KEY]) and not FitRegister.fitted_in_this_process
+        FitRegister.fitted_in_this_process = True
+        self.fit = self.store.get(TRAINING_KEY).decode() if self.joining else str(self._wait_for_every_node())
+
+    def _wait_for_every_node(self) -> int:
+        """Return once every process that talks across nodes got here: the first quorum then holds every node (a
+        quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would miss the
+        weights made equal). Returns which fit of the job this is (1, 2, ...)."""
+        arrived = self.store.add("outer_sync/arrived", 1)
+        everyone = self.group.num_nodes * self.group.members
+        fit = (arrived - 1) // everyone + 1
+        if arrived % everyone == 0:  # the last of this fit's arrivals (a second fit in the same job counts on)
+            self.store.set(f"outer_sync/everyone/{fit}", "")
+        self.store.wait([f"outer_sync/everyone/{fit}"])
+        return fit
+
+    def training_started(self) -> None:
+        """Say in the store that the nodes train (node 0 does), once their weights are equal."""
+        if self.group.node_rank == 0 and not self.joining:
+            self.store.set(TRAINING_KEY, self.fit)
+
+    def close(self) -> None:
+        """Node 0: the nodes no longer train, so a node that starts now starts a fit of its own."""
+        if self.group.node_rank == 0 and self.group.local_rank == 0:
+            self.store.delete_key(TRAINING_KEY)
+
+
+class Membership:
+    """Who each quorum holds, and one line when nodes left it or came back (reported once per node).
+
+    Args:
+        option: the option the lines name (``outer_sync``).
+        num_nodes: the job's nodes.
+        steps: returns the optimizer steps taken so far (the step the lines name).
+        meeting: where a node that heartbeats but does not come in time was expected (``the sync``).
+        report: called with each line (``None``: not said here).
+    """
+
+    def __init__(
+        self,
+        option: str,
+        num_nodes: int,
+        steps: Callable[[], int],
+        meeting: str,
+        report: Callable[[str], None] | None,
+    ) -> None:
+        self.option = option
+        self.num_nodes = num_nodes
+        self.steps = steps
+        self.meeting = meeting
+        self.report = report
+        self.quorum_nodes: tuple[str, ...] = ()  # the nodes of the latest quorum
+        self.joined: dict[str, int] = {}  # the nodes that came back, and at which step
+        self.recovery_source: str | None = None  # the node this one healed from at the latest quorum, if it did
+        self._replicas: tuple[str, ...] = ()  # the latest quorum's torchft replica ids (a restarted node has a new one)
+
+    def watch(self, manager: Any) -> None:
+        """Read every quorum ``manager`` receives."""
+        manager._client = _QuorumMembers(manager._client, self.note)
+
+    def note(self, replicas: tuple[str, ...], source: str | None) -> None:
+        """After each quorum (``replicas``: its members, ``node2:<uuid>`` each): report the nodes that left it and
+        those that joined it since the previous one (``source``: the node this one heals from, if it does)."""
+        before = self._replicas
+        left = nodes_of(replica for replica in before if replica not in replicas)
+        joined = nodes_of(replica for replica in replicas if before and replica not in before)
+        lost = tuple(node for node in left if node not in joined)  # a node restarted in time is both: it came back
+        self._replicas = replicas
+        self.quorum_nodes = nodes_of(replicas)
+        self.recovery_source = source
+        step = self.steps()
+        self.joined.update(dict.fromkeys(joined, step))
+        if self.report is None:
+            return
+        training = f"{len(self.quorum_nodes)} of {self.num_nodes} nodes train on"
+        if lost:
+            self.report(
+                f"{self.option}: {', '.join(lost)} left the job at step {step} (no heartbeat for 5 s, or not at "
+                f"{self.meeting} within {LEFT_OUT_AFTER.seconds} s): {training}; the data the lost nodes read is not "
+                "trained from here (docs/fault-tolerance.md)."
+            )
+        if joined:
+            self.report(f"{self.option}: {', '.join(joined)} came back at step {step} (restarted): {training}.")
+
+
+class _QuorumMembers:
+    """torchft's manager client, telling ``note`` the nodes of each quorum it receives (``node3``, ...), and the node
+    this one heals from where it does."""
+
+    def __init__(self, client: Any, note: Callable[[tuple[str, ...], str | None], None]) -> None:
+        self._client = client
+        self._note = note
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        source = quorum.replica_ids[quorum.recover_src_replica_rank] if quorum.heal else None  # in replica rank order
+        self._note(tuple(quorum.replica_ids), nodes_of([source])[0] if source else None)
+        return quorum
+
+
+def nodes_of(replicas: Iterable[str]) -> tuple[str, ...]:
+    """The nodes of torchft replica ids (``node2:<uuid>``: ``node2``), sorted."""
+    return tuple(sorted(replica.split(":")[0] for replica in replicas))
