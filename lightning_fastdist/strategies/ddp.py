@@ -44,6 +44,8 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
+from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.strategies.blocks_option import blocks_option
@@ -68,6 +70,7 @@ from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
@@ -107,6 +110,11 @@ class FastDDPStrategy(DDPStrategy):
             (:class:`~lightning_fastdist.parallel.semi_sync.settings.OuterSync` describes its options; a mapping of
             them in a recipe); inside a node every step stays synchronous. ``None`` (the default): every step, exact.
             ``docs/semi-sync.md`` says when it pays.
+        replica_groups: train each node as a torchft replica group, the gradients averaged across the nodes every
+            step (what DDP computes), so that a lost node leaves the others training on and a restarted one joins
+            them (:class:`~lightning_fastdist.parallel.replica_groups.settings.ReplicaGroups` describes its options:
+            ``{min_nodes: 1}`` in a recipe; ``docs/fault-tolerance.md``). ``None`` (the default): one world, a lost
+            node ends the job.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
             (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
@@ -142,6 +150,7 @@ class FastDDPStrategy(DDPStrategy):
         compile: CompileOption = False,
         compile_scope: CompileScope = "blocks",
         outer_sync: OuterSync | None = None,
+        replica_groups: ReplicaGroups | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -163,12 +172,25 @@ class FastDDPStrategy(DDPStrategy):
                 factor_dtype=powersgd_factor_dtype,
             )
             outer = OuterSync.of(outer_sync)
+            replicas = ReplicaGroups.of(replica_groups)
+            if outer is not None and replicas is not None:
+                raise ValueError(
+                    "outer_sync and replica_groups are two forms of training across nodes: give one (a lost node is "
+                    "left out under outer_sync with its own min_nodes)."
+                )
             if outer is not None:
-                comm_hook = _intra_node_hook(comm_hook)
+                comm_hook = _intra_node_hook(comm_hook, "outer_sync")
+            if replicas is not None:
+                comm_hook = _intra_node_hook(comm_hook, "replica_groups")
             self.comm = CommHookSpec(comm_hook, powersgd, AutoPolicy(window=comm_hook_window))
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
         self.outer_sync = OuterSyncJob(outer, "FastDDPStrategy") if outer is not None else None
+        self.replica_groups = (
+            ReplicaGroupsJob(replicas, "FastDDPStrategy", kwargs.get("broadcast_buffers", True))
+            if replicas is not None
+            else None
+        )
         check_bucket_cap_mb(bucket_cap_mb)
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
         self.timeout = collective_timeout(timeout, type(self).__name__)
@@ -208,8 +230,8 @@ class FastDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
-        if self.outer_sync is not None:
-            self.outer_sync.check_launch(self.num_nodes)
+        if self._across_nodes is not None:
+            self._across_nodes.check_launch(self.num_nodes)
 
     def check_names(self, module: LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
@@ -229,8 +251,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        if self.outer_sync is not None:
-            self.outer_sync.join_node_group(self, self._get_process_group_backend(), self.timeout)
+        if self._across_nodes is not None:
+            self._across_nodes.join_node_group(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         super().setup_distributed()  # finds the group initialised and keeps it
 
@@ -270,8 +292,14 @@ class FastDDPStrategy(DDPStrategy):
     @property
     def training_ranks(self) -> int:
         """The ranks training now (what :class:`~lightning_fastdist.SpeedMonitor` counts): every rank, or under
-        outer_sync with ``min_nodes`` those of the nodes still in the job."""
-        return self.outer_sync.training_ranks(self.world_size) if self.outer_sync is not None else self.world_size
+        outer_sync with ``min_nodes`` or replica_groups those of the nodes still in the job."""
+        across = self._across_nodes
+        return across.training_ranks(self.world_size) if across is not None else self.world_size
+
+    @property
+    def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
+        """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
+        return self.outer_sync or self.replica_groups
 
     @override
     def on_train_start(self) -> None:
@@ -289,6 +317,15 @@ class FastDDPStrategy(DDPStrategy):
                 clock=self.exposed_comm,
             )
         assert self.lightning_module is not None
+        if self.replica_groups is not None:  # after Lightning restored a checkpoint's state
+            self.replica_groups.start(
+                self.model,
+                self.lightning_module,
+                self.optimizers,
+                self.timeout,
+                stats=self.comm_stats,
+                clock=self.exposed_comm,
+            )
         align_resumed_batch_count(self.lightning_module.trainer)
 
     @override
@@ -312,6 +349,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._resume.before_batch()
+        if self.replica_groups is not None:
+            self.replica_groups.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -326,7 +365,11 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.replica_groups is not None:
+            closure = self.replica_groups.averaging_after(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.replica_groups is not None:
+            self.replica_groups.after_step(self.lightning_module.trainer)
         end_comm_step(self.comm_stats, self.exposed_comm)
         state, clock = self.hook_state, self.exposed_comm
         if isinstance(state, AutoCommState) and clock is not None and state.measuring:
@@ -342,10 +385,11 @@ class FastDDPStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Training data is shared out over every rank of every node; under outer_sync evaluation data over the
-        node's ranks only, so that every node evaluates all of it on the same global weights and gets the same
-        metrics (Lightning's reductions and EarlyStopping's decision are within a node)."""
-        if self.outer_sync is not None and self.lightning_module is not None:
+        """Training data is shared out over every rank of every node; with a world per node (outer_sync,
+        replica_groups) evaluation data over the node's ranks only, so that every node evaluates all of it on the
+        same weights and gets the same metrics (Lightning's reductions and EarlyStopping's decision are within a
+        node)."""
+        if self._across_nodes is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return super().distributed_sampler_kwargs
@@ -367,6 +411,8 @@ class FastDDPStrategy(DDPStrategy):
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
             self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, trainer.global_step, stopping)
+        elif self.replica_groups is not None:  # the nodes hold the same state: node 0's ranks' random states
+            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
         else:
             self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         powersgd = self.hook_state
@@ -391,6 +437,8 @@ class FastDDPStrategy(DDPStrategy):
             self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
             if self.lightning_module.trainer.training:
                 self.outer_sync.load(checkpoint, checkpoint_path)
+        elif self.replica_groups is not None:
+            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)
         else:
             self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
@@ -422,8 +470,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
-        if self.outer_sync is not None:
-            self.outer_sync.teardown()
+        if self._across_nodes is not None:
+            self._across_nodes.teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
@@ -446,8 +494,11 @@ class FastDDPStrategy(DDPStrategy):
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
-        """The collectives logged as ``comm/<collective>_bytes_per_step`` (under outer_sync, the outer one too)."""
-        return (ALL_REDUCE, OUTER_ALL_REDUCE) if self.outer_sync is not None else (ALL_REDUCE,)
+        """The collectives logged as ``comm/<collective>_bytes_per_step`` (under outer_sync or replica_groups, the one
+        across nodes too)."""
+        if self.outer_sync is not None:
+            return (ALL_REDUCE, OUTER_ALL_REDUCE)
+        return (ALL_REDUCE, ACROSS_NODES) if self.replica_groups is not None else (ALL_REDUCE,)
 
     def _restore_hook_state(self, saved: dict) -> None:
         """Put back what a checkpoint holds of the hook: auto's level and decisions, PowerSGD's memories."""
@@ -466,13 +517,17 @@ class FastDDPStrategy(DDPStrategy):
             )
 
 
-def _intra_node_hook(comm_hook: str) -> str:
-    """The hook inside a node under outer_sync: ``auto`` is ``none`` (only the outer sync crosses the slow link);
-    PowerSGD is refused (its per-rank state files assume one world across nodes)."""
+def _intra_node_hook(comm_hook: str, option: str) -> str:
+    """The hook inside a node under ``option`` (outer_sync or replica_groups): ``auto`` is ``none`` (inside a node
+    gradients travel on fast links); PowerSGD is refused (its per-rank state files assume one world across nodes)."""
     if comm_hook == "powersgd":
+        why = {
+            "outer_sync": "outer_sync crosses the slow link only every `every` steps, and inside a node",
+            "replica_groups": "under replica_groups each node is a world of its own, and inside it",
+        }[option]
         raise ValueError(
-            "outer_sync crosses the slow link only every `every` steps, and inside a node gradients travel on fast "
-            "links: comm_hook='powersgd' is not taken with it; use comm_hook='none' (or 'bf16')."
+            f"{why} gradients travel on fast links: comm_hook='powersgd' is not taken with it; use comm_hook='none' "
+            "(or 'bf16')."
         )
     return "none" if comm_hook == "auto" else comm_hook
 

@@ -43,7 +43,10 @@ RECIPE_CPU_OVERRIDES = {
     "large_model": [],
     "large_model_deepspeed": [],
 }
-RECIPES = ("cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node", "multi_node_ethernet")
+RECIPES = (
+    "cpu_smoke", "single_node", "large_model", "large_model_deepspeed", "multi_node", "multi_node_ethernet",
+    "multi_node_fault_tolerant",
+)  # fmt: skip
 # The quick-start recipe resumes through the CLI; each engine's resume is held bitwise by its own tests
 # (test_exact_resume, test_fsdp_checkpoint, test_deepspeed). The multi-node ones train on two loopback nodes below.
 RESUMED = ("cpu_smoke",)
@@ -148,24 +151,21 @@ def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchr
     assert sorted(p.name for p in node_files.iterdir()) == ["node00000.pt", "node00001.pt"]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_multi_node_ethernet_recipe_trains_on_without_a_lost_node_and_takes_it_back(in_tmp_dir):
-    """The recipe's ``min_nodes: 1`` on two loopback nodes (Lightning's launcher): node 1 is SIGKILLed after step 4,
-    node 0 trains on alone and waits after step 8 until node 1, started again with the same command, trains; node 1
-    joins at a later sync with node 0's state, and rank 0's ``speed/ranks`` says 2, then 1, then 2."""
-    started = in_tmp_dir / "started"
+def lose_node_1_and_start_it_again(config: str, *options: str, **faults: str) -> tuple[list[tuple[str, str]], int]:
+    """Fit ``config`` for 16 steps on two loopback nodes (Lightning's launcher): node 1 is SIGKILLed after step 4 (or
+    where ``faults`` say), node 0 trains on alone and waits after step 8 until node 1, started again with the same
+    command, trains. Returns each node's ``(stdout, stderr)`` (node 1's of its second start) and the step after which
+    node 1 came back."""
+    started = Path("started").resolve()
     command = cli_command(
-        "fit", "--config", "multi_node_ethernet", *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+        "fit", "--config", config, *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
         "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_steps", "16",
-        "--trainer.log_every_n_steps", "1", "--trainer.strategy.init_args.outer_sync.every", "2",
-        "--trainer.strategy.init_args.outer_sync.delay", "0",
-        "--trainer.callbacks+=tests.support.node_faults.NodeFaults",
+        "--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.support.node_faults.NodeFaults", *options,
     )  # fmt: skip
     port = str(free_port_span(4))
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "PYTHONPATH": str(REPO_ROOT),
-         "NODE_FAULT_KILL": "1:4", "NODE_FAULT_HOLD": f"8:{started}"}
+         "NODE_FAULT_KILL": "1:4", "NODE_FAULT_HOLD": f"8:{started}", **faults}
         for node in range(2)
     ]  # fmt: skip
     nodes = [
@@ -178,10 +178,41 @@ def test_multi_node_ethernet_recipe_trains_on_without_a_lost_node_and_takes_it_b
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     came_back = int(re.search(r"node1 rejoined the job at step (\d+) .* of node0", outputs[1][1]).group(1))
+    return outputs, came_back
+
+
+def logged_ranks() -> dict[int, float]:
+    """``speed/ranks`` by logged step (Lightning names step k's values k - 1)."""
+    return {
+        int(row["step"]): float(row["speed/ranks"]) for row in metrics(Path("lightning_logs")) if row.get("speed/ranks")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_multi_node_ethernet_recipe_trains_on_without_a_lost_node_and_takes_it_back(in_tmp_dir):
+    """The recipe's ``min_nodes: 1``: node 1 joins at a later sync with node 0's state, and rank 0's ``speed/ranks``
+    says 2, then 1, then 2."""
+    outputs, came_back = lose_node_1_and_start_it_again(
+        "multi_node_ethernet", "--trainer.strategy.init_args.outer_sync.every", "2",
+        "--trainer.strategy.init_args.outer_sync.delay", "0",
+    )  # fmt: skip
     # A fragment crosses at every step (2 fragments every 2 steps): step 5's quorum is the first without node 1.
     assert "outer_sync: node1 left the job at step 5" in outputs[0][1]
     assert f"outer_sync: node1 came back at step {came_back} (restarted): 2 of 2 nodes train on." in outputs[0][1]
-    rows = metrics(Path("lightning_logs"))
-    ranks = {int(row["step"]): float(row["speed/ranks"]) for row in rows if row.get("speed/ranks")}
-    # Logged at each step (Lightning names step k's values k - 1): the ranks of the nodes in that step's quorum.
-    assert ranks == {step - 1: 1.0 if 5 <= step < came_back else 2.0 for step in range(1, 17)}
+    # The ranks of the nodes in each step's quorum.
+    assert logged_ranks() == {step - 1: 1.0 if 5 <= step < came_back else 2.0 for step in range(1, 17)}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_multi_node_fault_tolerant_recipe_skips_the_step_a_node_was_lost_in_and_takes_it_back(in_tmp_dir):
+    """The recipe's ``replica_groups: {min_nodes: 1}``: node 1 is SIGKILLed during step 4's backward, after that
+    step's quorum held it; node 0's all-reduce of step 4 fails, the step is not applied, and node 0 trains on alone
+    from step 5. Node 1, started again, takes node 0's state at the quorum of a later step and trains on with it."""
+    outputs, came_back = lose_node_1_and_start_it_again("multi_node_fault_tolerant", NODE_FAULT_KILL_IN="backward")
+    survivor = outputs[0][1]
+    assert "replica_groups: step 4 is not applied on node0 (a node was lost during its all-reduce: " in survivor
+    assert "replica_groups: node1 left the job at step 4" in survivor
+    assert f"replica_groups: node1 came back at step {came_back} (restarted): 2 of 2 nodes train on." in survivor
+    assert logged_ranks() == {step - 1: 1.0 if 5 <= step <= came_back else 2.0 for step in range(1, 17)}

@@ -4,7 +4,9 @@ on ``PYTHONPATH``):
 
 - ``NODE_FAULT_SIGTERM_AT=S``: every rank sends itself SIGTERM during step ``S`` (a job preempted);
 - ``NODE_FAULT_KILL=N:S``: every rank of node ``N`` prints ``KILLED N S <time>`` and SIGKILLs itself after step ``S``
-  (a node lost), or sends itself ``NODE_FAULT_KILL_SIGNAL`` (``SIGTERM``: a node preempted);
+  (a node lost), or sends itself ``NODE_FAULT_KILL_SIGNAL`` (``SIGTERM``: a node preempted); with
+  ``NODE_FAULT_KILL_IN=backward``, at the end of step ``S``'s backward instead: under ``replica_groups`` once the
+  step's quorum holds the node and before its gradients cross the link (the others' all-reduce of that step fails);
 - ``NODE_FAULT_HOLD=S:FILE``: the other nodes write ``FILE.held`` after step ``S`` and wait until ``FILE`` exists, and
   ``NODE_FAULT_ANNOUNCE=FILE``: a node writes ``FILE`` when its training starts. Together: a node restarted after
   the others held joins them before their run ends, whatever the machine's speed.
@@ -31,19 +33,31 @@ class NodeFaults(L.Callback):
         if announce:
             open(announce, "w").close()
 
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if os.environ.get("NODE_FAULT_KILL_IN") == "backward":
+            replica_groups = getattr(trainer.strategy, "replica_groups", None)
+            if replica_groups is not None and replica_groups.run is not None:
+                replica_groups.run.manager.wait_quorum()  # the step's quorum holds this node
+            self._kill_if_due(trainer, trainer.global_step + 1)
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
         step = trainer.global_step
         if step == int(os.environ.get("NODE_FAULT_SIGTERM_AT", "0")):
             os.kill(os.getpid(), signal.SIGTERM)
-        killed_node, _, kill_step = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")
-        if (trainer.node_rank, step) == (int(killed_node), int(kill_step)):
-            print("KILLED", trainer.node_rank, step, time.time(), flush=True)
-            os.kill(os.getpid(), signal.Signals[os.environ.get("NODE_FAULT_KILL_SIGNAL", "SIGKILL")])
+        if os.environ.get("NODE_FAULT_KILL_IN") != "backward":
+            self._kill_if_due(trainer, step)
+        killed_node = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")[0]
         hold_step, _, hold_file = os.environ.get("NODE_FAULT_HOLD", "0:").partition(":")
         if step == int(hold_step) and trainer.node_rank != int(killed_node):
             open(f"{hold_file}.held", "w").close()
             while not os.path.exists(hold_file):
                 time.sleep(0.1)
+
+    def _kill_if_due(self, trainer: L.Trainer, step: int) -> None:
+        killed_node, _, kill_step = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")
+        if (trainer.node_rank, step) == (int(killed_node), int(kill_step)):
+            print("KILLED", trainer.node_rank, step, time.time(), flush=True)
+            os.kill(os.getpid(), signal.Signals[os.environ.get("NODE_FAULT_KILL_SIGNAL", "SIGKILL")])
 
 
 def wait_until_held(started: Path, timeout: float = 240) -> None:

@@ -1,0 +1,189 @@
+"""One node's side of training every step across nodes that are torchft replica groups.
+
+Inside a node the strategy averages gradients as it always does (DDP); across nodes the node's local rank 0 runs
+torchft's ``Manager`` with an asynchronous quorum, torchft's protocol for synchronous training:
+
+1. At the start of a step (:meth:`EveryStepRun.start_step`) the quorum starts in torchft's thread, overlapping
+   the forward and backward passes.
+2. After the backward (:meth:`EveryStepRun.average`) the node's gradients, flattened, are averaged over the nodes
+   of that quorum, and ``should_commit`` says whether every all-reduce of the step succeeded.
+3. The step is applied where it committed. Where it did not (a node was lost during the all-reduce) no weight
+   moves on this node; the next step's quorum is formed without the lost node.
+
+A node whose torchft step is behind the quorum's heals in that quorum: a live node sends it the weights, the
+optimizer's state and the training position (:mod:`.rejoin`), it sends zeros into that step's all-reduce (torchft
+counts it out) and steps with the others' average, so that its weights equal theirs after that step. A node
+restarted with the job's command is one (:meth:`EveryStepRun.__init__`); a node that missed a commit the others made
+is another. torchft's public API, and one private name: the state a healing node received, read before its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fastdist.parallel.comm.accounting import CommStats
+from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, TimedWork
+from lightning_fastdist.parallel.replica_groups.group import (
+    FitRegister,
+    Membership,
+    ReplicaGroup,
+    equalize_weights,
+    new_manager,
+)
+from lightning_fastdist.parallel.replica_groups.rejoin import (
+    NODE_STATE_KEY,
+    CountedTransport,
+    NodeState,
+    Rejoined,
+    load_optimizer_snapshot,
+)
+
+ACROSS_NODES = "replica_allreduce"  # logged as comm/replica_allreduce_bytes_per_step
+OPTION = "replica_groups"
+
+
+class EveryStepRun:
+    """torchft's ``Manager`` for the process that talks across nodes for its node (its local rank 0).
+
+    Args:
+        model: the model as trained; its weights are made equal across nodes (node 0's), and sent to a node that
+            heals.
+        optimizer: the optimizer the strategy steps; its state is sent to a node that heals.
+        group: this rank's :class:`~lightning_fastdist.parallel.replica_groups.group.ReplicaGroup`.
+        timeout: for torchft's collectives and quorums.
+        stats: the strategy's byte counts; the all-reduces across nodes are recorded as :data:`ACROSS_NODES`.
+        clock: the strategy's exposed-communication clock; waiting for them counts.
+        report: called with the lines saying which nodes left or came back, and which steps were not applied.
+
+    Attributes:
+        position: the training position after the latest step (the strategy sets it): what a node that rejoins
+            receives.
+        rejoined: how this node joined the running job, where it did.
+        skipped: the steps that did not commit on this node.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: ReplicaGroup,
+        timeout: timedelta,
+        stats: CommStats | None = None,
+        clock: ExposedCommClock | None = None,
+        report: Callable[[str], object] | None = None,
+    ) -> None:
+        self.group = group
+        self._stats = stats
+        self._clock = clock
+        self._report = report
+        self._transport = CountedTransport(timeout)  # torchft's HTTP transport, its bytes counted
+        self.manager = new_manager(group, timeout, self._transport, async_quorum=True, owner=OPTION)
+        self.steps = 0  # optimizer steps of this fit
+        self.position: Any = None
+        self.rejoined: Rejoined | None = None
+        self.skipped: list[int] = []
+        self.membership = Membership(OPTION, group.num_nodes, lambda: self.steps, "the step's quorum", report)
+        self.membership.watch(self.manager)
+        self._node_state = NodeState(model, optimizer, lambda: {"steps": self.steps}, lambda: self.position)
+        self.manager.register_state_dict_fn(NODE_STATE_KEY, self._node_state.receive, self._node_state.snapshot)
+        self._quorum_started = False
+        self._register = FitRegister(group, timeout)
+        if self._register.joining:
+            self._rejoin()
+        else:
+            equalize_weights(self.manager, model, OPTION)
+            self._register.training_started()
+
+    def _rejoin(self) -> None:
+        """Join nodes that are training: wait for the quorum of their next step, in which torchft gives this node a
+        live node's state; take the weights and optimizer state now (the training position is the strategy's to
+        set: :attr:`rejoined`). That quorum is this node's first step's."""
+        self.start_step()
+        self.manager.wait_quorum()
+        pending = self.manager._pending_state_dict  # applied by torchft only at should_commit, after the forward
+        if pending is None:
+            raise RuntimeError(
+                f"{OPTION}: node{self.group.node_rank} started while the other nodes train and received no state from "
+                f"them ({self.manager.errored() or 'they had not taken a step yet'}): restart the whole job, or start "
+                "this node again."
+            )
+        received = pending["user"][NODE_STATE_KEY]
+        self._apply(received)
+        self.steps = received["schedule"]["steps"]
+        self.rejoined = Rejoined(
+            source=self.membership.recovery_source or "?",
+            step=self.steps,
+            received_bytes=self._transport.received_bytes,
+            position=received["position"],
+            inner_optimizer=received["optimizer"],
+        )
+        if self._report is not None:
+            self._report(
+                f"{OPTION}: node{self.group.node_rank} rejoined the job at step {self.steps} with the weights and "
+                f"optimizer state of {self.rejoined.source} ({self.rejoined.received_bytes:,} bytes from its memory, "
+                f"not from a checkpoint): its batch of step {self.steps + 1} is not trained (torchft counts a node "
+                "that heals out of that step), it trains on from the next."
+            )
+
+    def _apply(self, received: dict[str, Any]) -> None:
+        self._node_state.restore_weights(received["weights"])
+        load_optimizer_snapshot(self._node_state.optimizer, received["optimizer"])
+
+    def start_step(self) -> None:
+        """Start the quorum of the next optimizer step, once (call at each batch's start: under gradient
+        accumulation the first batch of the step starts it)."""
+        if not self._quorum_started:
+            self.manager.start_quorum()
+            self._quorum_started = True
+
+    def average(self, flats: Sequence[torch.Tensor], first_node: Sequence[torch.Tensor] = ()) -> bool:
+        """Average ``flats`` (this node's gradients, flattened) over the nodes of this step's quorum, in place, give
+        ``first_node`` (the model's buffers, flattened) the values of the quorum's first node (as DDP broadcasts rank
+        0's), and return whether the step commits (every node's all-reduce succeeded and the quorum holds
+        ``min_nodes``). Where this node healed at this step, its weights and optimizer state are now the live node's."""
+        self.start_step()
+        works = [self._all_reduce(flat, torch.distributed.ReduceOp.AVG) for flat in flats]
+        if first_node and self.manager.participating_rank() != 0:
+            for flat in first_node:
+                flat.zero_()
+        works += [self._all_reduce(flat, torch.distributed.ReduceOp.SUM) for flat in first_node]
+        for work in works:
+            work.wait()
+        committed = self.manager.should_commit()  # where this node heals, torchft gives it the state here
+        self._quorum_started = False
+        self.steps += 1
+        received, self._node_state.received = self._node_state.received, None
+        if received is not None:  # again on a restarted node's first step: the same state, its weights unchanged since
+            self._apply(received)
+        if not committed:
+            self.skipped.append(self.steps)
+            if self._report is not None:
+                self._report(
+                    f"{OPTION}: step {self.steps} is not applied on node{self.group.node_rank} "
+                    f"({self._why_not_committed()}): no weight moved; training goes on from the next step."
+                )
+        return committed
+
+    def _why_not_committed(self) -> str:
+        error = self.manager.errored()
+        if error is None:
+            return f"its quorum held fewer than min_nodes={self.group.min_nodes} nodes taking part"
+        cause = str(getattr(error, "original_exception", error)).split(". ")[0]
+        return f"a node was lost during its all-reduce: {cause}"
+
+    def _all_reduce(self, flat: torch.Tensor, op: torch.distributed.ReduceOp.RedOpType) -> Any:
+        if self._stats is not None:
+            self._stats.record(flat, ACROSS_NODES)
+        work = self.manager.allreduce(flat, reduce_op=op)
+        return TimedWork(work, self._clock) if self._clock is not None else work
+
+    def close(self) -> None:
+        """Stop this process's torchft servers (node 0: the nodes no longer train, so a node that starts now starts a
+        fit of its own)."""
+        self.manager.shutdown(wait=False)
+        self._register.close()

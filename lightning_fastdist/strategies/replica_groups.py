@@ -1,0 +1,147 @@
+"""What FastDDPStrategy does differently with ``replica_groups``: one torch.distributed world per node, gradients
+averaged across the nodes every step through torchft, a lost node left out and a restarted one taken back.
+
+Owned and called by FastDDPStrategy from its own hooks:
+
+- **Before any process starts** (:meth:`ReplicaGroupsJob.check_launch`): more than one node, torchft installed.
+- **Joining** (:meth:`ReplicaGroupsJob.join_node_group`): one world per node
+  (:mod:`~lightning_fastdist.strategies.node_worlds`).
+- **Fitting** (:meth:`ReplicaGroupsJob.start`): each node's local rank 0 runs
+  :class:`~lightning_fastdist.parallel.replica_groups.every_step.EveryStepRun`. Each batch's start starts the step's
+  quorum (:meth:`ReplicaGroupsJob.before_batch`); Lightning's closure is wrapped so that after the backward (DDP has
+  averaged the gradients inside the node) local rank 0 averages them across the nodes and gives the node's other
+  ranks the result (:meth:`ReplicaGroupsJob.averaging_after`), before clipping and ``on_before_optimizer_step`` see
+  them, as under DDP. A step that did not commit leaves every gradient ``None``: the optimizer skips it.
+- **Rejoining**: a node restarted with the same command while the others train takes a live node's weights,
+  optimizer state and training position at their next step's quorum, and trains on from the step after it
+  (:func:`~lightning_fastdist.strategies.loop_state.continue_after`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
+
+from lightning_fastdist.parallel.replica_groups.every_step import OPTION, EveryStepRun
+from lightning_fastdist.parallel.replica_groups.gradients import (
+    flatten_gradients,
+    flatten_tensors,
+    unflatten_gradients,
+    unflatten_tensors,
+)
+from lightning_fastdist.parallel.replica_groups.rejoin import load_optimizer_snapshot
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
+from lightning_fastdist.strategies.loop_state import continue_after, training_position
+from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_node, share_in_node
+
+
+class ReplicaGroupsJob:
+    """Training every step across nodes that are torchft replica groups (``owner`` names the strategy in errors;
+    ``broadcast_buffers``: the model's buffers are node 0's at every step, as DDP's ``broadcast_buffers`` makes them
+    rank 0's)."""
+
+    def __init__(self, settings: ReplicaGroups, owner: str, broadcast_buffers: bool = True) -> None:
+        self.settings = settings
+        self.owner = owner
+        self.broadcast_buffers = broadcast_buffers
+        self.nodes = NodeWorlds(owner, OPTION, settings.min_nodes, sharded=False)
+        self.run: EveryStepRun | None = None  # on each node's local rank 0, while fitting
+        self._parameters: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def check_launch(self, num_nodes: int) -> None:
+        """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
+        torchft."""
+        self.nodes.check_launch(num_nodes, f"remove {OPTION}")
+
+    def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
+        """Join this node's own world. Call after the strategy set its world ranks."""
+        self.nodes.join(strategy, backend, timeout)
+
+    def start(
+        self,
+        model: nn.Module,
+        module: pl.LightningModule,
+        optimizers: Sequence[torch.optim.Optimizer],
+        timeout: timedelta,
+        **counting: Any,
+    ) -> None:
+        """Start this node's side of the job when training starts (after Lightning restored a checkpoint's state):
+        the weights made equal across nodes, or, on a node restarted while the others train, theirs taken, with the
+        loops set to their position."""
+        if not module.automatic_optimization or len(optimizers) != 1:
+            raise ValueError(
+                f"{self.owner}: {OPTION} averages the gradients of Lightning's automatic optimization, one optimizer, "
+                "and this LightningModule steps its optimizers itself: remove replica_groups (or use outer_sync "
+                "with min_nodes, which hooks any single optimizer's step)."
+            )
+        group = self.nodes.group
+        assert group is not None, "join_node_group first"
+        self.close_run()  # a second fit in the same process starts afresh
+        self._parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        self._buffers = [buffer for buffer in model.buffers() if self.broadcast_buffers and buffer.dtype != torch.bool]
+        if group.talks_across_nodes:
+            self.run = EveryStepRun(model, optimizers[0], group, timeout, report=_warn, **counting)
+        rejoined = share_in_node(self.run.rejoined if self.run is not None else None)
+        broadcast_in_node([*model.parameters(), *self._buffers])  # the weights local rank 0 agreed on
+        if rejoined is not None:
+            if self.run is None:  # local rank 0 loaded it; its weights came with the broadcast above
+                load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
+            continue_after(module.trainer, rejoined.position, rejoined.step)
+
+    def before_batch(self) -> None:
+        """Start the step's quorum (it overlaps the forward and backward)."""
+        if self.run is not None:
+            self.run.start_step()
+
+    def averaging_after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's ``closure`` (forward and backward), then the gradients averaged across the nodes."""
+
+        def closure_then_average() -> Any:
+            loss = closure()
+            self._average()
+            return loss
+
+        return closure_then_average
+
+    def _average(self) -> None:
+        flats, buffers = flatten_gradients(self._parameters), flatten_tensors(self._buffers)
+        committed = torch.ones(1, device=self._parameters[0].device)
+        if self.run is not None:
+            committed.fill_(float(self.run.average(flats, buffers)))
+        broadcast_in_node([*flats, *buffers, committed])
+        unflatten_gradients(self._parameters, flats, apply=bool(committed.item()))
+        unflatten_tensors(self._buffers, buffers)
+
+    def after_step(self, trainer: pl.Trainer) -> None:
+        """Keep where training stands after this step: what a node that rejoins at the next one receives."""
+        if self.run is not None:
+            self.run.position = training_position(trainer)
+
+    def training_ranks(self, world_size: int) -> int:
+        """The ranks of the nodes in the latest quorum (known on each node's local rank 0, global rank 0 among them;
+        elsewhere, and before the first quorum, ``world_size``)."""
+        quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
+        return self.nodes.training_ranks(quorum_nodes, world_size)
+
+    def close_run(self) -> None:
+        """Stop this process's torchft servers."""
+        if self.run is not None:
+            self.run.close()
+            self.run = None
+
+    def teardown(self) -> None:
+        """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
+        self.close_run()
+        self.nodes.stop_lighthouse()
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=2)

@@ -1,0 +1,124 @@
+"""One node's fits of models we did not write, under FastDDPStrategy(replica_groups=...) or, to compare, Lightning's
+own DDPStrategy on the same nodes; run once per node by tests (``NODE_RANK`` set).
+
+Usage: ``python -m tests.support.replica_groups_fit ENGINE MODELS STEPS [MIN_NODES]``: ``ENGINE`` is ``fast`` or
+``lightning``, ``MODELS`` a comma-separated list of :data:`tests.support.model_zoo.MODELS` names fitted one after the
+other in this process (a second fit in the same job). Nodes: ``REPLICA_FIT_NODES`` (default 2); ranks per node:
+``EMULATED_RANKS_PER_NODE`` (default 1). Faults are :mod:`tests.support.node_faults`'s. Every rank prints one
+``FIT {json}`` line per model: per step the loss, the global step, a digest of the weights after it, the nodes of
+the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read; the weights the first step
+started from, the buffers at the end, how the node rejoined if it did, the steps that did not commit, and the bytes
+all-reduced across nodes per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import Dataset
+
+from lightning_fastdist import FastDDPStrategy, SpeedMonitor
+from lightning_fastdist.callbacks.speed_monitor import training_ranks
+from lightning_fastdist.data.resumable_loader import ResumableDataLoader
+from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
+from tests.support.model_zoo import MODELS
+from tests.support.node_faults import NodeFaults
+from tests.support.outer_sync_fit import digest
+from tests.support.workloads import make_trainer
+
+
+class Served(Dataset):
+    """A model's own samples, each served under ``length / len(dataset)`` ids (every id once per epoch: 192 is one
+    epoch of 16 steps of 3 nodes x 4), noting the ids read (the loader reads in this process)."""
+
+    def __init__(self, dataset: Dataset, length: int = 192) -> None:
+        self.dataset = dataset
+        self.length = length
+        self.served: list[int] = []
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        self.served.append(int(index))
+        return self.dataset[index % len(self.dataset)]  # type: ignore[arg-type]
+
+
+class StepRecorder(L.Callback):
+    def __init__(self, data: Served) -> None:
+        self.data = data
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.digests: list[str] = []
+        self.members: list[int] = []
+        self.training_ranks: list[int] = []
+        self.samples: list[tuple[int, list[int]]] = []  # per step: the epoch and the ids read
+        self.first_digest: str | None = None
+        self.rejoined: dict | None = None
+        self.skipped: list[int] = []
+        self.sent: list[int] = []  # bytes all-reduced across nodes per step (counted by the strategy)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.first_digest is None:
+            self.first_digest = digest(module)
+            job = getattr(trainer.strategy, "replica_groups", None)
+            joined = job.run.rejoined if job is not None and job.run is not None else None
+            if joined is not None:
+                self.rejoined = {"source": joined.source, "step": joined.step, "bytes": joined.received_bytes}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.steps.append(trainer.global_step)
+        self.digests.append(digest(module))
+        self.training_ranks.append(training_ranks(trainer))
+        job = getattr(trainer.strategy, "replica_groups", None)
+        run = job.run if job is not None else None
+        self.members.append(len(run.membership.quorum_nodes) if run is not None else -1)
+        self.skipped = list(run.skipped) if run is not None else []
+        sent = trainer.strategy.comm_stats.last_step.get(ACROSS_NODES) if job is not None else None
+        self.sent.append(sent.bytes if sent is not None else 0)
+        self.samples.append((trainer.current_epoch, self.data.served[:]))
+        self.data.served.clear()
+
+
+def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
+    if engine == "fast":
+        strategy = FastDDPStrategy(comm_hook="none", replica_groups={"min_nodes": min_nodes}, timeout=120)
+    else:
+        strategy = DDPStrategy(timeout=timedelta(seconds=120))
+    L.seed_everything(0)
+    model = MODELS[name]()
+    data = Served(model.batches().dataset)
+    recorder = StepRecorder(data)
+    trainer = make_trainer(
+        strategy, devices=int(os.environ.get("EMULATED_RANKS_PER_NODE", "1")),
+        num_nodes=int(os.environ.get("REPLICA_FIT_NODES", "2")), max_steps=steps,
+        callbacks=[NodeFaults(), recorder, SpeedMonitor()],
+    )  # fmt: skip
+    trainer.fit(model, ResumableDataLoader(data, batch_size=4))
+    report = {
+        "model": name, "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": recorder.losses,
+        "steps": recorder.steps, "digests": recorder.digests, "members": recorder.members,
+        "training_ranks": recorder.training_ranks, "samples": recorder.samples, "first_digest": recorder.first_digest,
+        "rejoined": recorder.rejoined, "final": digest(model),
+        "buffers": [buffer.double().sum().item() for buffer in model.buffers()],
+        "skipped": recorder.skipped, "sent": recorder.sent,
+    }  # fmt: skip
+    # One write for the whole line: the node's ranks share its output file.
+    os.write(sys.stdout.fileno(), f"FIT {json.dumps(report)}\n".encode())
+
+
+def main(engine: str, models: str, steps: int, min_nodes: int) -> None:
+    torch.use_deterministic_algorithms(True)
+    for name in models.split(","):
+        fit(engine, name, steps, min_nodes)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int((sys.argv[4:] or ["1"])[0]))
