@@ -100,7 +100,12 @@ class NonFiniteLoss(Callback):
             return
         bad, self._bad_now = self._bad_now, None
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # one scalar; every rank decides alike
+            # One scalar; every rank decides alike (a strategy whose nodes are worlds of their own takes it across).
+            all_reduce_max = getattr(trainer.strategy, "all_reduce_max", None)
+            if all_reduce_max is not None:
+                bad = all_reduce_max(bad)
+            else:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if self.action == "skip":
             optimizer.found_inf = bad  # read by the fused kernel, which then leaves everything unchanged
         self._bad_steps = bad.clone() if self._bad_steps is None else self._bad_steps + bad

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
@@ -67,6 +68,7 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.node_worlds import count_in_node, decided
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
@@ -393,6 +395,38 @@ class FastDDPStrategy(DDPStrategy):
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return super().distributed_sampler_kwargs
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduction over the job's ranks (``self.log(sync_dist=True)``): with a world per node over the
+        node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
+        trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
+        reduced = super().reduce(tensor, group, reduce_op)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.replica_groups is None or group is not None or trainer is None or not trainer.training:
+            return reduced
+        if not isinstance(reduced, torch.Tensor):
+            return reduced
+        return self.replica_groups.reduce_across_nodes(reduced, reduce_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
+        step alike): one collective without a host sync, and under replica_groups across the nodes too (whose
+        gradients are averaged together: a NaN on one node is a NaN on all)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        if self.replica_groups is not None and self.lightning_module.trainer.training:
+            tensor = self.replica_groups.reduce_across_nodes(tensor, "max")
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        if self._across_nodes is None:
+            return super().reduce_boolean_decision(decision, all)
+        counts = count_in_node(decision, self.root_device)
+        training = self.lightning_module is not None and self.lightning_module.trainer.training
+        if self.replica_groups is not None and training:  # each rank decides on its own training metrics
+            counts = self.replica_groups.reduce_across_nodes(counts, "sum")  # over the nodes training
+        return decided(counts, all)  # evaluating, each node sees the same weights and data: the nodes decide alike
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.node_worlds import count_in_node, decided
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
@@ -464,6 +465,13 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         with self._lightning_module_names():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        if self.outer_sync is None:
+            return super().reduce_boolean_decision(decision, all)
+        # Each node evaluates the global weights on all of the data: the nodes decide alike.
+        return decided(count_in_node(decision, self.root_device), all)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

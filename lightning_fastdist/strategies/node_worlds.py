@@ -11,6 +11,7 @@ over every rank of every node, global rank 0 writes the logs and the checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Iterable
@@ -43,6 +44,7 @@ class NodeWorlds:
         self.group: ReplicaGroup | None = None  # once joined
         self.store: dist.Store | None = None  # the node's own store, shared by its ranks
         self._lighthouse: Any = None
+        self._manager_store: dist.TCPStore | None = None  # this fit's, on local rank 0
 
     def check_launch(self, num_nodes: int, one_node_hint: str) -> None:
         """Refuse, before any process starts, what cannot run: one node (``one_node_hint`` says what to do), more
@@ -99,6 +101,26 @@ class NodeWorlds:
             timeout=timeout,
         )
 
+    def group_of_this_fit(self) -> ReplicaGroup:
+        """This node's group with a store of this fit's own for torchft's ``Manager``, on a free port: torchft
+        rendezvouses each quorum's process group in it under the quorum's number, which a new lighthouse counts from
+        1 again, so that a second fit in the same processes would read the first one's addresses in a store they
+        share. Call on every rank of the node when a fit starts."""
+        group = self.group
+        assert group is not None, "join first"
+        self.close_fit()
+        port = None
+        if group.local_rank == 0:
+            self._manager_store = dist.TCPStore(group.store_host, 0, is_master=True, wait_for_workers=False)
+            port = self._manager_store.port
+        if self.sharded:  # every rank of the node runs a Manager of the same replica group
+            port = share_in_node(port)
+        return dataclasses.replace(group, store_port=port) if port is not None else group
+
+    def close_fit(self) -> None:
+        """Stop this fit's store (its Managers are shut down)."""
+        self._manager_store = None
+
     def training_ranks(self, quorum_nodes: tuple[str, ...], world_size: int) -> int:
         """The ranks of the nodes in the latest quorum (``quorum_nodes``, empty where this process does not talk
         across nodes or before the first quorum: then ``world_size``)."""
@@ -121,6 +143,22 @@ def broadcast_in_node(tensors: Iterable[torch.Tensor]) -> None:
     with torch.no_grad():
         for tensor in tensors:
             dist.broadcast(tensor.data, src=0)
+
+
+def count_in_node(decision: bool, device: torch.device) -> torch.Tensor:
+    """``[ranks of the node that decided yes, ranks of the node]``, summed over the node's world."""
+    counts = torch.tensor([int(decision), 1], device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    return counts
+
+
+def decided(counts: torch.Tensor, all: bool) -> bool:  # noqa: A002 - Lightning's name
+    """Lightning's ``reduce_boolean_decision`` on :func:`count_in_node`'s counts (summed over more nodes, or not):
+    every rank counted decided yes (``all``), or one did. Lightning's own compares the count with the job's world
+    size, which a world per node never reaches (ModelCheckpoint would save no top-k checkpoint)."""
+    yes, ranks = counts.tolist()
+    return yes == ranks if all else yes > 0
 
 
 def share_in_node(value: Any) -> Any:

@@ -113,20 +113,20 @@ class OuterSyncJob:
                 f"{self.owner}: outer_sync steps one optimizer and configure_optimizers returned {len(optimizers)}: "
                 "return one optimizer, or remove outer_sync."
             )
-        assert self.group is not None, "join_node_group first"
         self.close_run()  # a second fit in the same process starts afresh
+        group = self.nodes.group_of_this_fit()
         block_modules = outermost_block_modules(module, resolve_blocks(module, blocks))
         self._fragments = split_into_fragments(model, block_modules, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
         trainer = module.trainer
-        if self.group.talks_across_nodes:
-            report = _warn if self.group.local_rank == 0 else None  # once per node
+        if group.talks_across_nodes:
+            report = _warn if group.local_rank == 0 else None  # once per node
             self.run = OuterSyncRun(
                 self.settings,
                 model,
                 self._fragments,
                 optimizers[0],
-                self.group,
+                group,
                 timeout,
                 report=report,
                 position=functools.partial(training_position, trainer),
@@ -280,6 +280,7 @@ class OuterSyncJob:
         if self.run is not None:
             self.run.close()
             self.run = None
+        self.nodes.close_fit()
         self._fragments = []
 
     def teardown(self) -> None:

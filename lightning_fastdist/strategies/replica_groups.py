@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
@@ -82,9 +83,8 @@ class ReplicaGroupsJob:
                 "and this LightningModule steps its optimizers itself: remove replica_groups (or use outer_sync "
                 "with min_nodes, which hooks any single optimizer's step)."
             )
-        group = self.nodes.group
-        assert group is not None, "join_node_group first"
         self.close_run()  # a second fit in the same process starts afresh
+        group = self.nodes.group_of_this_fit()
         self._parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
         self._buffers = [buffer for buffer in model.buffers() if self.broadcast_buffers and buffer.dtype != torch.bool]
         if group.talks_across_nodes:
@@ -120,6 +120,21 @@ class ReplicaGroupsJob:
         unflatten_gradients(self._parameters, flats, apply=bool(committed.item()))
         unflatten_tensors(self._buffers, buffers)
 
+    def reduce_across_nodes(self, tensor: torch.Tensor, reduce_op: Any) -> torch.Tensor:
+        """Take ``tensor``, reduced over the node's ranks with Lightning's ``reduce_op`` (``"mean"``, ``"sum"``,
+        ``"max"``, ``"min"``, a ``ReduceOp``; ``None`` sums), on across the nodes training, as one world would
+        reduce it: the mean of the nodes' means (each has as many ranks), their sum, maximum or minimum. Call on
+        every rank of the node, while training (``self.log(sync_dist=True)`` of a training hook)."""
+        op = _REDUCE_OPS.get(reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
+        if op is None:
+            raise ValueError(f"{self.owner}: reduce_op={reduce_op!r} is not one of {sorted(map(str, _REDUCE_OPS))}.")
+        if op == dist.ReduceOp.AVG and not torch.is_floating_point(tensor):
+            tensor = tensor.float()
+        if self.run is not None:
+            self.run.reduce(tensor, op)
+        broadcast_in_node([tensor])
+        return tensor
+
     def after_step(self, trainer: pl.Trainer) -> None:
         """Keep where training stands after this step: what a node that rejoins at the next one receives."""
         if self.run is not None:
@@ -136,11 +151,27 @@ class ReplicaGroupsJob:
         if self.run is not None:
             self.run.close()
             self.run = None
+        self.nodes.close_fit()
 
     def teardown(self) -> None:
         """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
         self.close_run()
         self.nodes.stop_lighthouse()
+
+
+# Lightning's reduce_op spellings (its DDPStrategy.reduce; None sums), as torchft's all-reduce takes them.
+_REDUCE_OPS: dict[Any, dist.ReduceOp.RedOpType] = {
+    None: dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.AVG,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    dist.ReduceOp.SUM: dist.ReduceOp.SUM,
+    dist.ReduceOp.AVG: dist.ReduceOp.AVG,
+    dist.ReduceOp.MAX: dist.ReduceOp.MAX,
+    dist.ReduceOp.MIN: dist.ReduceOp.MIN,
+}
 
 
 def _warn(line: str) -> None:

@@ -59,26 +59,36 @@ def _reports(output: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_nodes_compute_what_lightning_ddp_computes_bit_for_bit_on_models_we_did_not_write():
+def test_two_nodes_compute_what_lightning_ddp_computes_bit_for_bit_on_models_we_did_not_write(tmp_path):
     """GPT-2, a BatchNorm CNN and T5 (tied embeddings), fitted one after the other in the same processes (the second
     and third fits of the job), on two loopback nodes: under replica_groups and under Lightning's DDPStrategy the
     losses of every step on every node and the final weights are bitwise equal; the buffers every forward reads are
-    node 0's, as DDP broadcasts rank 0's. Each step sends each node's gradients once across nodes, in fp32, with one
-    mark per parameter."""
+    node 0's, as DDP broadcasts rank 0's. What Lightning reduces over the job's ranks is reduced over every node: a
+    value logged with ``sync_dist=True``, and ModelCheckpoint's decision to keep a step as the best by each rank's own
+    training loss (every rank must agree: node 0 alone would keep GPT-2's step 6), and NonFiniteLoss's flag: T5's
+    loss on node 1 at step 3 is NaN, and both nodes skip that step (node 0 alone would step on NaN gradients). Each
+    step sends each node's gradients once across nodes, in fp32, with one mark per parameter."""
     runs = {}
     for engine in ("fast", "lightning"):
-        outputs = run_processes(*_node_commands(engine, "gpt2,resnet,t5", 4, nodes=2), timeout=240)
+        commands, environments = _node_commands(
+            engine, "gpt2,resnet,t5", 6, nodes=2, REPLICA_FIT_CHECKPOINTS=str(tmp_path), REPLICA_FIT_NAN="t5:1:3"
+        )
+        outputs = run_processes(commands, environments, timeout=240)
         runs[engine] = [_reports(output.stdout) for output in outputs]
     for fast_node, lightning_node in zip(runs["fast"], runs["lightning"], strict=True):
         assert [r["model"] for r in fast_node] == ["gpt2", "resnet", "t5"]
         for fast, lightning in zip(fast_node, lightning_node, strict=True):
             assert fast["losses"] == lightning["losses"], fast["model"]
             assert fast["digests"] == lightning["digests"] and fast["final"] == lightning["final"], fast["model"]
-            assert fast["members"] == fast["training_ranks"] == [2] * 4 and fast["skipped"] == []
+            assert fast["members"] == fast["training_ranks"] == [2] * 6 and fast["skipped"] == []
+            assert fast["node_rank_mean"] == lightning["node_rank_mean"] == [0.5] * 5  # (0 + 1) / 2, logged at step
+            assert fast["checkpoints"] == lightning["checkpoints"], fast["model"]
     node0, node1 = runs["fast"]
+    assert node0[2]["digests"][2] == node0[2]["digests"][1] == node1[2]["digests"][2]  # T5's step 3 moved nothing
     assert node0[1]["buffers"] == node1[1]["buffers"] == runs["lightning"][0][1]["buffers"]  # the CNN's running stats
     parameters = list(HFCausalLM().parameters())
-    assert node0[0]["sent"] == [4 * (sum(p.numel() for p in parameters) + len(parameters))] * 4
+    assert node0[0]["sent"] == [4 * (sum(p.numel() for p in parameters) + len(parameters))] * 6
+    assert node0[0]["checkpoints"] == ["step=2.ckpt"]
 
 
 @pytest.mark.slow

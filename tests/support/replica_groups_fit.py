@@ -4,7 +4,9 @@ own DDPStrategy on the same nodes; run once per node by tests (``NODE_RANK`` set
 Usage: ``python -m tests.support.replica_groups_fit ENGINE MODELS STEPS [MIN_NODES]``: ``ENGINE`` is ``fast`` or
 ``lightning``, ``MODELS`` a comma-separated list of :data:`tests.support.model_zoo.MODELS` names fitted one after the
 other in this process (a second fit in the same job). Nodes: ``REPLICA_FIT_NODES`` (default 2); ranks per node:
-``EMULATED_RANKS_PER_NODE`` (default 1). Faults are :mod:`tests.support.node_faults`'s. Every rank prints one
+``EMULATED_RANKS_PER_NODE`` (default 1); with ``REPLICA_FIT_CHECKPOINTS`` the best step by training loss is
+checkpointed under ``FOLDER/ENGINE/MODEL``; ``REPLICA_FIT_NAN=MODEL:NODE:STEP`` makes one loss NaN (NonFiniteLoss
+skips that step). Faults are :mod:`tests.support.node_faults`'s. Every rank prints one
 ``FIT {json}`` line per model: per step the loss, the global step, a digest of the weights after it, the nodes of
 the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read; the weights the first step
 started from, the buffers at the end, how the node rejoined if it did, the steps that did not commit, and the bytes
@@ -20,10 +22,11 @@ from datetime import timedelta
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import Dataset
 
-from lightning_fastdist import FastDDPStrategy, SpeedMonitor
+from lightning_fastdist import FastDDPStrategy, NonFiniteLoss, SpeedMonitor
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
@@ -63,8 +66,11 @@ class StepRecorder(L.Callback):
         self.rejoined: dict | None = None
         self.skipped: list[int] = []
         self.sent: list[int] = []  # bytes all-reduced across nodes per step (counted by the strategy)
+        self.node_rank_mean: list[float] = []  # the node rank logged with sync_dist=True, as Lightning reduced it
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if "node_rank" in trainer.callback_metrics:  # the previous step's
+            self.node_rank_mean.append(float(trainer.callback_metrics["node_rank"]))
         if self.first_digest is None:
             self.first_digest = digest(module)
             job = getattr(trainer.strategy, "replica_groups", None)
@@ -73,6 +79,7 @@ class StepRecorder(L.Callback):
                 self.rejoined = {"source": joined.source, "step": joined.step, "bytes": joined.received_bytes}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        module.log("node_rank", torch.tensor(float(trainer.node_rank)), sync_dist=True)
         self.losses.append(float(outputs["loss"]))
         self.steps.append(trainer.global_step)
         self.digests.append(digest(module))
@@ -87,6 +94,30 @@ class StepRecorder(L.Callback):
         self.data.served.clear()
 
 
+class NaNLoss(L.Callback):
+    """Turn the loss of ``model``'s forward non-finite on ``node`` at ``step`` (``REPLICA_FIT_NAN=MODEL:NODE:STEP``),
+    through a forward hook on the library's model: NonFiniteLoss must skip that step on every node."""
+
+    def __init__(self, name: str) -> None:
+        model, node, step = (os.environ.get("REPLICA_FIT_NAN") or "::").split(":")
+        self.at = (int(node), int(step)) if model == name else None
+        self._hook = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.at == (trainer.node_rank, trainer.global_step + 1):
+            self._hook = module.model.register_forward_hook(self._poison)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @staticmethod
+    def _poison(model, args, output):
+        output.loss = output.loss * float("nan")
+        return output
+
+
 def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     if engine == "fast":
         strategy = FastDDPStrategy(comm_hook="none", replica_groups={"min_nodes": min_nodes}, timeout=120)
@@ -96,10 +127,15 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     model = MODELS[name]()
     data = Served(model.batches().dataset)
     recorder = StepRecorder(data)
+    callbacks = [NodeFaults(), recorder, SpeedMonitor(), NaNLoss(name), NonFiniteLoss(action="skip")]
+    folder = os.environ.get("REPLICA_FIT_CHECKPOINTS")
+    if folder:  # the best step by training loss, a decision every rank must agree on
+        folder = os.path.join(folder, engine, name)
+        callbacks.append(ModelCheckpoint(folder, "{step}", monitor="train_loss", every_n_train_steps=1))
     trainer = make_trainer(
         strategy, devices=int(os.environ.get("EMULATED_RANKS_PER_NODE", "1")),
-        num_nodes=int(os.environ.get("REPLICA_FIT_NODES", "2")), max_steps=steps,
-        callbacks=[NodeFaults(), recorder, SpeedMonitor()],
+        num_nodes=int(os.environ.get("REPLICA_FIT_NODES", "2")), max_steps=steps, callbacks=callbacks,
+        enable_checkpointing=bool(folder),
     )  # fmt: skip
     trainer.fit(model, ResumableDataLoader(data, batch_size=4))
     report = {
@@ -108,7 +144,9 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
         "training_ranks": recorder.training_ranks, "samples": recorder.samples, "first_digest": recorder.first_digest,
         "rejoined": recorder.rejoined, "final": digest(model),
         "buffers": [buffer.double().sum().item() for buffer in model.buffers()],
-        "skipped": recorder.skipped, "sent": recorder.sent,
+        "skipped": recorder.skipped, "sent": recorder.sent, "node_rank_mean": recorder.node_rank_mean,
+        # Global rank 0 writes them: the other nodes may list the folder while it replaces the best one.
+        "checkpoints": sorted(os.listdir(folder)) if folder and trainer.is_global_zero else None,
     }  # fmt: skip
     # One write for the whole line: the node's ranks share its output file.
     os.write(sys.stdout.fileno(), f"FIT {json.dumps(report)}\n".encode())

@@ -169,6 +169,13 @@ class EveryStepRun:
                 )
         return committed
 
+    def reduce(self, tensor: torch.Tensor, op: torch.distributed.ReduceOp.RedOpType) -> torch.Tensor:
+        """``tensor`` reduced with ``op`` over the nodes of the latest quorum, in place (a node that heals at this step
+        sends zeros, and an average does not count it). Between two steps that is the quorum of the step just
+        taken: the next step's may bring in a node that did not take it, and so did not make the same reduction."""
+        self.manager.allreduce(tensor, reduce_op=op).wait()
+        return tensor
+
     def _why_not_committed(self) -> str:
         error = self.manager.errored()
         if error is None:

@@ -59,7 +59,7 @@ class ReplicaGroup:
         min_nodes: the fewest nodes a quorum may hold (fewer than ``num_nodes``: the job survives a lost node).
         store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
             across nodes rendezvous in the store of one node.
-        store_port: the port of this node's store (the node's own torch.distributed world).
+        store_port: the port of the store of this node's ``Manager`` (the fit's own).
         lighthouse: ``http://HOST:PORT`` of the lighthouse.
         first_store: ``(host, port)`` of node 0's store, where the nodes wait for each other before the first quorum.
     """
