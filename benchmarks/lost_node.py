@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -42,11 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 
 from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate  # noqa: E402
-from tests.support.node_faults import wait_until_held  # noqa: E402
+from tests.support.node_faults import kill_time, samples_read_twice, wait_until_held  # noqa: E402
 
 NODES, KILLED = 3, 2
 OPTIONS = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
-KILL_LINE = re.compile(r"^KILLED \d+ \d+ ([0-9.]+)$", re.MULTILINE)
 
 
 WITHOUT_MIN_NODES = {name: value for name, value in OPTIONS.items() if name != "min_nodes"}
@@ -78,8 +76,7 @@ def run(
     names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
     outputs = [(folder / f"{name}.out").read_text() for name in names]
     reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
-    killed = KILL_LINE.search((folder / f"node{KILLED}.out").read_text())
-    return reports, codes, float(killed.group(1)) if killed else None, restarted_at
+    return reports, codes, kill_time((folder / f"node{KILLED}.out").read_text()), restarted_at
 
 
 def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
@@ -106,24 +103,18 @@ def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tup
         codes = [process.wait(timeout=600) for process in resumed]
     if codes != [0] * NODES:
         raise SystemExit(f"the job restarted from {last.name} exited {codes}")
-    killed = KILL_LINE.search((folder / "first" / f"node{KILLED}.out").read_text())
+    killed = kill_time((folder / "first" / f"node{KILLED}.out").read_text())
     assert killed is not None
     outputs = [(folder / "resumed" / f"node{node}.out").read_text() for node in range(NODES)]
     reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
     first_step_end = max(report["step_ends"][0] for report in reports)
-    return first_step_end - float(killed.group(1)), kill_at - reports[0]["steps"][0] + 1
+    return first_step_end - killed, kill_at - reports[0]["steps"][0] + 1
 
 
 def step_seconds(reports: list[dict]) -> float:
     """Seconds per step of an uninterrupted run, from the end of the first step to the end of the last (validation
     included), on its slowest node."""
     return max((ends[-1] - ends[0]) / (len(ends) - 1) for ends in (report["step_ends"] for report in reports))
-
-
-def samples_read_twice(reports: list[dict]) -> int:
-    """Training samples two nodes read in the same epoch."""
-    read = [{(epoch, index) for epoch, indices in report["samples"] for index in indices} for report in reports]
-    return sum(len(read[i] & read[j]) for i in range(len(read)) for j in range(i + 1, len(read)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,12 +31,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from lightning_fastdist.parallel.replica_groups.every_step import OPTION, EveryStepRun
-from lightning_fastdist.parallel.replica_groups.gradients import (
-    flatten_gradients,
-    flatten_tensors,
-    unflatten_gradients,
-    unflatten_tensors,
-)
+from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients, FlatTensors
 from lightning_fastdist.parallel.replica_groups.rejoin import load_optimizer_snapshot
 from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.strategies.loop_state import continue_after, training_position
@@ -54,8 +49,8 @@ class ReplicaGroupsJob:
         self.broadcast_buffers = broadcast_buffers
         self.nodes = NodeWorlds(owner, OPTION, settings.min_nodes, sharded=False)
         self.run: EveryStepRun | None = None  # on each node's local rank 0, while fitting
-        self._parameters: list[torch.Tensor] = []
-        self._buffers: list[torch.Tensor] = []
+        self._gradients: FlatGradients | None = None  # while fitting
+        self._buffers: FlatTensors | None = None  # while fitting, where the model has buffers DDP would broadcast
 
     def check_launch(self, num_nodes: int) -> None:
         """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
@@ -85,12 +80,13 @@ class ReplicaGroupsJob:
             )
         self.close_run()  # a second fit in the same process starts afresh
         group = self.nodes.group_of_this_fit()
-        self._parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        self._buffers = [buffer for buffer in model.buffers() if self.broadcast_buffers and buffer.dtype != torch.bool]
+        self._gradients = FlatGradients([p for p in model.parameters() if p.requires_grad])
+        buffers = [buffer for buffer in model.buffers() if buffer.dtype != torch.bool]
+        self._buffers = FlatTensors(buffers) if buffers and self.broadcast_buffers else None
         if group.talks_across_nodes:
             self.run = EveryStepRun(model, optimizers[0], group, timeout, report=_warn, **counting)
         rejoined = share_in_node(self.run.rejoined if self.run is not None else None)
-        broadcast_in_node([*model.parameters(), *self._buffers])  # the weights local rank 0 agreed on
+        broadcast_in_node([*model.parameters(), *buffers])  # the weights and buffers local rank 0 agreed on
         if rejoined is not None:
             if self.run is None:  # local rank 0 loaded it; its weights came with the broadcast above
                 load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
@@ -112,13 +108,16 @@ class ReplicaGroupsJob:
         return closure_then_average
 
     def _average(self) -> None:
-        flats, buffers = flatten_gradients(self._parameters), flatten_tensors(self._buffers)
-        committed = torch.ones(1, device=self._parameters[0].device)
+        assert self._gradients is not None, "start first"
+        flats = self._gradients.gather()
+        buffers = self._buffers.gather() if self._buffers is not None else []
+        committed = torch.ones(1, device=flats[0].device)
         if self.run is not None:
             committed.fill_(float(self.run.average(flats, buffers)))
         broadcast_in_node([*flats, *buffers, committed])
-        unflatten_gradients(self._parameters, flats, apply=bool(committed.item()))
-        unflatten_tensors(self._buffers, buffers)
+        self._gradients.scatter(apply=bool(committed.item()))
+        if self._buffers is not None:
+            self._buffers.scatter()
 
     def reduce_across_nodes(self, tensor: torch.Tensor, reduce_op: Any) -> torch.Tensor:
         """Take ``tensor``, reduced over the node's ranks with Lightning's ``reduce_op`` (``"mean"``, ``"sum"``,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_fastdist import FastDDPStrategy
-from lightning_fastdist.parallel.replica_groups.gradients import flatten_gradients, unflatten_gradients
+from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients
 from tests.support.harness import free_port_span, run_processes
 from tests.support.model_zoo import HFCausalLM
 from tests.support.node_faults import start_again_once_held
@@ -22,16 +22,17 @@ from tests.support.node_faults import start_again_once_held
 def test_gradients_cross_as_one_flat_tensor_per_dtype_and_a_parameter_no_node_used_keeps_none():
     used, unused_here, unused_anywhere = (torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3))
     double = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    parameters = [used, unused_here, unused_anywhere, double]
+    gradients = FlatGradients([used, unused_here, unused_anywhere, double])
     used.grad, double.grad = torch.ones(2, 3), torch.full((2,), 2.0, dtype=torch.float64)
-    flats = flatten_gradients(parameters)
+    flats = gradients.gather()
     assert [(flat.dtype, flat.numel()) for flat in flats] == [(torch.float32, 3 * 6 + 3), (torch.float64, 2 + 1)]
     assert flats[0][-3:].tolist() == [1.0, 0.0, 0.0]  # which parameters have a gradient on this node
     flats[0][6:12], flats[0][-2] = 0.5, 0.5  # averaged with a node that had one for the second
-    unflatten_gradients(parameters, flats, apply=True)
+    gradients.scatter(apply=True)
     assert unused_here.grad.eq(0.5).all() and unused_anywhere.grad is None and double.grad.eq(2.0).all()
-    unflatten_gradients(parameters, flats, apply=False)  # a step that did not commit moves nothing
-    assert all(parameter.grad is None for parameter in parameters)
+    assert gradients.gather() is flats  # the same tensors every step
+    gradients.scatter(apply=False)  # a step that did not commit moves nothing
+    assert all(p.grad is None for p in (used, unused_here, unused_anywhere, double))
 
 
 def test_a_lightning_module_that_steps_its_optimizers_itself_is_refused_in_one_line():

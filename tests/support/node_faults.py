@@ -17,6 +17,7 @@ Put it before callbacks that record a step, so that they record no step of a nod
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -86,3 +87,16 @@ def start_again_once_held(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def kill_time(output: str) -> float | None:
+    """When the node whose stdout is ``output`` killed itself (its ``KILLED`` line), if it did."""
+    killed = re.search(r"^KILLED \d+ \d+ ([0-9.]+)$", output, re.MULTILINE)
+    return float(killed.group(1)) if killed else None
+
+
+def samples_read_twice(reports: list[dict]) -> int:
+    """Training samples two nodes read in the same epoch (each report's ``samples``: per step the epoch and the
+    sample indices read)."""
+    read = [{(epoch, index) for epoch, indices in report["samples"] for index in indices} for report in reports]
+    return sum(len(read[i] & read[j]) for i in range(len(read)) for j in range(i + 1, len(read)))

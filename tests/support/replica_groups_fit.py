@@ -1,16 +1,23 @@
 """One node's fits of models we did not write, under FastDDPStrategy(replica_groups=...) or, to compare, Lightning's
 own DDPStrategy on the same nodes; run once per node by tests (``NODE_RANK`` set).
 
-Usage: ``python -m tests.support.replica_groups_fit ENGINE MODELS STEPS [MIN_NODES]``: ``ENGINE`` is ``fast`` or
-``lightning``, ``MODELS`` a comma-separated list of :data:`tests.support.model_zoo.MODELS` names fitted one after the
-other in this process (a second fit in the same job). Nodes: ``REPLICA_FIT_NODES`` (default 2); ranks per node:
-``EMULATED_RANKS_PER_NODE`` (default 1); with ``REPLICA_FIT_CHECKPOINTS`` the best step by training loss is
-checkpointed under ``FOLDER/ENGINE/MODEL``; ``REPLICA_FIT_NAN=MODEL:NODE:STEP`` makes one loss NaN (NonFiniteLoss
-skips that step). Faults are :mod:`tests.support.node_faults`'s. Every rank prints one
-``FIT {json}`` line per model: per step the loss, the global step, a digest of the weights after it, the nodes of
-the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read; the weights the first step
-started from, the buffers at the end, how the node rejoined if it did, the steps that did not commit, and the bytes
-all-reduced across nodes per step.
+Usage: ``python -m tests.support.replica_groups_fit ENGINE MODELS STEPS [MIN_NODES]``: ``ENGINE`` is ``fast``
+(replica_groups), ``one-world`` (FastDDPStrategy without it) or ``lightning``, ``MODELS`` a comma-separated list of
+:data:`tests.support.model_zoo.MODELS` names (or ``gpt2-wide``) fitted one after the other in this process (a second
+fit in the same job). Environment:
+
+- ``REPLICA_FIT_NODES``: the nodes (2); ``EMULATED_RANKS_PER_NODE``: ranks per node (1); ``REPLICA_FIT_BATCH``: the
+  batch size (4);
+- ``REPLICA_FIT_CHECKPOINTS=FOLDER``: the best step by training loss is checkpointed under ``FOLDER/ENGINE/MODEL``,
+  or with ``REPLICA_FIT_SAVE_EVERY=N`` every ``N`` steps in ``FOLDER``; ``REPLICA_FIT_RESUME``: a checkpoint to
+  resume from;
+- ``REPLICA_FIT_NAN=MODEL:NODE:STEP``: one loss is NaN (NonFiniteLoss skips that step);
+- faults: :mod:`tests.support.node_faults`'s.
+
+Every rank prints one ``FIT {json}`` line per model: per step the loss, the global step, a digest of the weights after
+it, the nodes of the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read, its end (wall
+clock); the weights the first step started from, the buffers at the end, how the node rejoined if it did, the steps
+that did not commit, and the bytes all-reduced across nodes per step.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import lightning as L
@@ -30,7 +38,7 @@ from lightning_fastdist import FastDDPStrategy, NonFiniteLoss, SpeedMonitor
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
-from tests.support.model_zoo import MODELS
+from tests.support.model_zoo import MODELS, HFCausalLM
 from tests.support.node_faults import NodeFaults
 from tests.support.outer_sync_fit import digest
 from tests.support.workloads import make_trainer
@@ -67,6 +75,7 @@ class StepRecorder(L.Callback):
         self.skipped: list[int] = []
         self.sent: list[int] = []  # bytes all-reduced across nodes per step (counted by the strategy)
         self.node_rank_mean: list[float] = []  # the node rank logged with sync_dist=True, as Lightning reduced it
+        self.step_ends: list[float] = []  # wall clock, for benchmarks/replica_groups.py (tests never read it)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if "node_rank" in trainer.callback_metrics:  # the previous step's
@@ -80,6 +89,7 @@ class StepRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         module.log("node_rank", torch.tensor(float(trainer.node_rank)), sync_dist=True)
+        self.step_ends.append(time.time())
         self.losses.append(float(outputs["loss"]))
         self.steps.append(trainer.global_step)
         self.digests.append(digest(module))
@@ -118,18 +128,36 @@ class NaNLoss(L.Callback):
         return output
 
 
+class WideGPT2(HFCausalLM):
+    """The zoo's GPT-2 made wider and deeper (4 layers, width 256: 3.4M parameters), for benchmarks whose steps must
+    take tens of milliseconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2LMHeadModel  # noqa: PLC0415 - the test extra
+
+        config = self.model.config
+        config.n_embd, config.n_layer, config.n_head = 256, 4, 4
+        self.model = GPT2LMHeadModel(config)
+
+
 def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     if engine == "fast":
         strategy = FastDDPStrategy(comm_hook="none", replica_groups={"min_nodes": min_nodes}, timeout=120)
+    elif engine == "one-world":
+        strategy = FastDDPStrategy(comm_hook="none", timeout=120)
     else:
         strategy = DDPStrategy(timeout=timedelta(seconds=120))
     L.seed_everything(0)
-    model = MODELS[name]()
+    model = WideGPT2() if name == "gpt2-wide" else MODELS[name]()
     data = Served(model.batches().dataset)
     recorder = StepRecorder(data)
     callbacks = [NodeFaults(), recorder, SpeedMonitor(), NaNLoss(name), NonFiniteLoss(action="skip")]
     folder = os.environ.get("REPLICA_FIT_CHECKPOINTS")
-    if folder:  # the best step by training loss, a decision every rank must agree on
+    save_every = int(os.environ.get("REPLICA_FIT_SAVE_EVERY", "0"))
+    if folder and save_every:  # every so many steps, for a whole job restarted from its last one
+        callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
+    elif folder:  # the best step by training loss, a decision every rank must agree on
         folder = os.path.join(folder, engine, name)
         callbacks.append(ModelCheckpoint(folder, "{step}", monitor="train_loss", every_n_train_steps=1))
     trainer = make_trainer(
@@ -137,14 +165,16 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
         num_nodes=int(os.environ.get("REPLICA_FIT_NODES", "2")), max_steps=steps, callbacks=callbacks,
         enable_checkpointing=bool(folder),
     )  # fmt: skip
-    trainer.fit(model, ResumableDataLoader(data, batch_size=4))
+    batch_size = int(os.environ.get("REPLICA_FIT_BATCH", "4"))
+    trainer.fit(model, ResumableDataLoader(data, batch_size=batch_size), ckpt_path=os.environ.get("REPLICA_FIT_RESUME"))
     report = {
         "model": name, "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": recorder.losses,
         "steps": recorder.steps, "digests": recorder.digests, "members": recorder.members,
         "training_ranks": recorder.training_ranks, "samples": recorder.samples, "first_digest": recorder.first_digest,
         "rejoined": recorder.rejoined, "final": digest(model),
         "buffers": [buffer.double().sum().item() for buffer in model.buffers()],
-        "skipped": recorder.skipped, "sent": recorder.sent, "node_rank_mean": recorder.node_rank_mean,
+        "skipped": recorder.skipped, "sent": recorder.sent, "step_ends": recorder.step_ends,
+        "node_rank_mean": recorder.node_rank_mean,
         # Global rank 0 writes them: the other nodes may list the folder while it replaces the best one.
         "checkpoints": sorted(os.listdir(folder)) if folder and trainer.is_global_zero else None,
     }  # fmt: skip

@@ -126,14 +126,15 @@ def new_manager(group: ReplicaGroup, timeout: timedelta, transport: Any, async_q
 
 
 def equalize_weights(manager: Any, model: nn.Module, owner: str) -> None:
-    """Give every node the weights of the quorum's first node, bit for bit: the others send zeros into a summing
-    all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast). Each
+    """Give every node the weights and buffers of the quorum's first node, bit for bit: the others send zeros into a
+    summing all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast). Each
     process sends what it holds: the whole weights, or its shard of them. Starts a quorum of its own."""
     manager.start_quorum()
     keeps_its_own = manager.participating_rank() == 0
+    buffers = [buffer for buffer in model.buffers() if buffer.dtype != torch.bool]  # gloo sums no booleans
     with torch.no_grad():
-        for parameter in model.parameters():
-            held = local_part(parameter)
+        for tensor in [*model.parameters(), *buffers]:
+            held = local_part(tensor)
             if not keeps_its_own:
                 held.zero_()
             manager.allreduce(held, reduce_op=torch.distributed.ReduceOp.SUM).wait()

@@ -1,0 +1,201 @@
+"""Training every step across nodes that are torchft replica groups (FastDDPStrategy's ``replica_groups``): what it
+costs without faults, and what a node lost mid-run costs, in the emulated cluster.
+
+- **Cost without faults**: 2 emulated nodes x 1 rank, unshaped, a 4-layer GPT-2 of 3.4M parameters
+  (``tests/support/replica_groups_fit.py``'s ``gpt2-wide``) at two batch sizes: the median seconds per step under
+  ``replica_groups`` against FastDDPStrategy as one world across the same nodes (what the form replaces), the two
+  interleaved ``--rounds`` times (``overhead_batch_N``: the median of the rounds' ratios, minus 1; every round's is
+  printed: on 2 shared cores a round's steps move by several milliseconds).
+- **A lost node**: 3 emulated nodes x 1 rank, ``min_nodes: 2``, the zoo's GPT-2, ``--steps`` steps: once
+  uninterrupted, once with node 2 SIGKILLed during step ``--kill-at``'s backward (once that step's quorum holds it, so
+  that the others' all-reduce of that step fails) and started again with the same command once the others finished
+  step ``--kill-at + 4``. Measured as ``benchmarks/lost_node.py`` measures ``outer_sync``: ``continue_s`` (from the
+  kill to the end of the survivors' first step without node 2), ``steps_lost`` (steps the survivors did not apply, or
+  did not train), ``rejoin_s`` (from the restart to the end of the restarted node's first step), ``rejoin_bytes``,
+  ``weights_equal_after_rejoin`` (when its first step starts, and after it), ``samples_repeated``, and
+  ``final_loss_vs_uninterrupted``: the survivors' mean training loss over the last 5 steps (the same samples in both
+  runs) against the uninterrupted run's.
+- **Today's path** beside it: the same job as one world (no ``replica_groups``), a checkpoint every
+  ``--save-every`` steps, node 2 SIGKILLed after step ``--kill-at`` and the whole job restarted from its last
+  checkpoint as soon as node 2 is gone (a scheduler that notices at once: the best case for that path).
+
+The last line is one JSON object. Needs root, ``ip`` and ``tc``.
+
+    python benchmarks/replica_groups.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.support
+
+from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate  # noqa: E402
+from tests.support.node_faults import kill_time, samples_read_twice, wait_until_held  # noqa: E402
+
+FIT = [sys.executable, "-m", "tests.support.replica_groups_fit"]
+NODES, KILLED, MIN_NODES = 3, 2, 2
+
+
+def reports_in(folder: Path, names: list[str]) -> list[dict]:
+    outputs = [(folder / f"{name}.out").read_text() for name in names]
+    return [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
+
+
+def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
+    """The median seconds per step (after 5 of warm-up) on the slower of 2 unshaped emulated nodes."""
+    folder.mkdir(parents=True)
+    with EmulatedCluster(nodes=2, ranks_per_node=1) as cluster:
+        processes = cluster.start(
+            [*FIT, engine, "gpt2-wide", str(steps)], env={"REPLICA_FIT_BATCH": str(batch)}, cwd=ROOT, output=folder
+        )
+        codes = [process.wait(timeout=600) for process in processes]
+    if codes != [0, 0]:
+        raise SystemExit(f"{engine} at batch {batch} exited {codes}: see {folder}")
+    medians = []
+    for report in reports_in(folder, ["node0", "node1"]):
+        ends = report["step_ends"]
+        medians.append(statistics.median(b - a for a, b in zip(ends[5:], ends[6:])))
+    return max(medians)
+
+
+def lost_node_run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], float | None, float | None]:
+    """One fit of ``steps`` steps on 3 emulated nodes under replica_groups; with ``kill_at``, node 2 is SIGKILLed
+    during that step's backward and started again once the others finished step ``kill_at + 4``. Returns every
+    node's report (node 2's of its restart), and the wall-clock times of the kill and of the restart."""
+    command = [*FIT, "fast", "gpt2", str(steps), str(MIN_NODES)]
+    env = {"REPLICA_FIT_NODES": str(NODES)}
+    started = folder / "started"
+    if kill_at is not None:
+        env["NODE_FAULT_HOLD"] = f"{kill_at + 4}:{started}"
+    folder.mkdir()
+    restarted_at = None
+    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
+        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}", "NODE_FAULT_KILL_IN": "backward"} if kill_at else {}
+        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
+        if kill_at is not None:
+            processes[KILLED].wait(timeout=600)
+            wait_until_held(started, timeout=600)
+            restarted_at = time.time()
+            again = {**env, "NODE_FAULT_ANNOUNCE": str(started)}
+            processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)
+        codes = [process.wait(timeout=600) for process in processes]
+    if codes != [0] * NODES:
+        raise SystemExit(f"the run with kill_at={kill_at} exited {codes}: see {folder}")
+    names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
+    return reports_in(folder, names), kill_time((folder / f"node{KILLED}.out").read_text()), restarted_at
+
+
+def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
+    """Today's path: one world, a checkpoint every ``save_every`` steps, node 2 SIGKILLed after step ``kill_at``, the
+    whole job restarted from its last checkpoint at once. Returns the seconds from the kill to the end of the first
+    step after the restart, and the steps trained again."""
+    checkpoints = folder / "checkpoints"
+    command = [*FIT, "one-world", "gpt2", str(steps)]
+    env = {"REPLICA_FIT_NODES": str(NODES), "REPLICA_FIT_CHECKPOINTS": str(checkpoints)}
+    env["REPLICA_FIT_SAVE_EVERY"] = str(save_every)
+    (folder / "first").mkdir(parents=True)
+    (folder / "resumed").mkdir()
+    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
+        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"}
+        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder / "first")
+        processes[KILLED].wait(timeout=600)
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        last = max(checkpoints.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+        resumed = cluster.start(command, env={**env, "REPLICA_FIT_RESUME": str(last)}, cwd=ROOT,
+                                output=folder / "resumed")  # fmt: skip
+        codes = [process.wait(timeout=600) for process in resumed]
+    if codes != [0] * NODES:
+        raise SystemExit(f"the job restarted from {last.name} exited {codes}")
+    killed = kill_time((folder / "first" / f"node{KILLED}.out").read_text())
+    assert killed is not None
+    reports = reports_in(folder / "resumed", [f"node{node}" for node in range(NODES)])
+    first_step_end = max(report["step_ends"][0] for report in reports)
+    return first_step_end - killed, kill_at - reports[0]["steps"][0] + 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=10, help="node 2 is SIGKILLed during this step's backward")
+    parser.add_argument("--save-every", type=int, default=4, help="checkpoints of today's path, every so many steps")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16], help="batch sizes of the cost run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of each setup, per batch size")
+    parser.add_argument("--cost-steps", type=int, default=60, help="steps of each run of the cost")
+    args = parser.parse_args(argv)
+    reason = cannot_emulate()
+    if reason:
+        print(f"cannot run the emulated cluster here: {reason}")
+        return 2
+    result: dict = {}
+    with tempfile.TemporaryDirectory(prefix="replica-groups-") as scratch:
+        for batch in args.batches:
+            rounds = []
+            for round_ in range(args.rounds):
+                steps = args.cost_steps
+                one_world = step_seconds("one-world", batch, steps, Path(scratch, f"one-world-{batch}-{round_}"))
+                replicas = step_seconds("fast", batch, steps, Path(scratch, f"replicas-{batch}-{round_}"))
+                rounds.append((replicas, one_world))
+                print(f"batch {batch}: replica_groups {replicas * 1000:.1f} ms/step, one world {one_world * 1000:.1f}")
+            result[f"step_ms_batch_{batch}"] = [round(replicas * 1000, 1) for replicas, _ in rounds]
+            result[f"step_ms_one_world_batch_{batch}"] = [round(one_world * 1000, 1) for _, one_world in rounds]
+            result[f"overhead_batch_{batch}"] = round(statistics.median(r / o for r, o in rounds) - 1, 4)
+        uninterrupted, _, _ = lost_node_run(args.steps, None, Path(scratch, "uninterrupted"))
+        reports, killed_at, restarted_at = lost_node_run(args.steps, args.kill_at, Path(scratch, "killed"))
+        if killed_at is None or restarted_at is None:
+            raise SystemExit("node 2 was not killed and restarted")
+        job_restart_s, steps_trained_again = restart_path(
+            args.steps, args.kill_at, args.save_every, Path(scratch, "restart")
+        )
+    *survivors, restarted = reports
+    first_without = [report["members"].index(NODES - 1) for report in survivors]
+    continue_s = max(report["step_ends"][step] for report, step in zip(survivors, first_without)) - killed_at
+    came_back = restarted["rejoined"]["step"]
+    weights_equal = (
+        restarted["first_digest"] == survivors[0]["digests"][came_back - 1]
+        and restarted["digests"][0] == survivors[0]["digests"][came_back]
+    )
+    last = [statistics.mean(report["losses"][-5:]) for report in survivors]
+    reference = [statistics.mean(report["losses"][-5:]) for report in uninterrupted[: NODES - 1]]
+    result.update(
+        {
+            "nodes": NODES,
+            "killed_node": KILLED,
+            "killed_in_step": args.kill_at,
+            "steps": args.steps,
+            "continue_s": round(continue_s, 2),
+            "first_step_without_it": first_without[0] + 1,
+            "steps_lost": max(len(report["skipped"]) + args.steps - len(report["losses"]) for report in survivors),
+            "rejoin_s": round(restarted["step_ends"][0] - restarted_at, 2),
+            "rejoined_at_step": came_back,
+            "rejoined_from": restarted["rejoined"]["source"],
+            "rejoin_bytes": restarted["rejoined"]["bytes"],
+            "weights_equal_after_rejoin": weights_equal,
+            "samples_repeated": samples_read_twice(reports),
+            "final_weights_equal": len({report["final"] for report in reports}) == 1,
+            "final_loss": statistics.mean(last),
+            "final_loss_uninterrupted": statistics.mean(reference),
+            "final_loss_vs_uninterrupted": statistics.mean(last) / statistics.mean(reference) - 1,
+            "restart_path_resume_s": round(job_restart_s, 2),
+            "restart_path_steps_trained_again": steps_trained_again,
+            "restart_path_save_every": args.save_every,
+        }
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
