@@ -402,10 +402,7 @@ class FastDDPStrategy(DDPStrategy):
         node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
         trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
         reduced = super().reduce(tensor, group, reduce_op)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.replica_groups is None or group is not None or trainer is None or not trainer.training:
-            return reduced
-        if not isinstance(reduced, torch.Tensor):
+        if group is not None or not isinstance(reduced, torch.Tensor) or not self._training_across_nodes():
             return reduced
         return self.replica_groups.reduce_across_nodes(reduced, reduce_op)
 
@@ -414,18 +411,25 @@ class FastDDPStrategy(DDPStrategy):
         step alike): one collective without a host sync, and under replica_groups across the nodes too (whose
         gradients are averaged together: a NaN on one node is a NaN on all)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        if self.replica_groups is not None and self.lightning_module.trainer.training:
+        if self._training_across_nodes():
             tensor = self.replica_groups.reduce_across_nodes(tensor, "max")
         return tensor
+
+    def _training_across_nodes(self) -> bool:
+        """Whether Lightning's reductions go on across the nodes now: under replica_groups, while training, and not
+        while a node stops on a signal (it saves alone: the others are not at that reduction)."""
+        if self.replica_groups is None or self.lightning_module is None:
+            return False
+        trainer = self.lightning_module.trainer
+        return trainer.training and not trainer.received_sigterm
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if self._across_nodes is None:
             return super().reduce_boolean_decision(decision, all)
         counts = count_in_node(decision, self.root_device)
-        training = self.lightning_module is not None and self.lightning_module.trainer.training
-        if self.replica_groups is not None and training:  # each rank decides on its own training metrics
-            counts = self.replica_groups.reduce_across_nodes(counts, "sum")  # over the nodes training
+        if self._training_across_nodes():  # each rank decides on its own training metrics
+            counts = self.replica_groups.reduce_across_nodes(counts, "sum")
         return decided(counts, all)  # evaluating, each node sees the same weights and data: the nodes decide alike
 
     @override
