@@ -105,12 +105,13 @@ def _node_commands(
 
 
 def _node_fits(
-    options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1, engine: str = "ddp"
+    options: dict, steps: int, *checkpointing: str, ranks_per_node: int = 1, engine: str = "ddp", **environment: str
 ) -> list[dict]:
     """Each rank's report of a fit on two "nodes" of this machine, by node then local rank."""
     commands, environments = _node_commands(
-        options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node), OUTER_SYNC_FIT_ENGINE=engine
-    )
+        options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node), OUTER_SYNC_FIT_ENGINE=engine,
+        **environment,
+    )  # fmt: skip
     outputs = run_processes(commands, environments, timeout=240)
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
     assert len(reports) == 2 * ranks_per_node, "\n".join(f"--- node {o.rank}:\n{o.stdout[-3000:]}" for o in outputs)
@@ -154,9 +155,14 @@ def test_two_nodes_sync_each_fragment_every_h_steps_and_agree_on_the_global_weig
 @pytest.mark.multiprocess
 def test_a_fit_resumed_between_two_outer_syncs_goes_on_bit_for_bit(tmp_path):
     """Each node's own weights, inner optimizer and random states come back from its file beside the checkpoint;
-    the outer momentum and the schedule from the checkpoint (whose weights are the global ones)."""
+    the outer momentum and the schedule from the checkpoint (whose weights are the global ones). The uninterrupted
+    fit keeps the step of its highest validation loss too (step 12 here): ModelCheckpoint's decision is every rank
+    of a node's (Lightning's own compares a node's count with the job's world size, and kept the first one)."""
     options = {"every": 4, "fragments": 2, "delay": 1}
-    straight = _node_fits(options, 12)
+    straight = _node_fits(options, 12, OUTER_SYNC_FIT_BEST=str(tmp_path / "best"))
+    first, second = straight[0]["val_losses"]  # after steps 6 and 12
+    best = 12 if second > first else 6
+    assert [path.name for path in (tmp_path / "best").glob("*.ckpt")] == [f"best-step={best}.ckpt"]
     # Saves after step 6, mid-epoch: fragment 0 was just synced, fragment 1 (synced at step 4) is mid-way, and no
     # all-reduce is in flight.
     _node_fits(options, 6, str(tmp_path), "6")

@@ -9,6 +9,8 @@ prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so fa
 all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights
 (under FSDP: of this rank's shards), and the most bytes torchft held on the rank (under FSDP: for its shards).
 
+With ``OUTER_SYNC_FIT_BEST=FOLDER`` the step of the highest validation loss is checkpointed there.
+
 Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
 [RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
 ``RESUME_FROM`` (a checkpoint file) if given. Validation runs every 6 steps.
@@ -172,6 +174,9 @@ def main(
     callbacks: list[L.Callback] = [NodeFaults(), recorder, losses, held, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
         callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
+    best = os.environ.get("OUTER_SYNC_FIT_BEST")
+    if best:  # the highest validation loss: a decision every rank of a node must agree on, whichever way it goes
+        callbacks.append(ModelCheckpoint(best, "best-{step}", monitor="val_loss", mode="max", save_top_k=1))
     if os.environ.get("OUTER_SYNC_FIT_ENGINE") == "fsdp":
         strategy = FastFSDPStrategy(outer_sync=options, timeout=120, checkpoint_format="sharded")
     else:
@@ -180,7 +185,7 @@ def main(
     nodes = int(os.environ.get("OUTER_SYNC_FIT_NODES", "2"))
     trainer = make_trainer(
         strategy, devices=ranks_per_node, num_nodes=nodes, max_steps=steps, callbacks=callbacks,
-        enable_checkpointing=folder is not None, limit_val_batches=2, val_check_interval=6,
+        enable_checkpointing=folder is not None or bool(best), limit_val_batches=2, val_check_interval=6,
         check_val_every_n_epoch=None,
     )  # fmt: skip
     model = tiny_gpt()
