@@ -402,34 +402,35 @@ class FastDDPStrategy(DDPStrategy):
         node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
         trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
         reduced = super().reduce(tensor, group, reduce_op)
-        if group is not None or not isinstance(reduced, torch.Tensor) or not self._training_across_nodes():
+        replicas = self._replicas_training()
+        if group is not None or not isinstance(reduced, torch.Tensor) or replicas is None:
             return reduced
-        return self.replica_groups.reduce_across_nodes(reduced, reduce_op)
+        return replicas.reduce_across_nodes(reduced, reduce_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
         step alike): one collective without a host sync, and under replica_groups across the nodes too (whose
         gradients are averaged together: a NaN on one node is a NaN on all)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        if self._training_across_nodes():
-            tensor = self.replica_groups.reduce_across_nodes(tensor, "max")
-        return tensor
+        replicas = self._replicas_training()
+        return replicas.reduce_across_nodes(tensor, "max") if replicas is not None else tensor
 
-    def _training_across_nodes(self) -> bool:
-        """Whether Lightning's reductions go on across the nodes now: under replica_groups, while training, and not
+    def _replicas_training(self) -> ReplicaGroupsJob | None:
+        """The replica_groups job where Lightning's reductions go on across the nodes now: while training, and not
         while a node stops on a signal (it saves alone: the others are not at that reduction)."""
         if self.replica_groups is None or self.lightning_module is None:
-            return False
+            return None
         trainer = self.lightning_module.trainer
-        return trainer.training and not trainer.received_sigterm
+        return self.replica_groups if trainer.training and not trainer.received_sigterm else None
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if self._across_nodes is None:
             return super().reduce_boolean_decision(decision, all)
         counts = count_in_node(decision, self.root_device)
-        if self._training_across_nodes():  # each rank decides on its own training metrics
-            counts = self.replica_groups.reduce_across_nodes(counts, "sum")
+        replicas = self._replicas_training()
+        if replicas is not None:  # each rank decides on its own training metrics
+            counts = replicas.reduce_across_nodes(counts, "sum")
         return decided(counts, all)  # evaluating, each node sees the same weights and data: the nodes decide alike
 
     @override
