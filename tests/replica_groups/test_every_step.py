@@ -94,6 +94,28 @@ def test_two_nodes_compute_what_lightning_ddp_computes_bit_for_bit_on_models_we_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_two_ranks_per_node_average_in_the_node_then_across_nodes_as_lightning_ddp_does_over_four_ranks():
+    """Two nodes of two ranks: DDP averages inside each node, local rank 0 across the nodes, and the node's other rank
+    takes the result. Every rank ends with the same weights, and the losses are those of Lightning's DDP over the four
+    ranks up to float rounding (the sums are grouped by node: not bitwise); ``sync_dist`` reaches all four ranks."""
+    runs = {}
+    for engine in ("fast", "lightning"):
+        commands, environments = _node_commands(engine, "gpt2", 3, nodes=2, EMULATED_RANKS_PER_NODE="2")
+        outputs = run_processes(commands, environments, timeout=240)
+        runs[engine] = sorted(
+            (report for output in outputs for report in _reports(output.stdout)),
+            key=lambda report: (report["node"], report["local_rank"]),
+        )
+    fast, lightning = runs["fast"], runs["lightning"]
+    assert [(r["node"], r["local_rank"]) for r in fast] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({r["final"] for r in fast}) == 1  # every rank of every node holds the same weights
+    for ours, theirs in zip(fast, lightning, strict=True):
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=0)
+        assert ours["node_rank_mean"] == theirs["node_rank_mean"] == [0.5, 0.5]  # (0 + 0 + 1 + 1) / 4
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_node_lost_mid_step_costs_that_step_and_started_again_it_trains_on_from_a_live_peer(tmp_path):
     """Three nodes, ``min_nodes: 2``, GPT-2. Node 2 is SIGKILLed during step 6's backward, once that step's quorum
     holds it; the others' all-reduce of step 6 fails, the step is not applied (no weight moves), and they train on
