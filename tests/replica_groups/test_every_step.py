@@ -161,3 +161,29 @@ def test_a_node_lost_mid_step_costs_that_step_and_started_again_it_trains_on_fro
         assert f"replica_groups: node2 came back at step {came_back} (restarted): 3 of 3 nodes train on." in err
     rejoined = f"replica_groups: node2 rejoined the job at step {came_back} with the weights and optimizer state of"
     assert f"{rejoined} {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[2][1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stop_signal_to_every_node_saves_once_and_the_whole_job_resumes_bit_for_bit(tmp_path):
+    """SIGTERM to both nodes during step 4: both exit 143, global rank 0 writes one ``last.ckpt`` of step 4, and the
+    whole job resumed from it trains steps 5-8 with the losses and weights of an uninterrupted run."""
+    saving = {"REPLICA_FIT_CHECKPOINTS": str(tmp_path), "REPLICA_FIT_SAVE_EVERY": "100"}
+    straight = [_reports(o.stdout)[0] for o in run_processes(*_node_commands("fast", "gpt2", 8, nodes=2), timeout=240)]
+    commands, environments = _node_commands("fast", "gpt2", 8, nodes=2, NODE_FAULT_SIGTERM_AT="4", **saving)
+    stopped = [
+        subprocess.Popen(
+            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, extra in zip(commands, environments)
+    ]
+    for node in stopped:
+        node.communicate(timeout=240)
+    assert [node.returncode for node in stopped] == [143, 143]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
+    last = tmp_path / "last.ckpt"
+    commands, environments = _node_commands("fast", "gpt2", 8, nodes=2, REPLICA_FIT_RESUME=str(last))
+    resumed = [_reports(output.stdout)[0] for output in run_processes(commands, environments, timeout=240)]
+    for before, after in zip(straight, resumed, strict=True):
+        assert after["steps"] == [5, 6, 7, 8]
+        assert after["losses"] == before["losses"][4:] and after["final"] == before["final"]
