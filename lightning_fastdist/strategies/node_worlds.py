@@ -6,7 +6,8 @@ The ranks of a node form their own world, rendezvousing in a store of their node
 global rank 0 starts torchft's lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one
 ``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's global ranks and world size: the training sampler shards
 over every rank of every node, global rank 0 writes the logs and the checkpoints. Collectives of Lightning's own
-(``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node.
+(``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node; under ``replica_groups`` its reductions
+while training go on across the nodes (:mod:`~lightning_fastdist.strategies.replica_groups`).
 """
 
 from __future__ import annotations
