@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_a_lightning_module_that_steps_its_optimizers_itself_is_refused_in_one_l
     module = HFCausalLM()
     module.automatic_optimization = False
     with pytest.raises(ValueError, match=r"replica_groups averages the gradients of Lightning's automatic optimi"):
-        strategy.replica_groups.start(module, module, [torch.optim.SGD(module.parameters(), lr=0.1)], None)
+        strategy.replica_groups.start(module, module, [torch.optim.SGD(module.parameters(), lr=0.1)], timedelta(1))
 
 
 def _node_commands(engine: str, models: str, steps: int, nodes: int, min_nodes: int = 1, **environment: str):
