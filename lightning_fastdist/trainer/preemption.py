@@ -123,13 +123,26 @@ class PreemptionHandler:
         path = checkpoint_path_on_stop(trainer)
         trainer.save_checkpoint(path)
         name = signal.Signals(signum).name
-        log.warning(
-            f"[rank {trainer.global_rank}] stopped by {name} after step {trainer.global_step}: saved {path}; "
-            f"exiting with status {EXIT_STATUS_BASE + signum} (resume with --ckpt_path last)."
-        )
+        stopped = f"[rank {trainer.global_rank}] stopped by {name} after step {trainer.global_step}"
+        status = EXIT_STATUS_BASE + signum
+        if _node_apart_from_node_0(trainer):
+            log.warning(
+                f"{stopped}: this node writes no checkpoint (node 0 writes the job's); exiting with status {status} "
+                "(started again with the same command it rejoins nodes still training; a whole job resumes with "
+                "--ckpt_path last)."
+            )
+        else:
+            log.warning(f"{stopped}: saved {path}; exiting with status {status} (resume with --ckpt_path last).")
         if signum == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job(trainer)
         raise Preempted(signum)
+
+
+def _node_apart_from_node_0(trainer: Trainer) -> bool:
+    """Whether this process's world is its node's alone (``outer_sync``, ``replica_groups``) and not node 0's, whose
+    global rank 0 writes the job's checkpoints: a stop signal to this node saves nothing."""
+    own_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() < trainer.world_size
+    return own_world and trainer.node_rank != 0
 
 
 def checkpoint_path_on_stop(trainer: Trainer) -> str:

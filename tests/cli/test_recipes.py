@@ -154,8 +154,8 @@ def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchr
 def lose_node_1_and_start_it_again(config: str, *options: str, **faults: str) -> tuple[list[tuple[str, str]], int]:
     """Fit ``config`` for 16 steps on two loopback nodes (Lightning's launcher): node 1 is SIGKILLed after step 4 (or
     where ``faults`` say), node 0 trains on alone and waits after step 8 until node 1, started again with the same
-    command, trains. Returns each node's ``(stdout, stderr)`` (node 1's of its second start) and the step after which
-    node 1 came back."""
+    command, trains. Returns each node's ``(stdout, stderr)`` (node 1's of its second start, then of its first) and the
+    step after which node 1 came back."""
     started = Path("started").resolve()
     command = cli_command(
         "fit", "--config", config, *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
@@ -174,11 +174,12 @@ def lose_node_1_and_start_it_again(config: str, *options: str, **faults: str) ->
         )
         for extra in environments
     ]
-    nodes[1] = start_again_once_held(nodes[1], command, environments[1], started)
+    lost = nodes[1]
+    nodes[1] = start_again_once_held(lost, command, environments[1], started)
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     came_back = int(re.search(r"node1 rejoined the job at step (\d+) .* of node0", outputs[1][1]).group(1))
-    return outputs, came_back
+    return [*outputs, lost.communicate()], came_back
 
 
 def logged_ranks() -> dict[int, float]:
@@ -212,7 +213,11 @@ def test_multi_node_fault_tolerant_recipe_trains_on_while_a_preempted_node_is_aw
     step is lost. Node 1, started again, takes node 0's state at the quorum of a later step and trains on with it;
     rank 0's ``speed/ranks`` says 2, then 1, then 2. (A node SIGKILLed during a step: tests/replica_groups.)"""
     outputs, came_back = lose_node_1_and_start_it_again("multi_node_fault_tolerant", NODE_FAULT_KILL_SIGNAL="SIGTERM")
-    survivor = outputs[0][1]
+    survivor, preempted = outputs[0][1], outputs[2][1]
+    assert (
+        "[rank 1] stopped by SIGTERM after step 4: this node writes no checkpoint (node 0 writes the job's)"
+        in preempted
+    )
     assert "replica_groups: node1 left the job at step 4" in survivor and "is not applied" not in survivor
     assert f"replica_groups: node1 came back at step {came_back} (restarted): 2 of 2 nodes train on." in survivor
     assert logged_ranks() == {step - 1: 1.0 if 5 <= step <= came_back else 2.0 for step in range(1, 17)}
