@@ -30,20 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support.emulated_cluster
 
-from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate  # noqa: E402
-from tests.support.node_faults import kill_time, samples_read_twice, wait_until_held  # noqa: E402
+from tests.support.emulated_cluster import cannot_emulate  # noqa: E402
+from tests.support.lost_node_runs import KILLED, NODES, restart_whole_job, run_losing_a_node  # noqa: E402
+from tests.support.node_faults import samples_read_twice  # noqa: E402
 
-NODES, KILLED = 3, 2
 OPTIONS = {"every": 2, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False, "min_nodes": 2}
 
 
@@ -54,61 +51,20 @@ def run(
     steps: int, kill_at: int | None, folder: Path, options: dict = OPTIONS
 ) -> tuple[list[dict], list[int], float | None, float | None]:
     """One fit of ``steps`` steps on 3 emulated nodes; with ``kill_at``, node 2 is SIGKILLed after that step and
-    started again once the others finished step ``kill_at + 4``. Returns every node's report (node 2's of its
-    restart), every node's exit status, and the wall-clock times of the kill and of the restart."""
+    started again once the others finished step ``kill_at + 4`` (:func:`run_losing_a_node`)."""
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
-    env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
-    started = folder / "started"
-    if kill_at is not None:
-        env["NODE_FAULT_HOLD"] = f"{kill_at + 4}:{started}"
-    folder.mkdir()
-    restarted_at = None
-    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"} if kill_at is not None else {}
-        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
-        if kill_at is not None:
-            processes[KILLED].wait(timeout=600)
-            wait_until_held(started, timeout=600)
-            restarted_at = time.time()
-            again = {**env, "NODE_FAULT_ANNOUNCE": str(started)}
-            processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)
-        codes = [process.wait(timeout=600) for process in processes]
-    names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
-    outputs = [(folder / f"{name}.out").read_text() for name in names]
-    reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
-    return reports, codes, kill_time((folder / f"node{KILLED}.out").read_text()), restarted_at
+    return run_losing_a_node(command, {"OUTER_SYNC_FIT_NODES": str(NODES)}, kill_at, folder)
 
 
 def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
     """Today's path, without ``min_nodes``: the same job writing a checkpoint every ``save_every`` steps, node 2
-    SIGKILLed after step ``kill_at``, and the whole job restarted from its last checkpoint as soon as node 2 is gone
-    (a scheduler that notices at once: the best case for this path). Returns the seconds from the kill to the end of
-    the first step after the restart, and the steps trained again."""
+    SIGKILLed after step ``kill_at``, and the whole job restarted from its last checkpoint at once
+    (:func:`restart_whole_job`)."""
     checkpoints = folder / "checkpoints"
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(WITHOUT_MIN_NODES), str(steps)]
     command += [str(checkpoints), str(save_every)]
     env = {"OUTER_SYNC_FIT_NODES": str(NODES)}
-    (folder / "first").mkdir(parents=True)
-    (folder / "resumed").mkdir()
-    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"}
-        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder / "first")
-        processes[KILLED].wait(timeout=600)
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        last = max(checkpoints.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
-        resumed = cluster.start([*command, str(last)], env=env, cwd=ROOT, output=folder / "resumed")
-        codes = [process.wait(timeout=600) for process in resumed]
-    if codes != [0] * NODES:
-        raise SystemExit(f"the job restarted from {last.name} exited {codes}")
-    killed = kill_time((folder / "first" / f"node{KILLED}.out").read_text())
-    assert killed is not None
-    outputs = [(folder / "resumed" / f"node{node}.out").read_text() for node in range(NODES)]
-    reports = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
-    first_step_end = max(report["step_ends"][0] for report in reports)
-    return first_step_end - killed, kill_at - reports[0]["steps"][0] + 1
+    return restart_whole_job(command, env, lambda last: ([*command, str(last)], env), checkpoints, kill_at, folder)
 
 
 def step_seconds(reports: list[dict]) -> float:

@@ -28,27 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support
 
 from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate  # noqa: E402
-from tests.support.node_faults import kill_time, samples_read_twice, wait_until_held  # noqa: E402
+from tests.support.lost_node_runs import KILLED, NODES, fit_reports, restart_whole_job, run_losing_a_node  # noqa: E402
+from tests.support.node_faults import samples_read_twice  # noqa: E402
 
 FIT = [sys.executable, "-m", "tests.support.replica_groups_fit"]
-NODES, KILLED, MIN_NODES = 3, 2, 2
-
-
-def reports_in(folder: Path, names: list[str]) -> list[dict]:
-    outputs = [(folder / f"{name}.out").read_text() for name in names]
-    return [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("FIT ")]
+MIN_NODES = 2
 
 
 def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
@@ -62,7 +55,7 @@ def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
     if codes != [0, 0]:
         raise SystemExit(f"{engine} at batch {batch} exited {codes}: see {folder}")
     medians = []
-    for report in reports_in(folder, ["node0", "node1"]):
+    for report in fit_reports(folder, ["node0", "node1"]):
         ends = report["step_ends"]
         medians.append(statistics.median(b - a for a, b in zip(ends[5:], ends[6:])))
     return max(medians)
@@ -70,60 +63,31 @@ def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
 
 def lost_node_run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], float | None, float | None]:
     """One fit of ``steps`` steps on 3 emulated nodes under replica_groups; with ``kill_at``, node 2 is SIGKILLed
-    during that step's backward and started again once the others finished step ``kill_at + 4``. Returns every
-    node's report (node 2's of its restart), and the wall-clock times of the kill and of the restart."""
+    during that step's backward and started again once the others finished step ``kill_at + 4``
+    (:func:`run_losing_a_node`). Returns every node's report (node 2's of its restart), and the wall-clock times of
+    the kill and of the restart."""
     command = [*FIT, "fast", "gpt2", str(steps), str(MIN_NODES)]
     env = {"REPLICA_FIT_NODES": str(NODES)}
-    started = folder / "started"
-    if kill_at is not None:
-        env["NODE_FAULT_HOLD"] = f"{kill_at + 4}:{started}"
-    folder.mkdir()
-    restarted_at = None
-    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}", "NODE_FAULT_KILL_IN": "backward"} if kill_at else {}
-        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder)
-        if kill_at is not None:
-            processes[KILLED].wait(timeout=600)
-            wait_until_held(started, timeout=600)
-            restarted_at = time.time()
-            again = {**env, "NODE_FAULT_ANNOUNCE": str(started)}
-            processes[KILLED] = cluster.start_again(KILLED, command, env=again, cwd=ROOT, output=folder)
-        codes = [process.wait(timeout=600) for process in processes]
+    reports, codes, killed_at, restarted_at = run_losing_a_node(
+        command, env, kill_at, folder, NODE_FAULT_KILL_IN="backward"
+    )
     if codes != [0] * NODES:
         raise SystemExit(f"the run with kill_at={kill_at} exited {codes}: see {folder}")
-    names = [f"node{node}" if node != KILLED or kill_at is None else f"node{node}.again" for node in range(NODES)]
-    return reports_in(folder, names), kill_time((folder / f"node{KILLED}.out").read_text()), restarted_at
+    return reports, killed_at, restarted_at
 
 
 def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
     """Today's path: one world, a checkpoint every ``save_every`` steps, node 2 SIGKILLed after step ``kill_at``, the
-    whole job restarted from its last checkpoint at once. Returns the seconds from the kill to the end of the first
-    step after the restart, and the steps trained again."""
+    whole job restarted from its last checkpoint at once (:func:`restart_whole_job`)."""
     checkpoints = folder / "checkpoints"
     command = [*FIT, "one-world", "gpt2", str(steps)]
     env = {"REPLICA_FIT_NODES": str(NODES), "REPLICA_FIT_CHECKPOINTS": str(checkpoints)}
     env["REPLICA_FIT_SAVE_EVERY"] = str(save_every)
-    (folder / "first").mkdir(parents=True)
-    (folder / "resumed").mkdir()
-    with EmulatedCluster(nodes=NODES, ranks_per_node=1) as cluster:
-        kill = {"NODE_FAULT_KILL": f"{KILLED}:{kill_at}"}
-        processes = cluster.start(command, env={**env, **kill}, cwd=ROOT, output=folder / "first")
-        processes[KILLED].wait(timeout=600)
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        last = max(checkpoints.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
-        resumed = cluster.start(command, env={**env, "REPLICA_FIT_RESUME": str(last)}, cwd=ROOT,
-                                output=folder / "resumed")  # fmt: skip
-        codes = [process.wait(timeout=600) for process in resumed]
-    if codes != [0] * NODES:
-        raise SystemExit(f"the job restarted from {last.name} exited {codes}")
-    killed = kill_time((folder / "first" / f"node{KILLED}.out").read_text())
-    assert killed is not None
-    reports = reports_in(folder / "resumed", [f"node{node}" for node in range(NODES)])
-    first_step_end = max(report["step_ends"][0] for report in reports)
-    return first_step_end - killed, kill_at - reports[0]["steps"][0] + 1
+
+    def resume(last: Path) -> tuple[list[str], dict[str, str]]:
+        return command, {**env, "REPLICA_FIT_RESUME": str(last)}
+
+    return restart_whole_job(command, env, resume, checkpoints, kill_at, folder)
 
 
 def main(argv: list[str] | None = None) -> int:
