@@ -254,7 +254,7 @@ class FastDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self.set_world_ranks()
         if self._across_nodes is not None:
-            self._across_nodes.join_node_group(self, self._get_process_group_backend(), self.timeout)
+            self._across_nodes.nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         super().setup_distributed()  # finds the group initialised and keeps it
 

@@ -211,7 +211,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         check_names_before_joining(self._launcher, self, self.check_names)
         self.set_world_ranks()
         if self.outer_sync is not None:  # torch.distributed's world is the node: FSDP shards inside it
-            self.outer_sync.join_node_group(self, self._get_process_group_backend(), self.timeout)
+            self.outer_sync.nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         self._setup_distributed()  # Lightning's: finds the group initialised and keeps it
         self._device_mesh = self.fsdp.mesh(self.root_device.type, dist.get_world_size())

@@ -3,9 +3,8 @@
 Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 
 - **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
-- **Joining** (:meth:`OuterSyncJob.join_node_group`): one world per node
-  (:mod:`~lightning_fastdist.strategies.node_worlds`); evaluation data is shared over the node's ranks, so that every
-  node evaluates all of it.
+- **Joining** (the job's ``nodes``, a :class:`~lightning_fastdist.strategies.node_worlds.NodeWorlds`): one world per
+  node; evaluation data is shared over the node's ranks, so that every node evaluates all of it.
 - **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
   process that talks across nodes. Under DDP that is each node's local rank 0 (a replica group of one, so the link
   carries each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the
@@ -33,7 +32,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
@@ -84,10 +82,6 @@ class OuterSyncJob:
     def check_fragments(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         """Raise the one-line ``ValueError`` of ``fragments`` that do not divide ``model``'s blocks."""
         split_into_fragments(model, blocks, self.settings.fragments)
-
-    def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
-        """Join this node's own world (:meth:`NodeWorlds.join`). Call after the strategy set its world ranks."""
-        self.nodes.join(strategy, backend, timeout)
 
     def start(
         self,

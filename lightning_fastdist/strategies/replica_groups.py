@@ -4,8 +4,8 @@ averaged across the nodes every step through torchft, a lost node left out and a
 Owned and called by FastDDPStrategy from its own hooks:
 
 - **Before any process starts** (:meth:`ReplicaGroupsJob.check_launch`): more than one node, torchft installed.
-- **Joining** (:meth:`ReplicaGroupsJob.join_node_group`): one world per node
-  (:mod:`~lightning_fastdist.strategies.node_worlds`).
+- **Joining** (the job's ``nodes``, a
+  :class:`~lightning_fastdist.strategies.node_worlds.NodeWorlds`): one world per node.
 - **Fitting** (:meth:`ReplicaGroupsJob.start`): each node's local rank 0 runs
   :class:`~lightning_fastdist.parallel.replica_groups.every_step.EveryStepRun`. Each batch's start starts the step's
   quorum (:meth:`ReplicaGroupsJob.before_batch`); Lightning's closure is wrapped so that after the backward (DDP has
@@ -27,7 +27,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
 from lightning_fastdist.parallel.replica_groups.every_step import OPTION, EveryStepRun
@@ -56,10 +55,6 @@ class ReplicaGroupsJob:
         """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
         torchft."""
         self.nodes.check_launch(num_nodes, f"remove {OPTION}")
-
-    def join_node_group(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
-        """Join this node's own world. Call after the strategy set its world ranks."""
-        self.nodes.join(strategy, backend, timeout)
 
     def start(
         self,
