@@ -49,7 +49,7 @@ class NodeState:
     rejoins (:meth:`snapshot` on the sender, :meth:`receive` on the node behind).
 
     Args:
-        model: the model as trained; ``optimizer``: the inner optimizer.
+        model: the model as trained, between two steps; ``optimizer``: the inner optimizer.
         schedule: returns where DiLoCo's schedule stands (``{"steps", "local_step"}``).
         position: returns the training position (the strategy's; ``None`` where nobody reads it).
     """
@@ -61,7 +61,9 @@ class NodeState:
         schedule: Callable[[], dict[str, int]],
         position: Callable[[], Any],
     ) -> None:
-        self.model = model
+        # Its parameters now: during a step FSDP registers gathered ones in their place, and torchft snapshots in its
+        # own thread while a step runs.
+        self.parameters = list(model.parameters())
         self.optimizer = optimizer
         self.schedule = schedule
         self.position = position
@@ -72,7 +74,7 @@ class NodeState:
         step's hook, then serves the result to the node behind while training goes on (on CPU its transport sends
         the tensors it was given)."""
         with torch.no_grad():
-            weights = [local_part(parameter).detach().clone() for parameter in self.model.parameters()]
+            weights = [local_part(parameter).detach().clone() for parameter in self.parameters]
         return {
             "weights": weights,
             "optimizer": optimizer_snapshot(self.optimizer),
@@ -87,7 +89,7 @@ class NodeState:
     def restore_weights(self, weights: list[torch.Tensor]) -> None:
         """Copy a snapshot's weights into the model (this process's shards where sharded)."""
         with torch.no_grad():
-            for parameter, saved in zip(self.model.parameters(), weights, strict=True):
+            for parameter, saved in zip(self.parameters, weights, strict=True):
                 local_part(parameter).copy_(saved)
 
 
