@@ -68,11 +68,11 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
-from lightning_fastdist.strategies.node_worlds import count_in_node, decided
+from lightning_fastdist.strategies.node_worlds import decide_in_node
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
-from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob
+from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob, reducing_across_nodes
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"
@@ -402,7 +402,7 @@ class FastDDPStrategy(DDPStrategy):
         node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
         trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
         reduced = super().reduce(tensor, group, reduce_op)
-        replicas = self._replicas_training()
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
         if group is not None or not isinstance(reduced, torch.Tensor) or replicas is None:
             return reduced
         return replicas.reduce_across_nodes(reduced, reduce_op)
@@ -412,26 +412,16 @@ class FastDDPStrategy(DDPStrategy):
         step alike): one collective without a host sync, and under replica_groups across the nodes too (whose
         gradients are averaged together: a NaN on one node is a NaN on all)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        replicas = self._replicas_training()
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
         return replicas.reduce_across_nodes(tensor, "max") if replicas is not None else tensor
-
-    def _replicas_training(self) -> ReplicaGroupsJob | None:
-        """The replica_groups job where Lightning's reductions go on across the nodes now: while training, and not
-        while a node stops on a signal (it saves alone: the others are not at that reduction)."""
-        if self.replica_groups is None or self.lightning_module is None:
-            return None
-        trainer = self.lightning_module.trainer
-        return self.replica_groups if trainer.training and not trainer.received_sigterm else None
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if self._across_nodes is None:
             return super().reduce_boolean_decision(decision, all)
-        counts = count_in_node(decision, self.root_device)
-        replicas = self._replicas_training()
-        if replicas is not None:  # each rank decides on its own training metrics
-            counts = replicas.reduce_across_nodes(counts, "sum")
-        return decided(counts, all)  # evaluating, each node sees the same weights and data: the nodes decide alike
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)  # on each rank's training metrics
+        across = functools.partial(replicas.reduce_across_nodes, reduce_op="sum") if replicas is not None else None
+        return decide_in_node(decision, all, self.root_device, across)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

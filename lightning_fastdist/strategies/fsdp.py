@@ -57,6 +57,8 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
+from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.strategies.blocks_option import blocks_option
@@ -71,10 +73,11 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
-from lightning_fastdist.strategies.node_worlds import count_in_node, decided
+from lightning_fastdist.strategies.node_worlds import decide_in_node
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob, reducing_across_nodes
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -106,6 +109,12 @@ class FastFSDPStrategy(ModelParallelStrategy):
             them in a recipe): each rank sends its shard's pseudo-gradient to the ranks holding the same shard on the
             other nodes. Not with ``sharding="hsdp"`` (which replicates across nodes every step). ``None`` (the
             default): one sharded world, every step. ``docs/semi-sync.md`` says when it pays.
+        replica_groups: shard inside each node and train each node as a torchft replica group, each rank's shard of
+            the gradients averaged every step with the ranks holding the same shard on the other nodes (what one
+            sharded world computes), so that a lost node leaves the others training on and a restarted one joins them
+            (:class:`~lightning_fastdist.parallel.replica_groups.settings.ReplicaGroups` describes its options:
+            ``{min_nodes: 1}`` in a recipe; ``docs/fault-tolerance.md``). Not with ``outer_sync`` or
+            ``sharding="hsdp"``. ``None`` (the default): one world, a lost node ends the job.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
             (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
@@ -132,6 +141,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_checkpointing: bool = False,
         outer_sync: OuterSync | Mapping[str, Any] | None = None,
+        replica_groups: ReplicaGroups | Mapping[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
         log_comm_bytes: bool = True,
@@ -151,14 +161,28 @@ class FastFSDPStrategy(ModelParallelStrategy):
             )
         try:
             outer = OuterSync.of(outer_sync)
+            replicas = ReplicaGroups.of(replica_groups)
         except ValueError as error:
             raise ValueError(f"FastFSDPStrategy: {error}") from None
+        if outer is not None and replicas is not None:
+            raise ValueError(
+                "FastFSDPStrategy: outer_sync and replica_groups are two forms of training across nodes: give one (a "
+                "lost node is left out under outer_sync with its own min_nodes)."
+            )
         if outer is not None and sharding == "hsdp":
             raise ValueError(
                 "FastFSDPStrategy: outer_sync synchronises across nodes every `every` steps and sharding='hsdp' every "
                 "step: give sharding='zero3' or 'zero2' (sharded inside each node) with outer_sync."
             )
+        if replicas is not None and sharding == "hsdp":
+            raise ValueError(
+                "FastFSDPStrategy: replica_groups replicates across nodes through torchft, as sharding='hsdp' does "
+                "through one world: give sharding='zero3' or 'zero2' (sharded inside each node) with replica_groups."
+            )
         self.outer_sync = OuterSyncJob(outer, "FastFSDPStrategy", sharded=True) if outer is not None else None
+        self.replica_groups = (
+            ReplicaGroupsJob(replicas, "FastFSDPStrategy", sharded=True) if replicas is not None else None
+        )
         super().__init__(
             save_distributed_checkpoint=checkpoint_format == "sharded",
             process_group_backend=process_group_backend,
@@ -187,8 +211,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
-        if self.outer_sync is not None:
-            self.outer_sync.check_launch(self.num_nodes)
+        if self._across_nodes is not None:
+            self._across_nodes.check_launch(self.num_nodes)
 
     def check_names(self, module: pl.LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
@@ -210,8 +234,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         check_names_before_joining(self._launcher, self, self.check_names)
         self.set_world_ranks()
-        if self.outer_sync is not None:  # torch.distributed's world is the node: FSDP shards inside it
-            self.outer_sync.nodes.join(self, self._get_process_group_backend(), self.timeout)
+        if self._across_nodes is not None:  # torch.distributed's world is the node: FSDP shards inside it
+            self._across_nodes.nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         self._setup_distributed()  # Lightning's: finds the group initialised and keeps it
         self._device_mesh = self.fsdp.mesh(self.root_device.type, dist.get_world_size())
@@ -226,9 +250,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank is a data-parallel replica, whatever the sharding; under outer_sync evaluation data is shared out
-        over the node's ranks only, as FastDDPStrategy does (every node evaluates all of it on the global weights)."""
-        if self.outer_sync is not None and self.lightning_module is not None:
+        """Every rank is a data-parallel replica, whatever the sharding; with a world per node (outer_sync,
+        replica_groups) evaluation data is shared out over the node's ranks only, as FastDDPStrategy does (every node
+        evaluates all of it on the same weights)."""
+        if self._across_nodes is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
@@ -304,6 +329,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce or outer_sync's."""
         if self.fsdp.mode == "hsdp":
             return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+        if self.replica_groups is not None:
+            return (ALL_GATHER, REDUCE_SCATTER, ACROSS_NODES)
         return (ALL_GATHER, REDUCE_SCATTER, OUTER_ALL_REDUCE) if self.outer_sync else (ALL_GATHER, REDUCE_SCATTER)
 
     @property
@@ -319,8 +346,14 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @property
     def training_ranks(self) -> int:
         """The ranks training now (what :class:`~lightning_fastdist.SpeedMonitor` counts): every rank, or under
-        outer_sync with ``min_nodes`` those of the nodes still in the job."""
-        return self.outer_sync.training_ranks(self.world_size) if self.outer_sync is not None else self.world_size
+        outer_sync with ``min_nodes`` or replica_groups those of the nodes still in the job."""
+        across = self._across_nodes
+        return across.training_ranks(self.world_size) if across is not None else self.world_size
+
+    @property
+    def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
+        """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
+        return self.outer_sync or self.replica_groups
 
     @override
     def on_train_start(self) -> None:
@@ -338,6 +371,15 @@ class FastFSDPStrategy(ModelParallelStrategy):
                 clock=self.exposed_comm,
             )
         assert self.lightning_module is not None
+        if self.replica_groups is not None:  # after Lightning restored a checkpoint's state
+            self.replica_groups.start(
+                self.model,
+                self.lightning_module,
+                self.optimizers,
+                self.timeout,
+                stats=self.comm_stats,
+                clock=self.exposed_comm,
+            )
         align_resumed_batch_count(self.lightning_module.trainer)
 
     @override
@@ -375,6 +417,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._resume.before_batch()
+        if self.replica_groups is not None:
+            self.replica_groups.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -410,7 +454,11 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.replica_groups is not None:
+            closure = self.replica_groups.averaging_after(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.replica_groups is not None:
+            self.replica_groups.after_step(self.lightning_module.trainer)
         end_comm_step(self.comm_stats, self.exposed_comm)
         return output
 
@@ -426,6 +474,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
             self.outer_sync.save(self.model, self.optimizers, checkpoint, path, trainer.global_step, stopping)
+            if self.node_rank != 0:
+                return
+        elif self.replica_groups is not None:  # the nodes hold the same state: node 0's ranks write it
+            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
             if self.node_rank != 0:
                 return
         else:
@@ -458,6 +510,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
             self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
             if self.lightning_module.trainer.training:
                 self.outer_sync.load(checkpoint, checkpoint_path)
+        elif self.replica_groups is not None:
+            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)
         else:
             self._resume.take_from(checkpoint, self.global_rank, self.world_size)
         return checkpoint
@@ -467,11 +521,30 @@ class FastFSDPStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduction over the job's ranks (``self.log(sync_dist=True)``): with a world per node over the
+        node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
+        trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
+        reduced = super().reduce(tensor, group, reduce_op)
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
+        if group is not None or not isinstance(reduced, torch.Tensor) or replicas is None:
+            return reduced
+        return replicas.reduce_across_nodes(reduced, reduce_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
+        step alike), across the nodes too under replica_groups."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
+        return replicas.reduce_across_nodes(tensor, "max") if replicas is not None else tensor
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if self.outer_sync is None:
+        if self._across_nodes is None:
             return super().reduce_boolean_decision(decision, all)
-        # Each node evaluates the global weights on all of the data: the nodes decide alike.
-        return decided(count_in_node(decision, self.root_device), all)
+        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)  # on each rank's training metrics
+        across = functools.partial(replicas.reduce_across_nodes, reduce_op="sum") if replicas is not None else None
+        return decide_in_node(decision, all, self.root_device, across)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -514,8 +587,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.recompiles.stop()
         self._checkpoint_writer.wait()
-        if self.outer_sync is not None:
-            self.outer_sync.teardown()
+        if self._across_nodes is not None:
+            self._across_nodes.teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 
-from lightning_fastdist.parallel.replica_groups.group import ReplicaGroup, import_torchft, start_lighthouse
+from lightning_fastdist.parallel.replica_groups.group import (
+    FitRegister,
+    ReplicaGroup,
+    import_torchft,
+    start_lighthouse,
+)
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
 
@@ -116,7 +121,7 @@ class NodeWorlds:
             port = self._manager_store.port
         if self.sharded:  # every rank of the node runs a Manager of the same replica group
             port = share_in_node(port)
-        return dataclasses.replace(group, store_port=port) if port is not None else group
+        return dataclasses.replace(group, store_port=port or group.store_port, fit=FitRegister.count_fit())
 
     def close_fit(self) -> None:
         """Stop this fit's store (its Managers are shut down)."""
@@ -146,18 +151,21 @@ def broadcast_in_node(tensors: Iterable[torch.Tensor]) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def count_in_node(decision: bool, device: torch.device) -> torch.Tensor:
-    """``[ranks of the node that decided yes, ranks of the node]``, summed over the node's world."""
-    counts = torch.tensor([int(decision), 1], device=device)
+def decide_in_node(
+    decision: bool,
+    all: bool,  # noqa: A002 - Lightning's name
+    device: torch.device,
+    across_nodes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> bool:
+    """Lightning's ``reduce_boolean_decision`` over the node's ranks (and those of every node, where ``across_nodes``
+    sums the node's counts over them): every rank counted decided yes (``all``), or one did. Lightning's own compares
+    the count with the job's world size, which a world per node never reaches (ModelCheckpoint would save no top-k
+    checkpoint)."""
+    counts = torch.tensor([int(decision), 1], device=device)  # [ranks that decided yes, ranks]
     if dist.get_world_size() > 1:
         dist.all_reduce(counts)
-    return counts
-
-
-def decided(counts: torch.Tensor, all: bool) -> bool:  # noqa: A002 - Lightning's name
-    """Lightning's ``reduce_boolean_decision`` on :func:`count_in_node`'s counts (summed over more nodes, or not):
-    every rank counted decided yes (``all``), or one did. Lightning's own compares the count with the job's world
-    size, which a world per node never reaches (ModelCheckpoint would save no top-k checkpoint)."""
+    if across_nodes is not None:
+        counts = across_nodes(counts)
     yes, ranks = counts.tolist()
     return yes == ranks if all else yes > 0
 

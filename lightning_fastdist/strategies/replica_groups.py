@@ -6,12 +6,14 @@ Owned and called by FastDDPStrategy from its own hooks:
 - **Before any process starts** (:meth:`ReplicaGroupsJob.check_launch`): more than one node, torchft installed.
 - **Joining** (the job's ``nodes``, a
   :class:`~lightning_fastdist.strategies.node_worlds.NodeWorlds`): one world per node.
-- **Fitting** (:meth:`ReplicaGroupsJob.start`): each node's local rank 0 runs
-  :class:`~lightning_fastdist.parallel.replica_groups.every_step.EveryStepRun`. Each batch's start starts the step's
-  quorum (:meth:`ReplicaGroupsJob.before_batch`); Lightning's closure is wrapped so that after the backward (DDP has
-  averaged the gradients inside the node) local rank 0 averages them across the nodes and gives the node's other
-  ranks the result (:meth:`ReplicaGroupsJob.averaging_after`), before clipping and ``on_before_optimizer_step`` see
-  them, as under DDP. A step that did not commit leaves every gradient ``None``: the optimizer skips it.
+- **Fitting** (:meth:`ReplicaGroupsJob.start`): each process that talks across nodes runs
+  :class:`~lightning_fastdist.parallel.replica_groups.every_step.EveryStepRun`. Under DDP that is each node's local
+  rank 0 (the link carries the gradients once per node); under FSDP every rank, with the ranks holding the same shard
+  on the other nodes. Each batch's start starts the step's quorum (:meth:`ReplicaGroupsJob.before_batch`);
+  Lightning's closure is wrapped so that after the backward (DDP or FSDP has averaged the gradients inside the node)
+  they are averaged across the nodes (under DDP local rank 0 gives the node's other ranks the result:
+  :meth:`ReplicaGroupsJob.averaging_after`), before clipping and ``on_before_optimizer_step`` see them, as in one
+  world. A step that did not commit leaves every gradient ``None``: the optimizer skips it.
 - **Rejoining**: a node restarted with the same command while the others train takes a live node's weights,
   optimizer state and training position at their next step's quorum, and trains on from the step after it
   (:func:`~lightning_fastdist.strategies.loop_state.continue_after`).
@@ -40,14 +42,18 @@ from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_n
 class ReplicaGroupsJob:
     """Training every step across nodes that are torchft replica groups (``owner`` names the strategy in errors;
     ``broadcast_buffers``: the model's buffers are node 0's at every step, as DDP's ``broadcast_buffers`` makes them
-    rank 0's)."""
+    rank 0's, under FSDP those of the rank holding the same shard on node 0; ``sharded``: each rank of a node holds a
+    shard of the weights, as under FSDP, instead of all of them)."""
 
-    def __init__(self, settings: ReplicaGroups, owner: str, broadcast_buffers: bool = True) -> None:
+    def __init__(
+        self, settings: ReplicaGroups, owner: str, broadcast_buffers: bool = True, sharded: bool = False
+    ) -> None:
         self.settings = settings
         self.owner = owner
         self.broadcast_buffers = broadcast_buffers
-        self.nodes = NodeWorlds(owner, OPTION, settings.min_nodes, sharded=False)
-        self.run: EveryStepRun | None = None  # on each node's local rank 0, while fitting
+        self.sharded = sharded
+        self.nodes = NodeWorlds(owner, OPTION, settings.min_nodes, sharded)
+        self.run: EveryStepRun | None = None  # where this process talks across nodes, while fitting
         self._gradients: FlatGradients | None = None  # while fitting
         self._buffers: FlatTensors | None = None  # while fitting, where the model has buffers DDP would broadcast
 
@@ -79,9 +85,12 @@ class ReplicaGroupsJob:
         buffers = [buffer for buffer in model.buffers() if buffer.dtype != torch.bool]
         self._buffers = FlatTensors(buffers) if buffers and self.broadcast_buffers else None
         if group.talks_across_nodes:
-            self.run = EveryStepRun(model, optimizers[0], group, timeout, report=_warn, **counting)
-        rejoined = share_in_node(self.run.rejoined if self.run is not None else None)
-        broadcast_in_node([*model.parameters(), *buffers])  # the weights and buffers local rank 0 agreed on
+            report = _warn if group.local_rank == 0 else None  # once per node
+            self.run = EveryStepRun(model, optimizers[0], group, timeout, report=report, **counting)
+        rejoined = self.run.rejoined if self.run is not None else None
+        if not self.sharded:
+            rejoined = share_in_node(rejoined)
+            broadcast_in_node([*model.parameters(), *buffers])  # the weights and buffers local rank 0 agreed on
         if rejoined is not None:
             if self.run is None:  # local rank 0 loaded it; its weights came with the broadcast above
                 load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
@@ -106,11 +115,16 @@ class ReplicaGroupsJob:
         assert self._gradients is not None, "start first"
         flats = self._gradients.gather()
         buffers = self._buffers.gather() if self._buffers is not None else []
-        committed = torch.ones(1, device=flats[0].device)
-        if self.run is not None:
-            committed.fill_(float(self.run.average(flats, buffers)))
-        broadcast_in_node([*flats, *buffers, committed])
-        self._gradients.scatter(apply=bool(committed.item()))
+        if self.sharded:  # every rank averages its own shard with the same shard's ranks on the other nodes
+            assert self.run is not None
+            committed = self.run.average(flats, buffers)  # torchft's commit is agreed by every rank of the node
+        else:
+            decision = torch.ones(1, device=flats[0].device)
+            if self.run is not None:
+                decision.fill_(float(self.run.average(flats, buffers)))
+            broadcast_in_node([*flats, *buffers, decision])
+            committed = bool(decision.item())
+        self._gradients.scatter(apply=committed)
         if self._buffers is not None:
             self._buffers.scatter()
 
@@ -126,7 +140,8 @@ class ReplicaGroupsJob:
             tensor = tensor.float()
         if self.run is not None:
             self.run.reduce(tensor, op)
-        broadcast_in_node([tensor])
+        if not self.sharded:  # every rank reduced it with its peers on the other nodes
+            broadcast_in_node([tensor])
         return tensor
 
     def after_step(self, trainer: pl.Trainer) -> None:
@@ -151,6 +166,16 @@ class ReplicaGroupsJob:
         """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
         self.close_run()
         self.nodes.stop_lighthouse()
+
+
+def reducing_across_nodes(job: ReplicaGroupsJob | None, module: pl.LightningModule | None) -> ReplicaGroupsJob | None:
+    """``job``, where Lightning's reductions go on across the nodes now: while training, and not while a node stops on
+    a signal (it saves alone: the others are not at that reduction). While evaluating, every node sees the same
+    weights and all of the data: the nodes reduce alike without crossing."""
+    if job is None or module is None:
+        return None
+    trainer = module.trainer
+    return job if trainer.training and not trainer.received_sigterm else None
 
 
 # Lightning's reduce_op spellings (its DDPStrategy.reduce; None sums), as torchft's all-reduce takes them.

@@ -240,6 +240,9 @@ ROWS = [
     Row("replica-groups-on-one-node",
         "FastDDPStrategy: replica_groups synchronises across nodes and this job has num_nodes=1",
         strategy("FastDDPStrategy", replica_groups={"min_nodes": 1})),
+    Row("replica-groups-fsdp-hsdp",
+        "FastFSDPStrategy: replica_groups replicates across nodes through torchft, as sharding='hsdp' does through one",
+        strategy("FastFSDPStrategy", sharding="hsdp", replica_groups={"min_nodes": 1})),
     Row("deepspeed-sync-batchnorm",
         ("FastDeepSpeedStrategy: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never converts "
          "BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."),

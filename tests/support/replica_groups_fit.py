@@ -1,10 +1,12 @@
-"""One node's fits of models we did not write, under FastDDPStrategy(replica_groups=...) or, to compare, Lightning's
-own DDPStrategy on the same nodes; run once per node by tests (``NODE_RANK`` set).
+"""One node's fits of models we did not write, under FastDDPStrategy(replica_groups=...),
+FastFSDPStrategy(replica_groups=...) or, to compare, Lightning's own DDPStrategy on the same nodes; run once per node
+by tests (``NODE_RANK`` set).
 
-Usage: ``python -m tests.support.replica_groups_fit ENGINE MODELS STEPS [MIN_NODES]``: ``ENGINE`` is ``fast``
-(replica_groups), ``one-world`` (FastDDPStrategy without it) or ``lightning``, ``MODELS`` a comma-separated list of
-:data:`tests.support.model_zoo.MODELS` names (or ``gpt2-wide``) fitted one after the other in this process (a second
-fit in the same job). Environment:
+Usage: ``python -m tests.support.replica_groups_fit ENGINES MODELS STEPS [MIN_NODES]``: ``ENGINES`` a comma-separated
+list of ``fast`` (FastDDPStrategy with replica_groups), ``fsdp`` (FastFSDPStrategy, zero3, with replica_groups),
+``one-world`` (FastDDPStrategy without it) or ``lightning``; ``MODELS`` a comma-separated list of
+:data:`tests.support.model_zoo.MODELS` names (or ``gpt2-wide``). Each engine fits each model, one after the other in
+this process (a second fit in the same job). Environment:
 
 - ``REPLICA_FIT_NODES``: the nodes (2); ``EMULATED_RANKS_PER_NODE``: ranks per node (1); ``REPLICA_FIT_BATCH``: the
   batch size (4);
@@ -14,10 +16,10 @@ fit in the same job). Environment:
 - ``REPLICA_FIT_NAN=MODEL:NODE:STEP``: one loss is NaN (NonFiniteLoss skips that step);
 - faults: :mod:`tests.support.node_faults`'s.
 
-Every rank prints one ``FIT {json}`` line per model: per step the loss, the global step, a digest of the weights after
-it, the nodes of the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read, its end (wall
-clock); the weights the first step started from, the buffers at the end, how the node rejoined if it did, the steps
-that did not commit, and the bytes all-reduced across nodes per step.
+Every rank prints one ``FIT {json}`` line per engine and model: per step the loss, the global step, a digest of the
+weights after it, the nodes of the step's quorum and the ranks SpeedMonitor counts, the epoch and sample ids read,
+its end (wall clock); the weights the first step started from, the buffers at the end, how the node rejoined if it
+did, the steps that did not commit, and the bytes all-reduced across nodes per step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import Dataset
 
-from lightning_fastdist import FastDDPStrategy, NonFiniteLoss, SpeedMonitor
+from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, NonFiniteLoss, SpeedMonitor
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
@@ -144,6 +146,8 @@ class WideGPT2(HFCausalLM):
 def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     if engine == "fast":
         strategy = FastDDPStrategy(comm_hook="none", replica_groups={"min_nodes": min_nodes}, timeout=120)
+    elif engine == "fsdp":
+        strategy = FastFSDPStrategy(replica_groups={"min_nodes": min_nodes}, timeout=120)
     elif engine == "one-world":
         strategy = FastDDPStrategy(comm_hook="none", timeout=120)
     else:
@@ -168,8 +172,8 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     batch_size = int(os.environ.get("REPLICA_FIT_BATCH", "4"))
     trainer.fit(model, ResumableDataLoader(data, batch_size=batch_size), ckpt_path=os.environ.get("REPLICA_FIT_RESUME"))
     report = {
-        "model": name, "node": trainer.node_rank, "local_rank": trainer.local_rank, "losses": recorder.losses,
-        "steps": recorder.steps, "digests": recorder.digests, "members": recorder.members,
+        "engine": engine, "model": name, "node": trainer.node_rank, "local_rank": trainer.local_rank,
+        "losses": recorder.losses, "steps": recorder.steps, "digests": recorder.digests, "members": recorder.members,
         "training_ranks": recorder.training_ranks, "samples": recorder.samples, "first_digest": recorder.first_digest,
         "rejoined": recorder.rejoined, "final": digest(model),
         "buffers": [buffer.double().sum().item() for buffer in model.buffers()],
@@ -182,10 +186,11 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
     os.write(sys.stdout.fileno(), f"FIT {json.dumps(report)}\n".encode())
 
 
-def main(engine: str, models: str, steps: int, min_nodes: int) -> None:
+def main(engines: str, models: str, steps: int, min_nodes: int) -> None:
     torch.use_deterministic_algorithms(True)
-    for name in models.split(","):
-        fit(engine, name, steps, min_nodes)
+    for engine in engines.split(","):
+        for name in models.split(","):
+            fit(engine, name, steps, min_nodes)
 
 
 if __name__ == "__main__":

@@ -123,11 +123,12 @@ class EveryStepRun:
             inner_optimizer=received["optimizer"],
         )
         if self._report is not None:
+            held = "local rank 0's shard: " if self.group.sharded else ""
             self._report(
                 f"{OPTION}: node{self.group.node_rank} rejoined the job at step {self.steps} with the weights and "
-                f"optimizer state of {self.rejoined.source} ({self.rejoined.received_bytes:,} bytes from its memory, "
-                f"not from a checkpoint): its batch of step {self.steps + 1} is not trained (torchft counts a node "
-                "that heals out of that step), it trains on from the next."
+                f"optimizer state of {self.rejoined.source} ({held}{self.rejoined.received_bytes:,} bytes from its "
+                f"memory, not from a checkpoint): its batch of step {self.steps + 1} is not trained (torchft counts a "
+                "node that heals out of that step), it trains on from the next."
             )
 
     def _apply(self, received: dict[str, Any]) -> None:

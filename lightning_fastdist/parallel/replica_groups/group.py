@@ -62,6 +62,7 @@ class ReplicaGroup:
         store_port: the port of the store of this node's ``Manager`` (the fit's own).
         lighthouse: ``http://HOST:PORT`` of the lighthouse.
         first_store: ``(host, port)`` of node 0's store, where the nodes wait for each other before the first quorum.
+        fit: which fit of the job this is (1, 2, ...: :meth:`FitRegister.count_fit`); 0 before a fit.
     """
 
     node_rank: int
@@ -74,6 +75,7 @@ class ReplicaGroup:
     store_port: int
     lighthouse: str
     first_store: tuple[str, int]
+    fit: int = 0
 
     @property
     def talks_across_nodes(self) -> bool:
@@ -146,7 +148,7 @@ class FitRegister:
     """Node 0's store, where the nodes of a fit wait for each other, and where a node that starts finds whether the
     others are training (then it was restarted, and rejoins them)."""
 
-    fitted_in_this_process = False  # whether a fit started in this process before (then it never rejoins)
+    fits_in_this_process = 0  # the fits of the job this process took part in (a process that fitted never rejoins)
 
     def __init__(self, group: ReplicaGroup, timeout: timedelta) -> None:
         self.group = group
@@ -155,26 +157,34 @@ class FitRegister:
         )
         # A process that fitted before is one of the job's own (a second fit); one that did not, started while the
         # others train, was restarted.
-        self.joining = self.store.check([TRAINING_KEY]) and not FitRegister.fitted_in_this_process
-        FitRegister.fitted_in_this_process = True
-        self.fit = self.store.get(TRAINING_KEY).decode() if self.joining else str(self._wait_for_every_node())
+        self.joining = self.store.check([TRAINING_KEY]) and group.fit == 1
+        if self.joining:
+            self.fit = int(self.store.get(TRAINING_KEY).decode())
+            FitRegister.fits_in_this_process = self.fit
+        else:
+            self.fit = group.fit
+            self._wait_for_every_node()
 
-    def _wait_for_every_node(self) -> int:
-        """Return once every process that talks across nodes got here: the first quorum then holds every node (a
-        quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would miss the
-        weights made equal). Returns which fit of the job this is (1, 2, ...)."""
-        arrived = self.store.add("outer_sync/arrived", 1)
-        everyone = self.group.num_nodes * self.group.members
-        fit = (arrived - 1) // everyone + 1
-        if arrived % everyone == 0:  # the last of this fit's arrivals (a second fit in the same job counts on)
-            self.store.set(f"outer_sync/everyone/{fit}", "")
-        self.store.wait([f"outer_sync/everyone/{fit}"])
-        return fit
+    @classmethod
+    def count_fit(cls) -> int:
+        """Count a fit starting in this process (call on every rank of the job, each fit): which fit of the job it is.
+        Every process of the job runs the same fits in turn."""
+        cls.fits_in_this_process += 1
+        return cls.fits_in_this_process
+
+    def _wait_for_every_node(self) -> None:
+        """Return once every process of this fit that talks across nodes got here: the first quorum then holds every
+        node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would miss the
+        weights made equal). Counted per fit: fits of one job may differ in how many processes talk (DDP, FSDP)."""
+        arrived = self.store.add(f"outer_sync/arrived/{self.fit}", 1)
+        if arrived == self.group.num_nodes * self.group.members:
+            self.store.set(f"outer_sync/everyone/{self.fit}", "")
+        self.store.wait([f"outer_sync/everyone/{self.fit}"])
 
     def training_started(self) -> None:
         """Say in the store that the nodes train (node 0 does), once their weights are equal."""
         if self.group.node_rank == 0 and not self.joining:
-            self.store.set(TRAINING_KEY, self.fit)
+            self.store.set(TRAINING_KEY, str(self.fit))
 
     def close(self) -> None:
         """Node 0: the nodes no longer train, so a node that starts now starts a fit of its own."""

@@ -10,7 +10,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ReplicaGroups:
     """Each node a torchft replica group, the gradients averaged across the nodes every step (``replica_groups`` of
-    FastDDPStrategy): what Lightning's DDP computes, on a job that trains on when a node is lost.
+    FastDDPStrategy and FastFSDPStrategy): what one world computes, on a job that trains on when a node is lost.
 
     Attributes:
         min_nodes: the fewest nodes the job trains on (1 or more, at most the job's nodes). A node lost after the
