@@ -1,9 +1,12 @@
-"""Training every step across nodes that are torchft replica groups (FastDDPStrategy's ``replica_groups``): what it
-costs without faults, and what a node lost mid-run costs, in the emulated cluster.
+"""Training every step across nodes that are torchft replica groups (``replica_groups`` of FastDDPStrategy, or with
+``--engine fsdp`` of FastFSDPStrategy): what it costs without faults, and what a node lost mid-run costs, in the
+emulated cluster.
 
 - **Cost without faults**: 2 emulated nodes x 1 rank, unshaped, a 4-layer GPT-2 of 3.4M parameters
   (``tests/support/replica_groups_fit.py``'s ``gpt2-wide``) at two batch sizes: the median seconds per step under
-  ``replica_groups`` against FastDDPStrategy as one world across the same nodes (what the form replaces), the two
+  ``replica_groups`` against the same strategy as one world across the same nodes (what the form replaces:
+  FastDDPStrategy; under ``--engine fsdp`` FastFSDPStrategy with ``sharding: hsdp``, sharded inside each node and
+  replicated across them as ``replica_groups`` lays it out), the two
   interleaved ``--rounds`` times (``overhead_batch_N``: the median of the rounds' ratios, minus 1; every round's is
   printed: on 2 shared cores a round's steps move by several milliseconds).
 - **A lost node**: 3 emulated nodes x 1 rank, ``min_nodes: 2``, the zoo's GPT-2, ``--steps`` steps: once
@@ -15,8 +18,8 @@ costs without faults, and what a node lost mid-run costs, in the emulated cluste
   ``weights_equal_after_rejoin`` (when its first step starts, and after it), ``samples_repeated``, and
   ``final_loss_vs_uninterrupted``: the survivors' mean training loss over the last 5 steps (the same samples in both
   runs) against the uninterrupted run's.
-- **Today's path** beside it: the same job as one world (no ``replica_groups``), a checkpoint every
-  ``--save-every`` steps, node 2 SIGKILLed after step ``--kill-at`` and the whole job restarted from its last
+- **Today's path** beside it: the same job as one world (no ``replica_groups``: the cost's one world), a checkpoint
+  every ``--save-every`` steps, node 2 SIGKILLed after step ``--kill-at`` and the whole job restarted from its last
   checkpoint as soon as node 2 is gone (a scheduler that notices at once: the best case for that path).
 
 The last line is one JSON object. Needs root, ``ip`` and ``tc``.
@@ -42,6 +45,7 @@ from tests.support.node_faults import samples_read_twice  # noqa: E402
 
 FIT = [sys.executable, "-m", "tests.support.replica_groups_fit"]
 MIN_NODES = 2
+ENGINES = {"ddp": ("fast", "one-world"), "fsdp": ("fsdp", "hsdp")}  # replica_groups, and the one world it replaces
 
 
 def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
@@ -61,12 +65,14 @@ def step_seconds(engine: str, batch: int, steps: int, folder: Path) -> float:
     return max(medians)
 
 
-def lost_node_run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[dict], float | None, float | None]:
+def lost_node_run(
+    engine: str, steps: int, kill_at: int | None, folder: Path
+) -> tuple[list[dict], float | None, float | None]:
     """One fit of ``steps`` steps on 3 emulated nodes under replica_groups; with ``kill_at``, node 2 is SIGKILLed
     during that step's backward and started again once the others finished step ``kill_at + 4``
     (:func:`run_losing_a_node`). Returns every node's report (node 2's of its restart), and the wall-clock times of
     the kill and of the restart."""
-    command = [*FIT, "fast", "gpt2", str(steps), str(MIN_NODES)]
+    command = [*FIT, engine, "gpt2", str(steps), str(MIN_NODES)]
     env = {"REPLICA_FIT_NODES": str(NODES)}
     reports, codes, killed_at, restarted_at = run_losing_a_node(
         command, env, kill_at, folder, NODE_FAULT_KILL_IN="backward"
@@ -76,11 +82,11 @@ def lost_node_run(steps: int, kill_at: int | None, folder: Path) -> tuple[list[d
     return reports, killed_at, restarted_at
 
 
-def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
-    """Today's path: one world, a checkpoint every ``save_every`` steps, node 2 SIGKILLed after step ``kill_at``, the
-    whole job restarted from its last checkpoint at once (:func:`restart_whole_job`)."""
+def restart_path(engine: str, steps: int, kill_at: int, save_every: int, folder: Path) -> tuple[float, int]:
+    """Today's path: one world (``engine``), a checkpoint every ``save_every`` steps, node 2 SIGKILLed after step
+    ``kill_at``, the whole job restarted from its last checkpoint at once (:func:`restart_whole_job`)."""
     checkpoints = folder / "checkpoints"
-    command = [*FIT, "one-world", "gpt2", str(steps)]
+    command = [*FIT, engine, "gpt2", str(steps)]
     env = {"REPLICA_FIT_NODES": str(NODES), "REPLICA_FIT_CHECKPOINTS": str(checkpoints)}
     env["REPLICA_FIT_SAVE_EVERY"] = str(save_every)
 
@@ -92,6 +98,7 @@ def restart_path(steps: int, kill_at: int, save_every: int, folder: Path) -> tup
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="ddp", help="the strategy under replica_groups")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=10, help="node 2 is SIGKILLed during this step's backward")
     parser.add_argument("--save-every", type=int, default=4, help="checkpoints of today's path, every so many steps")
@@ -103,25 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cannot run the emulated cluster here: {reason}")
         return 2
-    result: dict = {}
+    result: dict = {"engine": args.engine}
+    replica_engine, one_world_engine = ENGINES[args.engine]
     with tempfile.TemporaryDirectory(prefix="replica-groups-") as scratch:
         for batch in args.batches:
             rounds = []
             for round_ in range(args.rounds):
                 steps = args.cost_steps
-                one_world = step_seconds("one-world", batch, steps, Path(scratch, f"one-world-{batch}-{round_}"))
-                replicas = step_seconds("fast", batch, steps, Path(scratch, f"replicas-{batch}-{round_}"))
+                one_world = step_seconds(one_world_engine, batch, steps, Path(scratch, f"one-world-{batch}-{round_}"))
+                replicas = step_seconds(replica_engine, batch, steps, Path(scratch, f"replicas-{batch}-{round_}"))
                 rounds.append((replicas, one_world))
                 print(f"batch {batch}: replica_groups {replicas * 1000:.1f} ms/step, one world {one_world * 1000:.1f}")
             result[f"step_ms_batch_{batch}"] = [round(replicas * 1000, 1) for replicas, _ in rounds]
             result[f"step_ms_one_world_batch_{batch}"] = [round(one_world * 1000, 1) for _, one_world in rounds]
             result[f"overhead_batch_{batch}"] = round(statistics.median(r / o for r, o in rounds) - 1, 4)
-        uninterrupted, _, _ = lost_node_run(args.steps, None, Path(scratch, "uninterrupted"))
-        reports, killed_at, restarted_at = lost_node_run(args.steps, args.kill_at, Path(scratch, "killed"))
+        uninterrupted, _, _ = lost_node_run(replica_engine, args.steps, None, Path(scratch, "uninterrupted"))
+        killed = Path(scratch, "killed")
+        reports, killed_at, restarted_at = lost_node_run(replica_engine, args.steps, args.kill_at, killed)
         if killed_at is None or restarted_at is None:
             raise SystemExit("node 2 was not killed and restarted")
         job_restart_s, steps_trained_again = restart_path(
-            args.steps, args.kill_at, args.save_every, Path(scratch, "restart")
+            one_world_engine, args.steps, args.kill_at, args.save_every, Path(scratch, "restart")
         )
     *survivors, restarted = reports
     first_without = [report["members"].index(NODES - 1) for report in survivors]

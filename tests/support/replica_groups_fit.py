@@ -4,7 +4,8 @@ by tests (``NODE_RANK`` set).
 
 Usage: ``python -m tests.support.replica_groups_fit ENGINES MODELS STEPS [MIN_NODES]``: ``ENGINES`` a comma-separated
 list of ``fast`` (FastDDPStrategy with replica_groups), ``fsdp`` (FastFSDPStrategy, zero3, with replica_groups),
-``one-world`` (FastDDPStrategy without it) or ``lightning``; ``MODELS`` a comma-separated list of
+``one-world`` (FastDDPStrategy without it), ``hsdp`` (FastFSDPStrategy as one world, sharded inside each node and
+replicated across nodes: the layout ``fsdp`` has) or ``lightning``; ``MODELS`` a comma-separated list of
 :data:`tests.support.model_zoo.MODELS` names (or ``gpt2-wide``). Each engine fits each model, one after the other in
 this process (a second fit in the same job). Environment:
 
@@ -150,6 +151,8 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
         strategy = FastFSDPStrategy(replica_groups={"min_nodes": min_nodes}, timeout=120)
     elif engine == "one-world":
         strategy = FastDDPStrategy(comm_hook="none", timeout=120)
+    elif engine == "hsdp":
+        strategy = FastFSDPStrategy(sharding="hsdp", timeout=120)
     else:
         strategy = DDPStrategy(timeout=timedelta(seconds=120))
     L.seed_everything(0)
