@@ -5,14 +5,17 @@ The rule: walk :data:`PREFERENCE` (fastest first) and take the first configurati
 halve the micro-batch (accumulation keeps the global batch) and try again; at micro-batch 1 the most frugal
 configuration is recommended with a warning. Why that order and which engine for which row (FSDP2 unless only
 DeepSpeed's ZeRO-Offload fits): ``docs/doctor.md``. On one device sharding saves nothing, so only DDP,
-checkpointing and offload are considered.
+checkpointing and offload are considered. A recipe whose nodes are torchft replica groups (``replica_groups``) keeps
+them: only DDP and FSDP's ``zero2``/``zero3`` take the option, FSDP shards inside a node, and every rank keeps a copy
+of its gradients.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.memory_model import MemoryEstimate, TrainingShape, estimate_memory
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import set_strategy
@@ -28,6 +31,7 @@ PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
     ("ds-zero2", "full", True),
     ("zero3", "full", True),
 )
+REPLICA_GROUPS_MODES = ("ddp", "zero2", "zero3")  # the setups whose strategies take replica_groups
 SINGLE_DEVICE_PREFERENCE = (
     ("ddp", "none", False),
     ("ddp", "full", False),
@@ -72,6 +76,7 @@ class Recommendation:
         fits: whether the estimate fits in the usable memory.
         usable_bytes: device memory minus :data:`HEADROOM`.
         reasons: one line per decision.
+        replica_groups: the recipe's, kept in the strategy (``None``: one world).
     """
 
     estimate: MemoryEstimate
@@ -80,6 +85,7 @@ class Recommendation:
     fits: bool
     usable_bytes: int
     reasons: list[str] = field(default_factory=list)
+    replica_groups: ReplicaGroups | None = None
 
 
 def choose_precision(target: Target) -> str:
@@ -95,7 +101,12 @@ def workers_per_rank(cpu_cores: int, processes_per_node: int) -> int:
     return workers_for(max(1, cpu_cores // max(1, processes_per_node)))
 
 
-def recommend(shape: TrainingShape, target: Target, global_batch: int | None = None) -> Recommendation:
+def recommend(
+    shape: TrainingShape,
+    target: Target,
+    global_batch: int | None = None,
+    replica_groups: ReplicaGroups | None = None,
+) -> Recommendation:
     """Choose the fastest configuration that fits (see the module docstring).
 
     Args:
@@ -103,6 +114,8 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
         target: the devices.
         global_batch: samples per optimizer step over all ranks; ``None`` means
             ``micro_batch x world_size`` (no accumulation).
+        replica_groups: each node a torchft replica group (the recipe's option, kept; its nodes are checked by the
+            caller): DDP or FSDP sharded over one node's devices, each rank keeping a copy of its gradients.
 
     Raises:
         ValueError: ``global_batch`` is not a positive multiple of ``micro_batch x world_size``.
@@ -121,17 +134,32 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
     reasons = [
         f"precision {precision}: " + ("the devices compute in bf16" if target.bf16 else "no bf16 on these devices")
     ]
+    sharded_over = target.world_size
+    if replica_groups is not None:
+        preference = tuple(row for row in PREFERENCE if row[0] in REPLICA_GROUPS_MODES)
+        sharded_over = target.devices
+        reasons.append(
+            f"replica_groups (the recipe's, min_nodes {replica_groups.min_nodes}): each node a torchft replica group, "
+            f"so FSDP shards over one node's {target.devices} device(s), every rank keeps a copy of its gradients "
+            "(counted), and DeepSpeed is not offered"
+        )
     micro_batch = shape.micro_batch
     while True:
         trial = replace(shape, micro_batch=micro_batch)
         for mode, checkpointing, offload in preference:
-            estimate = estimate_memory(trial, mode, checkpointing, cpu_offload=offload)
+            estimate = estimate_memory(
+                replace(trial, world_size=sharded_over),
+                mode,
+                checkpointing,
+                cpu_offload=offload,
+                kept_gradient_copy=replica_groups is not None,
+            )
             if estimate.total <= usable:
                 reasons.append(
                     f"{describe_setup(mode, checkpointing, offload)}: the fastest option whose estimated peak "
                     f"({estimate.total / 2**30:.2f} GiB) fits in {usable / 2**30:.2f} GiB usable per device"
                 )
-                return _finish(estimate, trial, global_batch, target, True, usable, reasons)
+                return _finish(estimate, trial, global_batch, target, True, usable, reasons, replica_groups)
         if micro_batch == 1:
             break
         micro_batch = max(1, micro_batch // 2)
@@ -143,7 +171,7 @@ def recommend(shape: TrainingShape, target: Target, global_batch: int | None = N
         f"does not fit: even {describe_setup(*preference[-1])} at micro-batch 1 needs an estimated "
         f"{estimate.total / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB; use more or larger devices"
     )
-    return _finish(estimate, trial, global_batch, target, False, usable, reasons)
+    return _finish(estimate, trial, global_batch, target, False, usable, reasons, replica_groups)
 
 
 def _finish(
@@ -154,11 +182,12 @@ def _finish(
     fits: bool,
     usable: int,
     reasons: list[str],
+    replica_groups: ReplicaGroups | None,
 ) -> Recommendation:
     accumulate = global_batch // (shape.micro_batch * target.world_size)
     if accumulate > 1:
         reasons.append(f"accumulate_grad_batches {accumulate}: keeps the global batch at {global_batch}")
-    return Recommendation(estimate, shape, accumulate, fits, usable, reasons)
+    return Recommendation(estimate, shape, accumulate, fits, usable, reasons, replica_groups)
 
 
 def describe_setup(mode: str, checkpointing: str, offload: bool) -> str:
@@ -228,6 +257,8 @@ def build_recipe(
                 "init_args": {"precision": precision, "device": device},
             }
         ]
+    if recommendation.replica_groups is not None:
+        trainer["strategy"]["init_args"]["replica_groups"] = asdict(recommendation.replica_groups)
     set_strategy(trainer, trainer["strategy"])  # a DeepSpeed strategy takes the precision as trainer.precision
     data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
     data["init_args"]["batch_size"] = recommendation.shape.micro_batch

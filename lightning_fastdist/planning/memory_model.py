@@ -70,7 +70,7 @@ class MemoryEstimate:
         cpu_offload: sharded state kept in host memory (FSDP), or DeepSpeed's optimizer (and at stage 3
             its weight partitions).
         weights: bytes of (sharded) weights on the GPU.
-        gradients: bytes of (sharded) gradients on the GPU, communication buckets included.
+        gradients: bytes of (sharded) gradients on the GPU, communication buckets and a kept copy included.
         optimizer: bytes of AdamW state on the GPU.
         gathered_weights: bytes of weights gathered for compute on top of the shards (and autocast's copy).
         activations: bytes saved for backward at the peak of one micro-batch.
@@ -178,6 +178,7 @@ def estimate_memory(
     activation_checkpointing: str = "none",
     cpu_offload: bool = False,
     gradient_as_bucket_view: bool = True,
+    kept_gradient_copy: bool = False,
 ) -> MemoryEstimate:
     """Estimate bytes per GPU for ``shape`` trained with ``mode`` (the formula: docs/doctor.md).
 
@@ -188,6 +189,8 @@ def estimate_memory(
         cpu_offload: keep sharded state in host memory (FSDP), or DeepSpeed's optimizer (and at
             stage 3 its weight partitions); not with ``ddp``.
         gradient_as_bucket_view: DDP's gradients live in its communication buckets (no extra copy).
+        kept_gradient_copy: every rank keeps a flat copy of its (sharded) gradients between steps, where they live
+            (``replica_groups``: :mod:`~lightning_fastdist.parallel.replica_groups.gradients`).
 
     Raises:
         ValueError: an unknown ``mode``/``activation_checkpointing``, or ``cpu_offload`` with ``ddp``.
@@ -209,6 +212,8 @@ def estimate_memory(
     weights, gradients, optimizer = (-(-n * per // shards) for per in (weight_b, grad_b, optim_b))
     if mode == "ddp" and not gradient_as_bucket_view:
         gradients += n * grad_b
+    if kept_gradient_copy:
+        gradients += -(-n * grad_b // shards)
     compute_b = _compute_bytes(shape.precision)
     if mode == "ddp":
         # Autocast caches a low-precision copy of every weight for the forward pass.

@@ -5,6 +5,7 @@ Environment, memory table, recommendation, one-line errors, and a recipe that tr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,10 @@ import yaml
 from lightning_fastdist.commands.doctor.command import demo_model_shape, main
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.diagnostics.environment import detect_environment
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.advisor import Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
-from lightning_fastdist.planning.memory_model import GiB, TrainingShape
+from lightning_fastdist.planning.memory_model import GiB, TrainingShape, estimate_memory
 from tests.support.harness import run_cli
 
 
@@ -73,6 +75,40 @@ def test_deepspeed_zero_offload_is_chosen_when_only_offloading_fits_and_its_reci
         "stage": 2, "activation_checkpointing": "none", "offload_optimizer": True, "offload_parameters": False,
     }  # fmt: skip
     assert recipe["trainer"]["precision"] == "bf16-mixed" and "plugins" not in recipe["trainer"]  # DeepSpeed's own bf16
+
+
+def test_replica_groups_keep_to_ddp_and_fsdp_shard_inside_a_node_and_count_the_gradients_kept_between_steps():
+    two_nodes = Target("gpu", devices=8, device_memory_bytes=80 * GiB, bf16=True, cpu_cores=64, nodes=2)
+    shape = TrainingShape(7 * 10**9, 32, 4096, 2048, 4)
+    choice = recommend(shape, two_nodes, replica_groups=ReplicaGroups(min_nodes=1))
+    chosen = choice.estimate
+    assert chosen.mode in ("ddp", "zero2", "zero3") and choice.fits
+    per_node = replace(choice.shape, world_size=8)  # each node a world of its own: FSDP shards over its 8 GPUs
+    setup = (chosen.mode, chosen.activation_checkpointing, chosen.cpu_offload)
+    assert chosen == estimate_memory(per_node, *setup, kept_gradient_copy=True)
+    assert chosen.gradients == 2 * estimate_memory(per_node, *setup).gradients
+    assert choice.reasons[1].startswith("replica_groups (the recipe's, min_nodes 1): each node a torchft replica")
+    recipe = build_recipe(choice, two_nodes, {"class_path": "m.M"}, {"class_path": "d.D"}, max_steps=10)
+    assert recipe["trainer"]["strategy"]["init_args"]["replica_groups"] == {"min_nodes": 1}
+    # Where only DeepSpeed's ZeRO-Offload fits one world, replica_groups never gets DeepSpeed (it cannot take them).
+    small_gpus = Target("gpu", devices=2, device_memory_bytes=24 * GiB, bf16=True, cpu_cores=16, nodes=2)
+    frugal = recommend(TrainingShape(3 * 10**9, 32, 2560, 2048, 1), small_gpus, replica_groups=ReplicaGroups(1))
+    assert frugal.estimate.mode in ("ddp", "zero2", "zero3")
+
+
+def test_doctor_keeps_a_recipes_replica_groups_on_its_nodes_and_refuses_what_cannot_take_them(in_tmp_dir, capsys):
+    plan = ["--config", "multi_node_fault_tolerant", "--gpus", "8", "--gpu-memory", "80"]
+    assert main([*plan, "--output", "ft.yaml"]) == 0
+    trainer = recipe_at(in_tmp_dir / "ft.yaml")["trainer"]
+    assert trainer["num_nodes"] == 2  # the recipe's
+    assert trainer["strategy"]["init_args"]["replica_groups"] == {"min_nodes": 1}
+    assert "replica_groups (the recipe's, min_nodes 1)" in capsys.readouterr().out
+    assert main([*plan, "--nodes", "1", "--output", "one.yaml"]) == 2
+    assert main([*plan, "--simulate", "--world-size", "16", "--output", "simulated.yaml"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2" in errors[0]
+    assert "--simulate: the recipe's replica_groups is not simulated yet: run doctor without --simulate" in errors[2]
+    assert not (in_tmp_dir / "one.yaml").exists() and not (in_tmp_dir / "simulated.yaml").exists()
 
 
 def test_planning_for_gpus_from_a_cpu_machine_writes_a_gpu_recipe(in_tmp_dir, capsys):

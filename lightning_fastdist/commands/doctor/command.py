@@ -34,6 +34,7 @@ from lightning_fastdist.commands.written_marks import (
     write_recipe,
 )
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
+from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.advisor import HEADROOM, Recommendation, Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import GiB, TrainingShape, estimate_table
@@ -127,7 +128,7 @@ def build_parser() -> _Parser:
     )
     devices = parser.add_argument_group("devices (default: what this machine has)")
     devices.add_argument("--gpus", type=_positive_int, help="GPUs per node to plan for")
-    devices.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
+    devices.add_argument("--nodes", type=_positive_int, help="nodes (default: the recipe's, else 1)")
     devices.add_argument("--gpu-memory", type=_positive_float, metavar="GIB", help="memory of one GPU in GiB")
     devices.add_argument("--no-bf16", action="store_true", help="the planned GPUs have no bfloat16 (V100, T4)")
     simulation = parser.add_argument_group("simulation (trace the recipe's own model and step; docs/doctor.md)")
@@ -202,19 +203,20 @@ def _model_facts(model_section: dict) -> dict:
 # ---------------------------------------------------------------- devices
 
 
-def resolve_target(args: argparse.Namespace, environment: Environment, recipe_devices: int | None) -> Target:
-    """The devices to plan for: flags first, then this machine's GPUs, then its CPU."""
+def resolve_target(args: argparse.Namespace, environment: Environment, recipe: Recipe | None) -> Target:
+    """The devices to plan for: flags first, then the recipe's, then this machine's GPUs, then its CPU."""
+    nodes = args.nodes or (recipe.nodes if recipe is not None else None) or 1
     if args.gpus is not None or environment.gpus:
-        devices = args.gpus or recipe_devices or len(environment.gpus)
+        devices = args.gpus or (recipe.devices if recipe is not None else None) or len(environment.gpus)
         memory = device_memory(args.gpu_memory, environment)
         if memory is None:
             raise DoctorError("--gpu-memory: needed with --gpus when no GPU is visible (GiB of one GPU, e.g. 80).")
         # planned GPUs (--gpus) are taken to have bf16 unless --no-bf16; this machine's must all have it
         bf16 = not args.no_bf16 and (args.gpus is not None or all(gpu.bf16 for gpu in environment.gpus))
-        return Target("gpu", devices, memory, bf16, environment.cpu_cores, args.nodes)
+        return Target("gpu", devices, memory, bf16, environment.cpu_cores, nodes)
     devices = min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
-    return Target("cpu", devices, memory, environment.cpu_bf16_autocast, environment.cpu_cores, args.nodes)
+    return Target("cpu", devices, memory, environment.cpu_bf16_autocast, environment.cpu_cores, nodes)
 
 
 # ---------------------------------------------------------------- printing
@@ -294,12 +296,14 @@ def _recipe_comments(recommendation: Recommendation, target: Target, argv: list[
 # ---------------------------------------------------------------- main
 
 
-def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingShape, Target, dict, dict]:
+def _plan(
+    args: argparse.Namespace, environment: Environment
+) -> tuple[TrainingShape, Target, dict, dict, Recipe | None]:
+    recipe = None
     if args.config is not None:
         recipe = _read_recipe(args.config)
         model_section, data_section = recipe.section("model"), recipe.section("data")
         facts = _model_facts(model_section)
-        recipe_devices = recipe.devices
         parameters = args.params or facts["parameters"]
         layers, hidden = args.layers or facts["layers"], args.hidden or facts["hidden"]
         missing = [flag for flag, value in (("--layers", layers), ("--hidden", hidden)) if value is None]
@@ -311,7 +315,6 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
         micro_batch = args.micro_batch or data_section["init_args"].get("batch_size") or DEFAULT_MICRO_BATCH
         vocab = args.vocab_size or facts["vocab_size"] or DEMO_VOCAB
     else:
-        recipe_devices = None
         parameters = args.params or DEFAULT_PARAMETERS
         seq_len = args.seq_len or DEFAULT_SEQ_LEN
         micro_batch = args.micro_batch or DEFAULT_MICRO_BATCH
@@ -323,8 +326,31 @@ def _plan(args: argparse.Namespace, environment: Environment) -> tuple[TrainingS
         }
         data_section = {"class_path": DEFAULT_DATA, "init_args": {"block_size": seq_len}}
     shape = TrainingShape(parameters, layers, hidden, seq_len, micro_batch, vocab_size=vocab)
-    target = resolve_target(args, environment, recipe_devices)
-    return shape, target, model_section, data_section
+    target = resolve_target(args, environment, recipe)
+    return shape, target, model_section, data_section, recipe
+
+
+def _replica_groups_of(recipe: Recipe | None, target: Target) -> ReplicaGroups | None:
+    """The recipe's ``replica_groups`` option, which the written recipe keeps, checked against the nodes planned for."""
+    options = recipe.strategy_options.get("replica_groups") if recipe is not None else None
+    if options is None:
+        return None
+    try:
+        replica_groups = ReplicaGroups.of(options)
+    except ValueError as error:
+        raise DoctorError(f"--config: {error}") from None
+    assert replica_groups is not None
+    if target.nodes < 2:
+        raise DoctorError(
+            "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2 or more "
+            "nodes: give --nodes 2 or more (or remove replica_groups from the recipe)."
+        )
+    if replica_groups.min_nodes > target.nodes:
+        raise DoctorError(
+            f"--nodes: the recipe's replica_groups.min_nodes={replica_groups.min_nodes} is more than the "
+            f"{target.nodes} nodes planned for: give --nodes {replica_groups.min_nodes} or more."
+        )
+    return replica_groups
 
 
 SIMULATED_GPU_MEMORY_GIB = 80.0  # planned for when --gpu-memory is not given and no GPU is visible
@@ -353,6 +379,11 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
     if json_path is not None:
         check_ours(json_path, json=True)
     recipe = _read_recipe(args.config)
+    if recipe.strategy_options.get("replica_groups") is not None:  # its recipe would lose the option
+        raise DoctorError(
+            "--simulate: the recipe's replica_groups is not simulated yet: run doctor without --simulate (its recipe "
+            "keeps replica_groups), or remove replica_groups from the recipe."
+        )
     world_size, gpus_per_node, memory = _simulated_cluster(args, recipe, environment)
     run = RecipeRun.of(recipe)
     try:
@@ -393,9 +424,10 @@ def run(argv: list[str]) -> int:
             return status
     elif args.world_size is not None or args.json is not None:
         raise DoctorError("--world-size and --json: only with --simulate.")
-    shape, target, model_section, data_section = _plan(args, environment)
+    shape, target, model_section, data_section, recipe = _plan(args, environment)
+    replica_groups = _replica_groups_of(recipe, target)
     try:
-        recommendation = recommend(shape, target, args.global_batch)
+        recommendation = recommend(shape, target, args.global_batch, replica_groups)
     except ValueError as error:
         raise DoctorError(f"--global-batch: {error}") from None
     print()
