@@ -48,7 +48,13 @@ EXPLAINED_FAILURES = (
     ResumeRefusedError,
 )
 # Subcommand -> module in lightning_fastdist.commands with main(argv) -> exit status.
-EXTRA_COMMANDS = {"recipes": "recipes", "bench": "bench.command", "doctor": "doctor.command", "tune": "tune.command"}
+EXTRA_COMMANDS = {
+    "recipes": "recipes",
+    "bench": "bench.command",
+    "doctor": "doctor.command",
+    "tune": "tune.command",
+    "coordinator": "coordinator",
+}
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 QUIET_VARIABLE = "LIGHTNING_FASTDIST_QUIET"
 HELP = f"""usage: {PROGRAM} COMMAND [options]
@@ -72,6 +78,8 @@ commands:
   tune      measure candidate setups of one recipe (pruned by a memory plan, successive halving,
             a loss guard) and write the fastest as a recipe (--output, default tuned.yaml); logs
             and tune.png go to --workdir (default tune_runs/).
+  coordinator  serve torchft's lighthouse and the nodes' meeting store outside the nodes, so that a job
+            under replica_groups (or outer_sync with min_nodes) survives losing node 0; writes nothing.
 
 Run '{PROGRAM} COMMAND --help' for a command's options, e.g. '{PROGRAM} fit --help'.
 Try it: '{PROGRAM} fit --config cpu_smoke' trains the demo on 2 CPU processes.

@@ -4,8 +4,11 @@
 
 The ranks of a node form their own world, rendezvousing in a store of their node at ``MASTER_PORT + 2 + NODE_RANK``;
 global rank 0 starts torchft's lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one
-``TORCHFT_LIGHTHOUSE`` names). Lightning keeps the job's global ranks and world size: the training sampler shards
-over every rank of every node, global rank 0 writes the logs and the checkpoints. Collectives of Lightning's own
+``TORCHFT_LIGHTHOUSE`` names), and the nodes meet in node 0's store. With ``LIGHTNING_FASTDIST_COORDINATOR`` both are a
+coordinator's outside the nodes (``lightning-fastdist coordinator``), so that losing node 0 does not end the job.
+
+Lightning keeps the job's global ranks and world size: the training sampler shards over every rank of every node,
+global rank 0 writes the logs and the checkpoints. Collectives of Lightning's own
 (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node; under ``replica_groups`` its reductions
 while training go on across the nodes (:mod:`~lightning_fastdist.strategies.replica_groups`).
 """
@@ -24,8 +27,10 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 
 from lightning_fastdist.parallel.replica_groups.group import (
+    COORDINATOR_VARIABLE,
     FitRegister,
     ReplicaGroup,
+    coordinator_at,
     import_torchft,
     start_lighthouse,
 )
@@ -66,6 +71,9 @@ class NodeWorlds:
                 f"num_nodes={num_nodes}: give 1 to {num_nodes} (or leave it out: every node)."
             )
         import_torchft(f"{self.owner}'s {self.option}")
+        coordinator = os.environ.get(COORDINATOR_VARIABLE)
+        if coordinator is not None:
+            coordinator_at(coordinator)  # a bad address is refused before any process starts
 
     def join(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
         """Join this node's own world (and, on global rank 0, start the lighthouse). Call after the strategy set
@@ -74,6 +82,11 @@ class NodeWorlds:
         assert environment is not None and strategy.accelerator is not None
         strategy.accelerator.setup_device(strategy.root_device)
         main_port = environment.main_port
+        lighthouse = os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}"
+        first_store = (environment.main_address, main_port + 2)  # node 0's own
+        coordinator = os.environ.get(COORDINATOR_VARIABLE)
+        if coordinator is not None:
+            lighthouse, first_store = coordinator_at(coordinator)
         self.group = ReplicaGroup(
             node_rank=strategy.node_rank,
             num_nodes=strategy.num_nodes,
@@ -83,10 +96,10 @@ class NodeWorlds:
             min_nodes=self.min_nodes or strategy.num_nodes,
             store_host=socket.gethostname(),
             store_port=main_port + 2 + strategy.node_rank,
-            lighthouse=os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}",
-            first_store=(environment.main_address, main_port + 2),
+            lighthouse=lighthouse,
+            first_store=first_store,
         )
-        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ:
+        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ and coordinator is None:
             self._lighthouse = start_lighthouse(main_port + 1, self.group.min_nodes, self.option)
         if dist.is_initialized():
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,7 +18,7 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients
 from lightning_fastdist.planning.fsdp_shards import shard_numel
-from tests.support.harness import free_port_span, run_processes
+from tests.support.harness import cli_command, free_port_span, run_processes
 from tests.support.model_zoo import HFCausalLM
 from tests.support.node_faults import start_again_once_held
 
@@ -51,6 +52,15 @@ def test_fsdp_names_itself_and_refuses_replica_groups_beside_outer_sync_in_one_l
         FastFSDPStrategy(replica_groups={"min_nodes": 0})
     with pytest.raises(ValueError, match=r"^FastFSDPStrategy: outer_sync and replica_groups are two forms of train"):
         FastFSDPStrategy(replica_groups={"min_nodes": 1}, outer_sync={"every": 4})
+
+
+def test_a_coordinator_address_that_is_not_host_port_is_refused_in_one_line_before_any_process_starts(monkeypatch):
+    job = FastDDPStrategy(replica_groups={"min_nodes": 1}).replica_groups
+    monkeypatch.setenv("LIGHTNING_FASTDIST_COORDINATOR", "vm")
+    with pytest.raises(ValueError, match=r"^LIGHTNING_FASTDIST_COORDINATOR='vm' must be HOST:PORT of a running `"):
+        job.check_launch(2)
+    monkeypatch.setenv("LIGHTNING_FASTDIST_COORDINATOR", "vm:29400")
+    job.check_launch(2)
 
 
 def _node_commands(engine: str, models: str, steps: int, nodes: int, min_nodes: int = 1, **environment: str):
@@ -148,26 +158,43 @@ def test_two_ranks_per_node_average_in_the_node_then_across_nodes_as_lightning_d
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_node_lost_mid_step_costs_that_step_and_started_again_it_trains_on_from_a_live_peer(tmp_path):
-    """Three nodes, ``min_nodes: 2``, GPT-2. Node 2 is SIGKILLed during step 6's backward, once that step's quorum
+def test_node_0_lost_mid_step_costs_that_step_and_started_again_it_trains_on_from_a_live_peer(tmp_path):
+    """Three nodes, ``min_nodes: 2``, GPT-2, the lighthouse and the nodes' meeting store in a ``lightning-fastdist
+    coordinator`` outside them. Node 0 (global rank 0) is SIGKILLed during step 6's backward, once that step's quorum
     holds it; the others' all-reduce of step 6 fails, the step is not applied (no weight moves), and they train on
-    from step 7 without it. Node 2, started again with the same command once they finished step 10, takes a live
-    node's weights and Adam state from its memory (the bytes counted) at the quorum of a later step, sits that step
-    out (torchft counts a node that heals out), ends it with their weights bit for bit, and trains on with them. No
-    sample is read by two nodes."""
-    steps, started = 16, tmp_path / "started"
-    faults = {"NODE_FAULT_KILL": "2:6", "NODE_FAULT_KILL_IN": "backward", "NODE_FAULT_HOLD": f"10:{started}"}
-    commands, environments = _node_commands("fast", "gpt2", steps, nodes=3, min_nodes=2, **faults)
+    from step 7 without it. Node 0, started again with the same command once they finished step 10, finds them
+    training in the coordinator's store, takes a live node's weights and Adam state from its memory (the bytes
+    counted) at the quorum of a later step, sits that step out (torchft counts a node that heals out), ends it with
+    their weights bit for bit, and trains on with them. No sample is read by two nodes."""
+    steps, started, port = 16, tmp_path / "started", free_port_span(2)
+    coordinator = subprocess.Popen(
+        cli_command("coordinator", "--port", str(port), "--min-nodes", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # torchft's lighthouse logs every quorum
+        text=True,
+    )
+    assert coordinator.stdout is not None
+    announced = coordinator.stdout.readline()  # once both serve
+    assert f"LIGHTNING_FASTDIST_COORDINATOR={socket.gethostname()}:{port}" in announced, announced
+    faults = {"NODE_FAULT_KILL": "0:6", "NODE_FAULT_KILL_IN": "backward", "NODE_FAULT_HOLD": f"10:{started}"}
+    commands, environments = _node_commands(
+        "fast", "gpt2", steps, nodes=3, min_nodes=2, LIGHTNING_FASTDIST_COORDINATOR=f"127.0.0.1:{port}", **faults
+    )
     nodes = [
         subprocess.Popen(
             command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for command, extra in zip(commands, environments)
     ]
-    nodes[2] = start_again_once_held(nodes[2], commands[2], environments[2], started)
-    outputs = [node.communicate(timeout=240) for node in nodes]
+    try:
+        nodes[0] = start_again_once_held(nodes[0], commands[0], environments[0], started)
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        coordinator.terminate()
+        coordinator.wait(timeout=30)
     assert [node.returncode for node in nodes] == [0, 0, 0], "\n".join(err[-3000:] for _, err in outputs)
-    (survivor, other), (restarted,) = [_reports(out)[0] for out, _ in outputs[:2]], _reports(outputs[2][0])
+    assert coordinator.returncode == 0
+    restarted, survivor, other = [_reports(out)[0] for out, _ in outputs]
     came_back = restarted["rejoined"]["step"]  # the step the others had taken when its first step's quorum formed
     assert came_back in range(10, steps)
     for node in (survivor, other):
@@ -183,16 +210,16 @@ def test_a_node_lost_mid_step_costs_that_step_and_started_again_it_trains_on_fro
     # fp32 weights and Adam's two moments, and Adam's step counts.
     assert restarted["rejoined"]["bytes"] == 3 * 4 * sum(p.numel() for p in parameters) + 4 * len(parameters)
     source = restarted["rejoined"]["source"]
-    assert source in ("node0", "node1")
+    assert source in ("node1", "node2")
     read = [{(epoch, i) for epoch, ids in node["samples"] for i in ids} for node in (survivor, other, restarted)]
     assert [len(ids) for ids in read] == [4 * steps, 4 * steps, 4 * (steps - came_back)]
     assert not (read[0] & read[1] or read[2] & (read[0] | read[1]))  # no sample read by two nodes
-    for _, err in outputs[:2]:
+    for _, err in outputs[1:]:
         assert "replica_groups: step 6 is not applied on node" in err
-        assert "replica_groups: node2 left the job at step 6 (no heartbeat for 5 s, or not at the step's quorum" in err
-        assert f"replica_groups: node2 came back at step {came_back} (restarted): 3 of 3 nodes train on." in err
-    rejoined = f"replica_groups: node2 rejoined the job at step {came_back} with the weights and optimizer state of"
-    assert f"{rejoined} {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[2][1]
+        assert "replica_groups: node0 left the job at step 6 (no heartbeat for 5 s, or not at the step's quorum" in err
+        assert f"replica_groups: node0 came back at step {came_back} (restarted): 3 of 3 nodes train on." in err
+    rejoined = f"replica_groups: node0 rejoined the job at step {came_back} with the weights and optimizer state of"
+    assert f"{rejoined} {source} ({restarted['rejoined']['bytes']:,} bytes from its memory" in outputs[0][1]
 
 
 @pytest.mark.slow

@@ -191,7 +191,7 @@ class EveryStepRun:
         return TimedWork(work, self._clock) if self._clock is not None else work
 
     def close(self) -> None:
-        """Stop this process's torchft servers (node 0: the nodes no longer train, so a node that starts now starts a
-        fit of its own)."""
+        """Stop this process's torchft servers, and say in the register that the nodes no longer train (so that a
+        node that starts now starts a fit of its own)."""
         self.manager.shutdown(wait=False)
-        self._register.close()
+        self._register.close(self.membership.quorum_nodes)

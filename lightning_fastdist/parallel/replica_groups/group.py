@@ -25,6 +25,7 @@ from torch import nn
 from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 INSTALL_HINT = "pip install lightning-fastdist[ft]"
+COORDINATOR_VARIABLE = "LIGHTNING_FASTDIST_COORDINATOR"  # HOST:PORT of a coordinator outside the nodes
 TRAINING_KEY = "outer_sync/training"  # in node 0's store while the nodes train: a node that starts then rejoins
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
 
@@ -86,6 +87,18 @@ class ReplicaGroup:
     def members(self) -> int:
         """Processes of the node that talk across nodes: torchft's replica group size."""
         return self.ranks_per_node if self.sharded else 1
+
+
+def coordinator_at(address: str) -> tuple[str, tuple[str, int]]:
+    """The lighthouse (``http://HOST:PORT``) and the store (``(HOST, PORT + 1)``) of the coordinator at ``address``
+    (``HOST:PORT``, as ``lightning-fastdist coordinator`` prints it: both outlive any node, node 0 included)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(
+            f"{COORDINATOR_VARIABLE}={address!r} must be HOST:PORT of a running `lightning-fastdist coordinator` "
+            "(e.g. 10.0.0.5:29400)."
+        )
+    return f"http://{host}:{port}", (host, int(port) + 1)
 
 
 def start_lighthouse(port: int, min_nodes: int, owner: str) -> Any:
@@ -186,9 +199,12 @@ class FitRegister:
         if self.group.node_rank == 0 and not self.joining:
             self.store.set(TRAINING_KEY, str(self.fit))
 
-    def close(self) -> None:
-        """Node 0: the nodes no longer train, so a node that starts now starts a fit of its own."""
-        if self.group.node_rank == 0 and self.group.local_rank == 0:
+    def close(self, quorum_nodes: tuple[str, ...]) -> None:
+        """The nodes no longer train, so a node that starts now starts a fit of its own: said by the first node of
+        the latest quorum (``quorum_nodes``, sorted; node 0 before any), which may not be node 0 once node 0 was
+        lost (where the nodes meet in a coordinator's store)."""
+        first = quorum_nodes[0] if quorum_nodes else "node0"
+        if first == f"node{self.group.node_rank}" and self.group.local_rank == 0:
             self.store.delete_key(TRAINING_KEY)
 
 

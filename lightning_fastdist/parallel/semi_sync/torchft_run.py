@@ -207,12 +207,12 @@ class OuterSyncRun:
         return self.manager.current_step()
 
     def close(self) -> None:
-        """Unhook the inner optimizer and stop this rank's torchft servers (node 0: the nodes no longer train, so a
-        node that starts now starts a fit of its own)."""
+        """Unhook the inner optimizer, stop this rank's torchft servers, and say in the register that the nodes no
+        longer train (so that a node that starts now starts a fit of its own)."""
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
-        self._register.close()
+        self._register.close(self.membership.quorum_nodes)
 
 
 class _CountedManager:
