@@ -326,7 +326,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
-        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce or outer_sync's."""
+        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce, or the one across
+        nodes of replica_groups or outer_sync."""
         if self.fsdp.mode == "hsdp":
             return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
         if self.replica_groups is not None:

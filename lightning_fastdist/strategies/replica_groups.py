@@ -1,7 +1,8 @@
-"""What FastDDPStrategy does differently with ``replica_groups``: one torch.distributed world per node, gradients
-averaged across the nodes every step through torchft, a lost node left out and a restarted one taken back.
+"""What FastDDPStrategy and FastFSDPStrategy do differently with ``replica_groups``: one torch.distributed world per
+node, gradients averaged across the nodes every step through torchft, a lost node left out and a restarted one taken
+back.
 
-Owned and called by FastDDPStrategy from its own hooks:
+Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 
 - **Before any process starts** (:meth:`ReplicaGroupsJob.check_launch`): more than one node, torchft installed.
 - **Joining** (the job's ``nodes``, a

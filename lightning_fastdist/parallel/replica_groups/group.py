@@ -26,7 +26,7 @@ from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 INSTALL_HINT = "pip install lightning-fastdist[ft]"
 COORDINATOR_VARIABLE = "LIGHTNING_FASTDIST_COORDINATOR"  # HOST:PORT of a coordinator outside the nodes
-TRAINING_KEY = "outer_sync/training"  # in node 0's store while the nodes train: a node that starts then rejoins
+TRAINING_KEY = "outer_sync/training"  # in the register while the nodes train: a node that starts then rejoins
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
 
 
@@ -62,7 +62,7 @@ class ReplicaGroup:
             across nodes rendezvous in the store of one node.
         store_port: the port of the store of this node's ``Manager`` (the fit's own).
         lighthouse: ``http://HOST:PORT`` of the lighthouse.
-        first_store: ``(host, port)`` of node 0's store, where the nodes wait for each other before the first quorum.
+        first_store: ``(host, port)`` of the register's store (node 0's, or a coordinator's), where the nodes meet.
         fit: which fit of the job this is (1, 2, ...: :meth:`FitRegister.count_fit`); 0 before a fit.
     """
 
@@ -158,8 +158,8 @@ def equalize_weights(manager: Any, model: nn.Module, owner: str) -> None:
 
 
 class FitRegister:
-    """Node 0's store, where the nodes of a fit wait for each other, and where a node that starts finds whether the
-    others are training (then it was restarted, and rejoins them)."""
+    """The store where the nodes of a fit wait for each other, and where a node that starts finds whether the others
+    are training (then it was restarted, and rejoins them): node 0's, or a coordinator's outside the nodes."""
 
     fits_in_this_process = 0  # the fits of the job this process took part in (a process that fitted never rejoins)
 
