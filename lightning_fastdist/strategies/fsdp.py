@@ -73,11 +73,10 @@ from lightning_fastdist.strategies.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
-from lightning_fastdist.strategies.node_worlds import decide_in_node
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
-from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob, reducing_across_nodes
+from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob, decide_across_nodes, on_across_nodes
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -527,25 +526,21 @@ class FastFSDPStrategy(ModelParallelStrategy):
         node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
         trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
         reduced = super().reduce(tensor, group, reduce_op)
-        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
-        if group is not None or not isinstance(reduced, torch.Tensor) or replicas is None:
+        if group is not None:  # a group the caller chose
             return reduced
-        return replicas.reduce_across_nodes(reduced, reduce_op)
+        return on_across_nodes(self.replica_groups, self.lightning_module, reduced, reduce_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
         step alike), across the nodes too under replica_groups."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)
-        return replicas.reduce_across_nodes(tensor, "max") if replicas is not None else tensor
+        return on_across_nodes(self.replica_groups, self.lightning_module, tensor, "max")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if self._across_nodes is None:
             return super().reduce_boolean_decision(decision, all)
-        replicas = reducing_across_nodes(self.replica_groups, self.lightning_module)  # on each rank's training metrics
-        across = functools.partial(replicas.reduce_across_nodes, reduce_op="sum") if replicas is not None else None
-        return decide_in_node(decision, all, self.root_device, across)
+        return decide_across_nodes(self.replica_groups, self.lightning_module, decision, all, self.root_device)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -37,7 +38,7 @@ from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients, 
 from lightning_fastdist.parallel.replica_groups.rejoin import load_optimizer_snapshot
 from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.strategies.loop_state import continue_after, training_position
-from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_node, share_in_node
+from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_node, decide_in_node, share_in_node
 
 
 class ReplicaGroupsJob:
@@ -169,7 +170,7 @@ class ReplicaGroupsJob:
         self.nodes.stop_lighthouse()
 
 
-def reducing_across_nodes(job: ReplicaGroupsJob | None, module: pl.LightningModule | None) -> ReplicaGroupsJob | None:
+def _reducing_across_nodes(job: ReplicaGroupsJob | None, module: pl.LightningModule | None) -> ReplicaGroupsJob | None:
     """``job``, where Lightning's reductions go on across the nodes now: while training, and not while a node stops on
     a signal (it saves alone: the others are not at that reduction). While evaluating, every node sees the same
     weights and all of the data: the nodes reduce alike without crossing."""
@@ -177,6 +178,32 @@ def reducing_across_nodes(job: ReplicaGroupsJob | None, module: pl.LightningModu
         return None
     trainer = module.trainer
     return job if trainer.training and not trainer.received_sigterm else None
+
+
+def on_across_nodes(
+    job: ReplicaGroupsJob | None, module: pl.LightningModule | None, reduced: Any, reduce_op: Any
+) -> Any:
+    """``reduced`` (a tensor Lightning reduced over the node's ranks with ``reduce_op``, or anything else) reduced on
+    across the nodes while training under ``job``, as one world would have reduced it; else as it is. Called by both
+    strategies' ``reduce`` and ``all_reduce_max``."""
+    replicas = _reducing_across_nodes(job, module)
+    if replicas is None or not isinstance(reduced, torch.Tensor):
+        return reduced
+    return replicas.reduce_across_nodes(reduced, reduce_op)
+
+
+def decide_across_nodes(
+    job: ReplicaGroupsJob | None,
+    module: pl.LightningModule | None,
+    decision: bool,
+    all: bool,  # noqa: A002 - Lightning's name
+    device: torch.device,
+) -> bool:
+    """Lightning's ``reduce_boolean_decision`` with a world per node: over the node's ranks, and while training under
+    ``job`` over every node's (each rank decides on its own training metrics)."""
+    replicas = _reducing_across_nodes(job, module)
+    across = functools.partial(replicas.reduce_across_nodes, reduce_op="sum") if replicas is not None else None
+    return decide_in_node(decision, all, device, across)
 
 
 # Lightning's reduce_op spellings (its DDPStrategy.reduce; None sums), as torchft's all-reduce takes them.
