@@ -48,6 +48,7 @@ CHECKS = (
     Check("fsdp_modes", 150),
     Check("fsdp_checkpoints", 180),
     Check("compile_inductor", 150),
+    Check("bf16_attention", 90),
     Check("rng_states", 60, "it restores a CUDA generator"),
     Check("deepspeed", 150),
     Check("cuda_graph_modes", 180),
@@ -111,6 +112,9 @@ def run_child(check: Check, args: argparse.Namespace, device: str, steps: int, l
     except subprocess.TimeoutExpired as timeout:
         output = timeout.output.decode() if isinstance(timeout.output, bytes) else timeout.output or ""
         log.write(output)
+        if seconds < check.timeout_s:  # the run's budget ended it, not the check's own limit
+            return Result(check.name, "SKIP", f"cut short by the budget after {seconds:.0f} s (its limit: "
+                          f"{check.timeout_s} s)", seconds=seconds)  # fmt: skip
         return Result(check.name, "FAIL", f"no result within {seconds:.0f} s (killed)", seconds=seconds)
     log.write(output)
     log.flush()

@@ -72,6 +72,19 @@ def test_the_decision_on_given_measurements(level, share, exposed_ms, allow_bf16
     assert state.measuring == (decided not in (level, "powersgd"))  # a decision that stays is final
 
 
+def test_one_rank_measures_nothing_so_a_single_gpu_run_makes_no_device_sync_for_it():
+    # Nothing crosses a link with one rank: a window would only cost its two device syncs (the first GPU run counted
+    # one at step 3, the window's start).
+    from lightning_fastdist import FastDDPStrategy
+    from tests.support.workloads import make_trainer, repeated_batches
+
+    trainer = make_trainer(FastDDPStrategy(comm_hook_window=1), devices=1, max_steps=WARMUP + 2)
+    trainer.fit(tiny_gpt(), repeated_batches())
+    state = trainer.strategy.hook_state
+    assert isinstance(state, AutoCommState) and state.single_rank
+    assert (state.level, state.decisions, state.steps) == ("none", [], 0)
+
+
 def decide_after_one_rank_waited_for_the_other() -> tuple[str, float, float]:
     state = AutoCommState(module=tiny_gpt(), policy=AutoPolicy(warmup=1, window=1))
     waited_s = [0.0]  # the exposed-communication clock this rank reads

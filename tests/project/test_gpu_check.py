@@ -61,6 +61,17 @@ def test_the_runner_lists_its_checks_and_refuses_an_unknown_one_in_one_line(caps
     assert capsys.readouterr().out.startswith("--only: unknown check(s) nope; the checks: mfu, host_syncs")
 
 
+def test_a_check_the_budget_cut_short_is_skipped_and_one_past_its_own_limit_failed(tmp_path):
+    # A child killed because the run's budget ran out has shown nothing wrong; one that outran its own limit has.
+    runner = load_runner()
+    arguments = runner.parse_arguments(["--device", "cpu"])
+    with open(tmp_path / "log", "w") as log:
+        cut = runner.run_child(runner.Check("host_syncs", 120), arguments, "cpu", 4, log, seconds=0.2)
+        late = runner.run_child(runner.Check("host_syncs", 0.2), arguments, "cpu", 4, log, seconds=0.2)
+    assert (cut.status, late.status) == ("SKIP", "FAIL")
+    assert cut.detail.startswith("cut short by the budget after 0 s (its limit: 120 s)")
+
+
 def tiny_wheel(folder: Path) -> Path:
     """A one-module wheel made here, to show the script installs what it is given without an index."""
     wheel = folder / "fastdist_offline_probe-0.1-py3-none-any.whl"

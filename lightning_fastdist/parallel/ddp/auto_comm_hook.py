@@ -110,6 +110,8 @@ class AutoCommState(HookState):
         allow_bf16: whether the backend and device reduce bfloat16 (else ``auto`` stays exact).
         wall_clock: the clock a window's wall time is read from, in seconds (a test gives one of its own, so
             that what is decided does not depend on how busy the machine is).
+        single_rank: the group has one rank: no gradient crosses a link, so nothing is measured (a window's two
+            device syncs would buy nothing) and the level stays ``none``.
     """
 
     module: nn.Module | None = None
@@ -118,6 +120,7 @@ class AutoCommState(HookState):
     decision_group: dist.ProcessGroup | None = None
     allow_bf16: bool = True
     wall_clock: Callable[[], float] = time.perf_counter
+    single_rank: bool = False
     level: str = "none"
     decisions: list[Decision] = field(default_factory=list)
     powersgd: PowerSGDState | None = None
@@ -127,7 +130,10 @@ class AutoCommState(HookState):
 
     @property
     def measuring(self) -> bool:
-        """Whether a decision is still to come: the level can still go up, and the last decision switched."""
+        """Whether a decision is still to come: more than one rank, the level can still go up, and the last
+        decision switched."""
+        if self.single_rank:
+            return False
         stayed = bool(self.decisions) and self.decisions[-1].level_to == self.decisions[-1].level_from
         return self.level != "powersgd" and not stayed
 

@@ -91,6 +91,7 @@ class CommHookSpec:
                 powersgd_settings=self.powersgd,
                 decision_group=group if backend == "gloo" else dist.new_group(backend="gloo"),
                 allow_bf16=backend in BF16_BACKENDS and (device.type != "cuda" or torch.cuda.is_bf16_supported()),
+                single_rank=dist.get_world_size(group) == 1,
             )
             ddp_module.register_comm_hook(state, auto_hook)
             return state
