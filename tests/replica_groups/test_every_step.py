@@ -218,25 +218,49 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_stop_signal_to_every_node_saves_once_and_the_whole_job_resumes_bit_for_bit(tmp_path):
-    """SIGTERM to both nodes during step 4: both exit 143, global rank 0 writes one ``last.ckpt`` of step 4, and the
-    whole job resumed from it trains steps 5-8 with the losses and weights of an uninterrupted run."""
-    saving = {"REPLICA_FIT_CHECKPOINTS": str(tmp_path), "REPLICA_FIT_SAVE_EVERY": "100"}
-    straight = [_reports(o.stdout)[0] for o in run_processes(*_node_commands("fast", "gpt2", 8, nodes=2), timeout=240)]
-    commands, environments = _node_commands("fast", "gpt2", 8, nodes=2, NODE_FAULT_SIGTERM_AT="4", **saving)
-    stopped = [
+def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_and_a_stop_to_all_saves_once(tmp_path):
+    """Run A: node 1 is SIGKILLed after step 2 and started again once node 0 finished step 3 (node 0 trains alone
+    meanwhile, then both), with a checkpoint every 7 steps, for 10 steps. Run B: the whole job from A's step-7
+    checkpoint, written after the membership change; SIGTERM to both nodes during step 9: both exit 143 and global
+    rank 0 writes one ``last.ckpt``. Run C: the whole job from it. C's step 10 has A's losses and C ends with A's
+    weights, bit for bit: both resumes were exact."""
+    periodic, stopped, started = tmp_path / "periodic", tmp_path / "stopped", tmp_path / "started"
+    commands, environments = _node_commands(
+        "fast", "gpt2", 10, nodes=2, REPLICA_FIT_CHECKPOINTS=str(periodic), REPLICA_FIT_SAVE_EVERY="7",
+        NODE_FAULT_KILL="1:2", NODE_FAULT_HOLD=f"3:{started}",
+    )  # fmt: skip
+    nodes = [
         subprocess.Popen(
             command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for command, extra in zip(commands, environments)
     ]
-    for node in stopped:
+    nodes[1] = start_again_once_held(nodes[1], commands[1], environments[1], started)
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    straight = [_reports(output)[0] for output, _ in outputs]
+    came_back = straight[1]["rejoined"]["step"]
+    assert 1 in straight[0]["members"] and came_back < 7  # the step-7 checkpoint follows a membership change
+    assert straight[0]["members"][6:] == [2] * 4
+    assert sorted(path.name for path in periodic.iterdir()) == ["step=7.ckpt"]
+
+    commands, environments = _node_commands(
+        "fast", "gpt2", 10, nodes=2, REPLICA_FIT_CHECKPOINTS=str(stopped), REPLICA_FIT_SAVE_EVERY="100",
+        REPLICA_FIT_RESUME=str(periodic / "step=7.ckpt"), NODE_FAULT_SIGTERM_AT="9",
+    )  # fmt: skip
+    stopping = [
+        subprocess.Popen(
+            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, extra in zip(commands, environments)
+    ]
+    for node in stopping:
         node.communicate(timeout=240)
-    assert [node.returncode for node in stopped] == [143, 143]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
-    last = tmp_path / "last.ckpt"
-    commands, environments = _node_commands("fast", "gpt2", 8, nodes=2, REPLICA_FIT_RESUME=str(last))
+    assert [node.returncode for node in stopping] == [143, 143]
+    assert sorted(path.name for path in stopped.iterdir()) == ["last.ckpt"]
+
+    commands, environments = _node_commands("fast", "gpt2", 10, nodes=2, REPLICA_FIT_RESUME=str(stopped / "last.ckpt"))
     resumed = [_reports(output.stdout)[0] for output in run_processes(commands, environments, timeout=240)]
     for before, after in zip(straight, resumed, strict=True):
-        assert after["steps"] == [5, 6, 7, 8]
-        assert after["losses"] == before["losses"][4:] and after["final"] == before["final"]
+        assert after["steps"] == [10] and after["members"] == [2]
+        assert after["losses"] == before["losses"][-1:] and after["final"] == before["final"]
