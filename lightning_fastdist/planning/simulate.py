@@ -5,7 +5,8 @@ change it (the :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelP
 :func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors and trained for two
 steps with its own ``training_step``; the second is measured by
 :func:`~lightning_fastdist.planning.step_memory.measure_step`. What each setup stands for (DDP's buckets,
-DeepSpeed's formula state, the offload rows, the ``outer_sync`` rows): ``docs/doctor.md``, "--simulate".
+DeepSpeed's formula state, the offload rows, the ``outer_sync`` rows, a recipe with ``replica_groups``):
+``docs/doctor.md``, "--simulate".
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from lightning_fastdist.parallel.plan.blocks import block_modules, outermost_blo
 from lightning_fastdist.parallel.plan.parallel_plan import ParallelPlan
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS, OuterSync, OuterSyncForm, form_of
-from lightning_fastdist.planning.comm_model import comm_per_step, outer_sync_sent_per_step
+from lightning_fastdist.planning.advisor import REPLICA_GROUPS_MODES
+from lightning_fastdist.planning.comm_model import CommEstimate, comm_per_step, outer_sync_sent_per_step
 from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.memory_model import (
     DEEPSPEED_MODES,
@@ -85,8 +87,8 @@ class SimulatedSetup:
         memory: bytes per rank (under ``outer_sync``, of a rank that holds the outer state: on ``ddp`` each node's
             local rank 0; on ``zero3``, sharded over one node's ranks, rank 0 of a node, whose shards are the largest).
         comm_bytes_per_step: bytes each rank sends per optimizer step on a ring.
-        method: ``traced``, ``formula state, traced activations`` (DeepSpeed) or ``derived`` (offload,
-            ``outer_sync``).
+        method: ``traced``, ``formula state, traced activations`` (DeepSpeed), ``derived`` (offload,
+            ``outer_sync``) or ``traced + kept gradient copy`` (``replica_groups``).
         outer_sync: DiLoCo across nodes on top of ``ddp`` or ``zero3``: its options; ``None``: every step is
             synchronous.
         outer_memory: what ``outer_sync`` adds (its device bytes are in ``memory`` already, its host bytes only here).
@@ -140,6 +142,7 @@ class RecipeRun:
         accumulation: ``trainer.accumulate_grad_batches``.
         blocks: the strategy's ``blocks`` option (``"auto"`` unless the recipe names them).
         outer_sync: the strategy's ``outer_sync`` option, if the recipe gives one.
+        replica_groups: the strategy's ``replica_groups`` option, if the recipe gives one.
     """
 
     model: dict
@@ -148,6 +151,7 @@ class RecipeRun:
     accumulation: int = 1
     blocks: str | list[str] = "auto"
     outer_sync: dict | None = None
+    replica_groups: dict | None = None
 
     @classmethod
     def of(cls, recipe: Recipe, micro_batch: int | None = None) -> RecipeRun:
@@ -155,8 +159,11 @@ class RecipeRun:
         data = recipe.section("data")
         if micro_batch is not None:
             data["init_args"]["batch_size"] = micro_batch
-        outer_sync = recipe.strategy_options.get("outer_sync")
-        return cls(recipe.section("model"), data, recipe.precision, recipe.accumulation, recipe.blocks, outer_sync)
+        options = recipe.strategy_options
+        return cls(
+            recipe.section("model"), data, recipe.precision, recipe.accumulation, recipe.blocks,
+            options.get("outer_sync"), options.get("replica_groups"),
+        )  # fmt: skip
 
 
 def _instantiate(kind: str, section: dict) -> Any:
@@ -319,6 +326,8 @@ class Simulation:
         parameters: the model's trainable parameters.
         rows: one per setup and checkpointing mode that traced (and the rows derived from them).
         not_traced: ``(setup, checkpointing, reason)`` for each that failed (it would fail in training too).
+        replica_groups: the recipe's ``replica_groups`` option, under which every row was simulated; ``None``: one
+            world.
     """
 
     world_size: int
@@ -326,6 +335,7 @@ class Simulation:
     parameters: int
     rows: list[SimulatedSetup]
     not_traced: list[tuple[str, str, str]]
+    replica_groups: dict | None = None
 
 
 # (setup or "ds", checkpointing, precision override, FSDP's ranks if not the world's)
@@ -404,7 +414,8 @@ def simulate(
         run: the recipe.
         world_size: ranks to simulate.
         gpus_per_node: ranks per node; ``hsdp`` and the ``outer_sync`` rows are simulated when the world spans more
-            than one node (``zero3``'s traced again, sharded over one node's ranks as it is under ``outer_sync``).
+            than one node (``zero3``'s traced again, sharded over one node's ranks as it is under ``outer_sync``). A
+            recipe with ``replica_groups`` is simulated under that option alone (:func:`_replica_groups_simulation`).
         checkpointing: the activation checkpointing modes to trace.
         processes: processes sharing the traces, this one and spawned workers (each a fake world of its
             own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
@@ -421,6 +432,8 @@ def simulate(
     if processes is None:
         large = sum(p.numel() for p in _build(run, fake=True).parameters()) >= PARALLEL_FROM_PARAMETERS
         processes = min(2, os.cpu_count() or 1) if large else 1
+    if run.replica_groups is not None:
+        return _replica_groups_simulation(run, batch, world_size, gpus_per_node, checkpointing, processes)
     spans_nodes = world_size > gpus_per_node  # outer_sync synchronises across nodes, and refuses one
     setups = ["ddp", "zero2", "zero3", *(["hsdp"] if spans_nodes else [])]
     ds_precision = deepspeed_activation_precision(run.precision)
@@ -459,6 +472,49 @@ def simulate(
         outer_rows, refused = _outer_sync_rows(run, outer_bases, parameters, root_parameters, gpus_per_node, nodes)
         not_traced += refused
     return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows) + outer_rows, not_traced)
+
+
+def _replica_groups_simulation(
+    run: RecipeRun,
+    batch: Any,
+    world_size: int,
+    gpus_per_node: int,
+    checkpointing: tuple[str, ...],
+    processes: int,
+) -> Simulation:
+    """Each node a torchft replica group: DDP, and FSDP ZeRO-2/3 sharded over one node's ranks, traced (the setups
+    whose strategies take ``replica_groups``). Each rank keeps a flat copy of its gradients from one step to the next
+    (:mod:`~lightning_fastdist.parallel.replica_groups.gradients`): it is added to the gradients and to the peak. What
+    a rank sends is its setup's traffic inside the node plus its gradients (its shard's under FSDP) all-reduced on a
+    ring of the nodes with the rank holding the same ones on each (the one mark per parameter left out)."""
+    nodes = world_size // gpus_per_node
+    if nodes < 2:
+        raise NotTraceable(f"replica_groups needs 2 or more nodes; world {world_size} is one node of {gpus_per_node}")
+    tasks: list[_Task] = [
+        (setup, mode, None, None if setup == "ddp" else gpus_per_node)
+        for mode in checkpointing
+        for setup in REPLICA_GROUPS_MODES
+    ]
+    rows: list[SimulatedSetup] = []
+    not_traced: list[tuple[str, str, str]] = []
+    parameters = 0
+    for (setup, mode, _, _), result in zip(tasks, _run_tasks(run, batch, tasks, world_size, gpus_per_node, processes)):
+        if isinstance(result, str):
+            not_traced.append((setup, mode, result))
+            continue
+        parameters, traced = result.parameters, result.memory
+        memory = replace(traced, grads=2 * traced.grads, peak=traced.peak + traced.grads)
+        inside = comm_per_step(
+            setup, gpus_per_node, result.parameters, result.root_parameters, run.precision, run.accumulation
+        )
+        across = CommEstimate("ddp", nodes, allreduce=traced.grads).sent_per_device
+        rows.append(
+            SimulatedSetup(setup, mode, False, memory, inside.sent_per_device + across, "traced + kept gradient copy")
+        )
+    if not rows:
+        setup, mode, reason = not_traced[0]
+        raise NotTraceable(f"{setup} with activation_checkpointing={mode}: {reason}")
+    return Simulation(world_size, gpus_per_node, parameters, rows + _offload_rows(rows), not_traced, run.replica_groups)
 
 
 def _outer_sync_settings(run: RecipeRun) -> list[OuterSync]:

@@ -14,11 +14,18 @@ import yaml
 
 from lightning_fastdist import OuterSync
 from lightning_fastdist.commands.doctor.command import main as doctor
-from lightning_fastdist.commands.doctor.simulate import OUTER_SYNC_NOTES, choose, format_simulation, simulation_json
+from lightning_fastdist.commands.doctor.simulate import (
+    OUTER_SYNC_NOTES,
+    choose,
+    format_simulation,
+    simulation_json,
+    tailored_recipe,
+)
 from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS
 from lightning_fastdist.planning.comm_model import comm_per_step
 from lightning_fastdist.planning.outer_sync_memory import OuterSyncMemory
 from lightning_fastdist.planning.simulate import RecipeRun, first_batch, measure_setup, simulate
+from lightning_fastdist.recipes.recipe import Recipe
 from tests.support.harness import cli_command, run_cli, run_function, run_launcher
 
 TINY_GPT = {"class_path": "lightning_fastdist.demo.TinyGPT", "init_args": {"n_layer": 2, "n_embd": 64, "n_head": 4}}
@@ -148,6 +155,30 @@ def test_fsdp_outer_sync_rows_shard_over_one_node_and_every_rank_holds_torchft_s
     lines = format_simulation(simulation, "32-true", 2**30, 2**30).splitlines()
     (row,) = [line for line in lines if line.startswith("  fsdp-zero3-diloco ")]
     assert row.endswith(f"derived, {4 * half / 2**30:.3f}G on the host") and lines[-1] == OUTER_SYNC_NOTES["zero3"]
+
+
+def test_replica_groups_rows_shard_over_one_node_and_hold_the_kept_copy_of_their_gradients():
+    """At 2 nodes x 2 ranks under the recipe's replica_groups: DDP, ZeRO-2 and ZeRO-3 only (the setups whose strategies
+    take the option), FSDP sharded over one node's 2 ranks. Each rank's kept copy of its gradients is in its gradients
+    and its peak, and it sends its setup's traffic inside the node plus its gradients on a ring of the 2 nodes."""
+    run = RecipeRun(TINY_GPT, TEXT, replica_groups={"min_nodes": 1})
+    simulation = simulate(run, 4, 2, checkpointing=("none",))
+    one_node = {row.name: row for row in simulate(RecipeRun(TINY_GPT, TEXT), 2, 2, checkpointing=("none",)).rows}
+    rows = {row.name: row for row in simulation.rows}
+    assert sorted(rows) == ["ddp", "zero2", "zero3"] and simulation.not_traced == []
+    for name, row in rows.items():
+        alone = one_node[name].memory
+        assert row.memory == replace(alone, grads=2 * alone.grads, peak=alone.peak + alone.grads), name
+        assert row.comm_bytes_per_step == one_node[name].comm_bytes_per_step + alone.grads, name  # 2 * (2 - 1) / 2
+    assert rows["ddp"].memory.grads == 2 * 4 * simulation.parameters
+    assert rows["zero3"].memory.params == one_node["zero3"].memory.params  # a node's share, not the world's
+    lines = format_simulation(simulation, "32-true", 2**30, 2**30).splitlines()
+    assert lines[-1].startswith("  replica_groups (the recipe's): each of the 2 nodes a torchft replica group; FSDP")
+    chosen, _ = choose(simulation, 2**30)
+    assert simulation_json(simulation, 2**30, 2**30, chosen)["replica_groups"] == {"min_nodes": 1}
+    trainer = tailored_recipe(Recipe.read("multi_node_fault_tolerant"), chosen, 2, 2)["trainer"]
+    assert trainer["strategy"]["init_args"]["replica_groups"] == {"min_nodes": 1}  # the recipe's, kept
+    assert trainer["strategy"]["class_path"] == "lightning_fastdist.FastDDPStrategy" and trainer["num_nodes"] == 2
 
 
 def test_hsdp_reduces_within_a_node_and_all_reduces_its_shard_across_nodes():

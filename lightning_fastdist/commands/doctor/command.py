@@ -330,8 +330,9 @@ def _plan(
     return shape, target, model_section, data_section, recipe
 
 
-def _replica_groups_of(recipe: Recipe | None, target: Target) -> ReplicaGroups | None:
-    """The recipe's ``replica_groups`` option, which the written recipe keeps, checked against the nodes planned for."""
+def _replica_groups_of(recipe: Recipe | None, nodes: int) -> ReplicaGroups | None:
+    """The recipe's ``replica_groups`` option, which the written recipe keeps, checked against the ``nodes`` planned
+    for."""
     options = recipe.strategy_options.get("replica_groups") if recipe is not None else None
     if options is None:
         return None
@@ -340,15 +341,15 @@ def _replica_groups_of(recipe: Recipe | None, target: Target) -> ReplicaGroups |
     except ValueError as error:
         raise DoctorError(f"--config: {error}") from None
     assert replica_groups is not None
-    if target.nodes < 2:
+    if nodes < 2:
         raise DoctorError(
             "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2 or more "
             "nodes: give --nodes 2 or more (or remove replica_groups from the recipe)."
         )
-    if replica_groups.min_nodes > target.nodes:
+    if replica_groups.min_nodes > nodes:
         raise DoctorError(
             f"--nodes: the recipe's replica_groups.min_nodes={replica_groups.min_nodes} is more than the "
-            f"{target.nodes} nodes planned for: give --nodes {replica_groups.min_nodes} or more."
+            f"{nodes} nodes planned for: give --nodes {replica_groups.min_nodes} or more."
         )
     return replica_groups
 
@@ -379,12 +380,8 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
     if json_path is not None:
         check_ours(json_path, json=True)
     recipe = _read_recipe(args.config)
-    if recipe.strategy_options.get("replica_groups") is not None:  # its recipe would lose the option
-        raise DoctorError(
-            "--simulate: the recipe's replica_groups is not simulated yet: run doctor without --simulate (its recipe "
-            "keeps replica_groups), or remove replica_groups from the recipe."
-        )
     world_size, gpus_per_node, memory = _simulated_cluster(args, recipe, environment)
+    _replica_groups_of(recipe, world_size // gpus_per_node)
     run = RecipeRun.of(recipe)
     try:
         simulation = simulate(run, world_size, gpus_per_node)
@@ -425,7 +422,7 @@ def run(argv: list[str]) -> int:
     elif args.world_size is not None or args.json is not None:
         raise DoctorError("--world-size and --json: only with --simulate.")
     shape, target, model_section, data_section, recipe = _plan(args, environment)
-    replica_groups = _replica_groups_of(recipe, target)
+    replica_groups = _replica_groups_of(recipe, target.nodes)
     try:
         recommendation = recommend(shape, target, args.global_batch, replica_groups)
     except ValueError as error:

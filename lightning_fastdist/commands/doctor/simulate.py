@@ -71,6 +71,12 @@ def format_simulation(simulation: Simulation, precision: str, usable_bytes: int,
         )
     for setup, checkpointing, reason in simulation.not_traced:
         lines.append(f"  {setup:{width}} {checkpointing:10} not traced, and would fail in training too: {reason}")
+    if simulation.replica_groups is not None:
+        lines.append(
+            f"  replica_groups (the recipe's): each of the {simulation.world_size // simulation.gpus_per_node} nodes a "
+            f"torchft replica group; FSDP shards over one node's {simulation.gpus_per_node} ranks; grads and peak hold "
+            "each rank's kept copy of its gradients; sent/step adds its gradients all-reduced across the nodes"
+        )
     outer_setups = {row.setup for row in simulation.rows if row.outer_sync is not None}
     lines += [note for setup, note in OUTER_SYNC_NOTES.items() if setup in outer_setups]
     return "\n".join(lines)
@@ -86,6 +92,7 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
         "gpu_memory_bytes": memory_bytes,
         "usable_bytes": usable_bytes,
         "setups": [row.as_json(usable_bytes) for row in simulation.rows],
+        "replica_groups": simulation.replica_groups,
         "not_traced": [
             {"setup": setup, "activation_checkpointing": checkpointing, "reason": reason}
             for setup, checkpointing, reason in simulation.not_traced
@@ -99,8 +106,13 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
 
 
 def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
-    """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes."""
-    tailored = recipe.with_strategy(recipe_strategy(Setup.from_plan_key(*chosen.plan_key)))
+    """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes; the
+    recipe's ``replica_groups`` kept."""
+    strategy = recipe_strategy(Setup.from_plan_key(*chosen.plan_key))
+    replica_groups = recipe.strategy_options.get("replica_groups")
+    if replica_groups is not None:
+        strategy["init_args"]["replica_groups"] = replica_groups
+    tailored = recipe.with_strategy(strategy)
     tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
     return tailored
 
