@@ -435,7 +435,7 @@ class FastDDPStrategy(DDPStrategy):
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
             self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, trainer.global_step, stopping)
-        elif self.replica_groups is not None:  # the nodes hold the same state: node 0's ranks' random states
+        elif self.replica_groups is not None:  # the nodes hold the same state: its ranks' random states
             self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
         else:
             self._resume.add_to(checkpoint, self.global_rank, self.world_size)
@@ -448,10 +448,19 @@ class FastDDPStrategy(DDPStrategy):
                 powersgd, "powersgd", filepath, self.world_size, self.global_rank
             )
             self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
+        writer = self._writes_checkpoint_file()
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # e.g. a remote or asynchronous writer
+            if writer:  # e.g. a remote or asynchronous writer, as Lightning's save_checkpoint calls it
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        save_one_file(self, checkpoint, filepath, storage_options)
+        save_one_file(self, checkpoint, filepath, storage_options, writer)
+
+    def _writes_checkpoint_file(self) -> bool:
+        """Global rank 0, or under ``replica_groups`` local rank 0 of the node that writes the job's checkpoints
+        (call on every rank)."""
+        if self.replica_groups is None:
+            return self.is_global_zero
+        return self.replica_groups.writes_checkpoints(self.node_rank) and self.local_rank == 0
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -481,6 +490,10 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self.replica_groups is not None:  # the node that wrote the latest checkpoint prunes the folder
+            if self.replica_groups.wrote_last_checkpoint and self.local_rank == 0:
+                self.checkpoint_io.remove_checkpoint(filepath)
+            return
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any

@@ -52,14 +52,20 @@ def refuse_non_finite(strategy: Strategy, checkpoint: dict[str, Any], filepath: 
     )
 
 
-def save_one_file(strategy: Strategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-    """Rank 0 writes ``checkpoint`` with the strategy's ``checkpoint_io`` under ``<name>.partial``, renamed onto
-    ``<name>`` once complete.
+def save_one_file(
+    strategy: Strategy,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any = None,
+    writer: bool | None = None,
+) -> None:
+    """The ``writer`` rank (``None``: global rank 0) writes ``checkpoint`` with the strategy's ``checkpoint_io`` under
+    ``<name>.partial``, renamed onto ``<name>`` once complete.
 
     Every rank first refuses a folder at ``filepath`` that is not a checkpoint, so all ranks stop alike.
     """
     check_save_target(Path(filepath), sharded=False)
-    if strategy.is_global_zero:
+    if strategy.is_global_zero if writer is None else writer:
         save_file_atomically(
             lambda staged: strategy.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options), Path(filepath)
         )

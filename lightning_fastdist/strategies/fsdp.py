@@ -476,14 +476,15 @@ class FastFSDPStrategy(ModelParallelStrategy):
             self.outer_sync.save(self.model, self.optimizers, checkpoint, path, trainer.global_step, stopping)
             if self.node_rank != 0:
                 return
-        elif self.replica_groups is not None:  # the nodes hold the same state: node 0's ranks write it
+        elif self.replica_groups is not None:  # the nodes hold the same state: one node's ranks write it
             self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
-            if self.node_rank != 0:
+            if not self.replica_groups.writes_checkpoints(self.node_rank):
                 return
         else:
             self._resume.add_to(checkpoint, self.global_rank, self.world_size)
-        if self.checkpoint_format == "full":
-            save_one_file(self, checkpoint, path)
+        if self.checkpoint_format == "full":  # one rank writes: global rank 0, or local rank 0 of the node writing
+            writer = self.local_rank == 0 if self.replica_groups is not None else None
+            save_one_file(self, checkpoint, path, writer=writer)
             self.barrier()
             return
         tensors = {"state_dict": checkpoint.pop("state_dict")}
@@ -496,6 +497,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         # Never delete the previous checkpoint before the one replacing it is published.
         self._checkpoint_writer.wait()
+        if self.replica_groups is not None:  # the node that wrote the latest checkpoint prunes the folder
+            if self.replica_groups.wrote_last_checkpoint and self.local_rank == 0:
+                self.checkpoint_io.remove_checkpoint(filepath)
+            return
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_node_files(filepath)  # the nodes' states of an outer_sync checkpoint, if any

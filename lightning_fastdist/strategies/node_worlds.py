@@ -8,7 +8,8 @@ global rank 0 starts torchft's lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` (or
 coordinator's outside the nodes (``lightning-fastdist coordinator``), so that losing node 0 does not end the job.
 
 Lightning keeps the job's global ranks and world size: the training sampler shards over every rank of every node,
-global rank 0 writes the logs and the checkpoints. Collectives of Lightning's own
+global rank 0 writes the logs and the checkpoints (under ``replica_groups`` the first node of the latest quorum writes
+the checkpoints). Collectives of Lightning's own
 (``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node; under ``replica_groups`` its reductions
 while training go on across the nodes (:mod:`~lightning_fastdist.strategies.replica_groups`).
 """

@@ -18,6 +18,8 @@ Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
 - **Rejoining**: a node restarted with the same command while the others train takes a live node's weights,
   optimizer state and training position at their next step's quorum, and trains on from the step after it
   (:func:`~lightning_fastdist.strategies.loop_state.continue_after`).
+- **Checkpoints** (:meth:`ReplicaGroupsJob.writes_checkpoints`): the nodes hold the same state, and the first node of
+  the latest quorum writes it, so that checkpoints go on while node 0 is away.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ReplicaGroupsJob:
         self.run: EveryStepRun | None = None  # where this process talks across nodes, while fitting
         self._gradients: FlatGradients | None = None  # while fitting
         self._buffers: FlatTensors | None = None  # while fitting, where the model has buffers DDP would broadcast
+        self.wrote_last_checkpoint = False  # whether this node wrote the latest checkpoint (writes_checkpoints)
 
     def check_launch(self, num_nodes: int) -> None:
         """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
@@ -150,6 +153,16 @@ class ReplicaGroupsJob:
         """Keep where training stands after this step: what a node that rejoins at the next one receives."""
         if self.run is not None:
             self.run.position = training_position(trainer)
+
+    def writes_checkpoints(self, node_rank: int) -> bool:
+        """Whether this node writes the checkpoint being saved: the first node of the latest quorum (node 0 before
+        any), which every node of that quorum agrees on. Node 0 while it trains, and another while node 0 is away (its
+        lighthouse then in a coordinator), so that checkpoints go on. Under DDP only local rank 0 knows the quorum:
+        call on every rank of the node (it shares the answer). Kept as :attr:`wrote_last_checkpoint`."""
+        quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
+        first = quorum_nodes[0] if quorum_nodes else "node0"
+        self.wrote_last_checkpoint = share_in_node(first == f"node{node_rank}")
+        return self.wrote_last_checkpoint
 
     def training_ranks(self, world_size: int) -> int:
         """The ranks of the nodes in the latest quorum (known on each node's local rank 0, global rank 0 among them;

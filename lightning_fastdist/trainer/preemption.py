@@ -125,11 +125,11 @@ class PreemptionHandler:
         name = signal.Signals(signum).name
         stopped = f"[rank {trainer.global_rank}] stopped by {name} after step {trainer.global_step}"
         status = EXIT_STATUS_BASE + signum
-        if _node_apart_from_node_0(trainer):
+        if _wrote_no_checkpoint(trainer):
             log.warning(
-                f"{stopped}: this node writes no checkpoint (node 0 writes the job's); exiting with status {status} "
-                "(started again with the same command it rejoins nodes still training; a whole job resumes with "
-                "--ckpt_path last)."
+                f"{stopped}: this node writes no checkpoint (another node writes the job's); exiting with status "
+                f"{status} (started again with the same command it rejoins nodes still training; a whole job resumes "
+                "with --ckpt_path last)."
             )
         else:
             log.warning(f"{stopped}: saved {path}; exiting with status {status} (resume with --ckpt_path last).")
@@ -138,11 +138,17 @@ class PreemptionHandler:
         raise Preempted(signum)
 
 
-def _node_apart_from_node_0(trainer: Trainer) -> bool:
-    """Whether this process's world is its node's alone (``outer_sync``, ``replica_groups``) and not node 0's, whose
-    global rank 0 writes the job's checkpoints: a stop signal to this node saves nothing."""
+def _wrote_no_checkpoint(trainer: Trainer) -> bool:
+    """Whether this process's world is its node's alone (``outer_sync``, ``replica_groups``) and this node did not
+    write the job's checkpoint: node 0 writes it under ``outer_sync``, the first node of the latest quorum under
+    ``replica_groups`` (the strategy's ``replica_groups`` job says whether it was this one)."""
     own_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() < trainer.world_size
-    return own_world and trainer.node_rank != 0
+    if not own_world:
+        return False
+    replica_groups = getattr(trainer.strategy, "replica_groups", None)
+    if replica_groups is not None:
+        return not replica_groups.wrote_last_checkpoint
+    return trainer.node_rank != 0
 
 
 def checkpoint_path_on_stop(trainer: Trainer) -> str:

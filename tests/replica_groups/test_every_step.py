@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +19,11 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients
 from lightning_fastdist.planning.fsdp_shards import shard_numel
+from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import cli_command, free_port_span, run_processes
+from tests.support.lost_node_runs import fit_reports
 from tests.support.model_zoo import HFCausalLM
-from tests.support.node_faults import start_again_once_held
+from tests.support.node_faults import start_again_once_held, wait_until_held
 
 
 def test_gradients_cross_as_one_flat_tensor_per_dtype_and_a_parameter_no_node_used_keeps_none():
@@ -155,8 +158,10 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
     step 6, finds it training in the coordinator's store and heals rank by rank: each of its ranks receives, from the
     rank of node 1 holding the same shard, that shard of the weights and of Adam's state (the bytes counted), sits
     that step out (torchft counts a node that heals out), then ends each step with that rank's shard bit for bit. No
-    sample is read twice, and the two ranks of a node send the gradients across nodes once between them."""
-    steps, started, port = 10, tmp_path / "started", free_port_span(2)
+    sample is read twice, and the two ranks of a node send the gradients across nodes once between them. A sharded
+    checkpoint every 2 steps is written by the first node of the step's quorum: node 1's ranks while node 0 is away,
+    so none is missing."""
+    steps, started, port, saved = 10, tmp_path / "started", free_port_span(2), tmp_path / "checkpoints"
     coordinator = subprocess.Popen(
         cli_command("coordinator", "--port", str(port), "--min-nodes", "1"),
         stdout=subprocess.PIPE,
@@ -166,7 +171,8 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
     assert coordinator.stdout is not None
     announced = coordinator.stdout.readline()  # once both serve
     assert f"LIGHTNING_FASTDIST_COORDINATOR={socket.gethostname()}:{port}" in announced, announced
-    faults = {"NODE_FAULT_KILL": "0:3", "NODE_FAULT_KILL_IN": "backward", "NODE_FAULT_HOLD": f"6:{started}"}
+    faults = {"NODE_FAULT_KILL": "0:3", "NODE_FAULT_KILL_IN": "backward", "NODE_FAULT_HOLD": f"6:{started}",
+              "REPLICA_FIT_CHECKPOINTS": str(saved), "REPLICA_FIT_SAVE_EVERY": "2"}  # fmt: skip
     commands, environments = _node_commands(
         "fsdp", "gpt2", steps, nodes=2, EMULATED_RANKS_PER_NODE="2",
         LIGHTNING_FASTDIST_COORDINATOR=f"127.0.0.1:{port}", **faults,
@@ -213,54 +219,51 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
     assert survivor_lines.count("replica_groups: node0 left the job") == 1  # one line per node, not per rank
     shard_bytes = restarted[0]["rejoined"]["bytes"]
     rejoined = f"replica_groups: node0 rejoined the job at step {came_back} with the weights and optimizer state of"
+    checkpoints = sorted(saved.iterdir(), key=lambda path: int(path.name[5:-5]))
+    assert [path.name for path in checkpoints] == [f"step={step}.ckpt" for step in range(2, steps + 1, 2)]
+    assert [torch.load(path / "meta.pt", weights_only=False)["global_step"] for path in checkpoints] == [2, 4, 6, 8, 10]
     assert f"{rejoined} node1 (local rank 0's shard: {shard_bytes:,} bytes from its memory" in outputs[0][1]
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.emulated
 def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_and_a_stop_to_all_saves_once(tmp_path):
-    """Run A: node 1 is SIGKILLed after step 2 and started again once node 0 finished step 3 (node 0 trains alone
-    meanwhile, then both), with a checkpoint every 7 steps, for 10 steps. Run B: the whole job from A's step-7
-    checkpoint, written after the membership change; SIGTERM to both nodes during step 9: both exit 143 and global
-    rank 0 writes one ``last.ckpt``. Run C: the whole job from it. C's step 10 has A's losses and C ends with A's
-    weights, bit for bit: both resumes were exact."""
+    """In the emulated cluster (each node a network namespace with its own address). Run A: node 1 is SIGKILLed after
+    step 2 and started again once node 0 finished step 3 (node 0 trains alone meanwhile, then both), with a checkpoint
+    every 7 steps, for 10 steps. Run B: the whole job from A's step-7 checkpoint, written after the membership change;
+    SIGTERM to both nodes during step 9: both exit 143 and global rank 0 writes one ``last.ckpt``. Run C: the whole job
+    from it. C's step 10 has A's losses and C ends with A's weights, bit for bit: both resumes were exact."""
+    reason = cannot_emulate()
+    if reason:
+        pytest.skip(reason)
     periodic, stopped, started = tmp_path / "periodic", tmp_path / "stopped", tmp_path / "started"
-    commands, environments = _node_commands(
-        "fast", "gpt2", 10, nodes=2, REPLICA_FIT_CHECKPOINTS=str(periodic), REPLICA_FIT_SAVE_EVERY="7",
-        NODE_FAULT_KILL="1:2", NODE_FAULT_HOLD=f"3:{started}",
-    )  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for command, extra in zip(commands, environments)
-    ]
-    nodes[1] = start_again_once_held(nodes[1], commands[1], environments[1], started)
-    outputs = [node.communicate(timeout=240) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
-    straight = [_reports(output)[0] for output, _ in outputs]
-    came_back = straight[1]["rejoined"]["step"]
-    assert 1 in straight[0]["members"] and came_back < 7  # the step-7 checkpoint follows a membership change
-    assert straight[0]["members"][6:] == [2] * 4
-    assert sorted(path.name for path in periodic.iterdir()) == ["step=7.ckpt"]
+    command = [sys.executable, "-m", "tests.support.replica_groups_fit", "fast", "gpt2", "10", "1"]
+    every_7 = {"REPLICA_FIT_NODES": "2", "REPLICA_FIT_CHECKPOINTS": str(periodic), "REPLICA_FIT_SAVE_EVERY": "7",
+               "NODE_FAULT_HOLD": f"3:{started}"}  # fmt: skip
+    stop_at_9 = {"REPLICA_FIT_NODES": "2", "REPLICA_FIT_CHECKPOINTS": str(stopped), "REPLICA_FIT_SAVE_EVERY": "100",
+                 "REPLICA_FIT_RESUME": str(periodic / "step=7.ckpt"), "NODE_FAULT_SIGTERM_AT": "9"}  # fmt: skip
+    resume = {"REPLICA_FIT_NODES": "2", "REPLICA_FIT_RESUME": str(stopped / "last.ckpt")}
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    with EmulatedCluster(nodes=2) as cluster:
+        nodes = cluster.start(command, {**every_7, "NODE_FAULT_KILL": "1:2"}, REPO_ROOT, tmp_path / "a")
+        assert nodes[1].wait(timeout=240) == -signal.SIGKILL
+        wait_until_held(started)
+        again = {**every_7, "NODE_FAULT_ANNOUNCE": str(started)}
+        nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, tmp_path / "a")
+        assert [node.wait(timeout=240) for node in nodes] == [0, 0], (tmp_path / "a" / "node0.err").read_text()[-3000:]
+        straight = fit_reports(tmp_path / "a", ["node0", "node1.again"])
+        came_back = straight[1]["rejoined"]["step"]
+        assert 1 in straight[0]["members"] and came_back < 7  # the step-7 checkpoint follows a membership change
+        assert straight[0]["members"][6:] == [2] * 4
+        assert sorted(path.name for path in periodic.iterdir()) == ["step=7.ckpt"]
 
-    commands, environments = _node_commands(
-        "fast", "gpt2", 10, nodes=2, REPLICA_FIT_CHECKPOINTS=str(stopped), REPLICA_FIT_SAVE_EVERY="100",
-        REPLICA_FIT_RESUME=str(periodic / "step=7.ckpt"), NODE_FAULT_SIGTERM_AT="9",
-    )  # fmt: skip
-    stopping = [
-        subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for command, extra in zip(commands, environments)
-    ]
-    for node in stopping:
-        node.communicate(timeout=240)
-    assert [node.returncode for node in stopping] == [143, 143]
-    assert sorted(path.name for path in stopped.iterdir()) == ["last.ckpt"]
+        stopping = cluster.start(command, stop_at_9, REPO_ROOT, tmp_path / "b")
+        assert [node.wait(timeout=240) for node in stopping] == [143, 143]
+        assert sorted(path.name for path in stopped.iterdir()) == ["last.ckpt"]
 
-    commands, environments = _node_commands("fast", "gpt2", 10, nodes=2, REPLICA_FIT_RESUME=str(stopped / "last.ckpt"))
-    resumed = [_reports(output.stdout)[0] for output in run_processes(commands, environments, timeout=240)]
+        resumed = [_reports(output.stdout)[0] for output in cluster.run(command, 240, resume, REPO_ROOT)]
     for before, after in zip(straight, resumed, strict=True):
         assert after["steps"] == [10] and after["members"] == [2]
         assert after["losses"] == before["losses"][-1:] and after["final"] == before["final"]
