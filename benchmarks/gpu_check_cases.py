@@ -393,9 +393,9 @@ def compile_inductor(ctx: Context) -> Outcome:
     """Per-block compile (inductor on a GPU; eager on the CPU, whose inductor takes ~15 s a graph) vs eager.
 
     Asserted in fp32 (``32-true``, TF32 off), where a compiled graph differs from eager only by the order of its
-    sums. Under ``bf16-mixed`` inductor keeps a fused kernel's intermediate values in fp32 where eager rounds each
-    op's output to bf16, so the two trajectories part; that gap is reported, and once more with inductor's
-    ``emulate_precision_casts`` (it rounds as eager does), which says whether the rounding is all of it."""
+    sums. Under ``bf16-mixed`` the two trajectories part (on the first GPU run eager bf16 ended further from fp32
+    than the compiled blocks: docs/gpu.md); that gap is reported, and once more with inductor's
+    ``emulate_precision_casts`` (a fused kernel then rounds its intermediate values to bf16 as eager does)."""
     config = True if ctx.cuda else {"backend": "eager"}
     torch.set_float32_matmul_precision("highest")
     numbers: dict[str, Any] = {"config": str(config)}

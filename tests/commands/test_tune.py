@@ -63,6 +63,7 @@ def write_recipe(path, accumulation: int = 1) -> dict:
         (["--output", "users.yaml"], "--output: users.yaml exists and was not written by tune, so it is kept"),
         (["--json", "users.yaml"], "--json: users.yaml exists and was not written by tune, so it is kept"),
         (["--workdir", "users"], "--workdir: users holds files tune did not write; give a new or empty folder"),
+        (["--config", "multi_node_fault_tolerant", "--nodes", "1"], "--nodes: the recipe's replica_groups trains each"),
     ],
 )
 def test_bad_arguments_name_the_flag_and_nothing_of_the_users_is_touched(argv, message, capsys, in_tmp_dir):
@@ -237,7 +238,7 @@ def test_the_guard_compares_held_out_losses_where_both_rows_have_them_and_says_w
 
 
 def test_the_diloco_rows_are_candidates_across_nodes_only_and_compared_with_exact_ddp():
-    args = argparse.Namespace(setup_list=list(DEFAULT_SETUPS))
+    args = argparse.Namespace(setup_list=list(DEFAULT_SETUPS), recipe=Recipe.read("cpu_smoke"))
 
     def candidates(nodes: int) -> dict[str, Candidate]:
         plan = MemoryPlan({}, world_size=2, gpus_per_node=2 // nodes, usable_bytes=None)
@@ -252,6 +253,14 @@ def test_the_diloco_rows_are_candidates_across_nodes_only_and_compared_with_exac
     diloco = all_setups()["ddp-diloco"]
     assert offered(diloco, across_nodes=True)
     assert not offered(replace(diloco, needs="torchft is not installed"), across_nodes=True)
+
+
+def test_a_recipe_with_replica_groups_is_tuned_among_the_setups_that_take_them():
+    # As doctor plans it: a DeepSpeed, hsdp, PowerSGD or DiLoCo winner would lose the option (or be refused by it).
+    args = argparse.Namespace(setup_list=list(DEFAULT_SETUPS), recipe=Recipe.read("multi_node_fault_tolerant"))
+    plan = MemoryPlan({}, world_size=4, gpus_per_node=2, usable_bytes=None)
+    names = {candidate.name for candidate in base_candidates(args, plan, None)}
+    assert names == {"ddp", "ddp-bf16", "fsdp-zero2", "fsdp-zero3"}
 
 
 def test_a_semi_synchronous_candidate_is_planned_with_torchfts_state_not_the_plain_ddp_row(tmp_path):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from lightning_fastdist.commands.bench.setups import BenchSetup
 from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync, OuterSyncForm, form_of
+from lightning_fastdist.planning.advisor import REPLICA_GROUPS_MODES
 from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
@@ -35,10 +36,20 @@ DEFAULT_SETUPS = (
 TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
 
 
-def offered(setup: BenchSetup, across_nodes: bool) -> bool:
+def offered(setup: BenchSetup, across_nodes: bool, replica_groups: bool = False) -> bool:
     """Whether tune tries ``setup`` on a job that spans several nodes (``across_nodes``) or one: ``fsdp-hsdp`` (one node
     would leave it nothing to replicate across) and the rows that synchronise across nodes (``outer_sync``: the
-    DiLoCo ones) only across nodes, and those only where they can run (torchft installed: bench's ``needs``)."""
+    DiLoCo ones) only across nodes, and those only where they can run (torchft installed: bench's ``needs``). Under a
+    recipe's ``replica_groups`` only the rows whose strategies take it, as doctor plans them: DDP without PowerSGD
+    (which it refuses), FSDP's zero2 and zero3; a DeepSpeed winner would drop the option from the recipe written."""
+    if replica_groups:
+        planned = Setup.from_strategy(setup.strategy_class, setup.strategy_args)
+        return (
+            planned is not None
+            and planned.mode in REPLICA_GROUPS_MODES
+            and planned.outer_sync is None
+            and planned.comm_hook != "powersgd"
+        )
     if setup.multi_node:
         return across_nodes and setup.needs is None
     return across_nodes or setup.name != "fsdp-hsdp"

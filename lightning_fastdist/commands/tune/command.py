@@ -95,6 +95,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.setup_list = setup_names(parser, args.setups, tunable)
     check_steps(parser, args.steps, args.warmup_steps)
     args.recipe = read_recipe(parser, args.config)
+    if args.recipe.strategy_options.get("replica_groups") is not None and node_count(args) == 1:
+        parser.error(
+            "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2 or more "
+            "nodes: give --nodes 2 or more (or remove replica_groups from the recipe)."
+        )
     args.compile_backend = None if args.compile_backend == "none" else args.compile_backend
     for problem in tune_output.outputs_not_ours(Path(args.output), args.json and Path(args.json), Path(args.workdir)):
         parser.error(problem)
@@ -116,7 +121,8 @@ def base_candidates(args: argparse.Namespace, plan: MemoryPlan, split: tuple[int
     (added when not named)."""
     setups = all_setups()
     across_nodes = plan.world_size > plan.gpus_per_node  # as the simulation decides whether to plan hsdp
-    names = [name for name in args.setup_list if offered(setups[name], across_nodes)]
+    replica_groups = args.recipe.strategy_options.get("replica_groups") is not None
+    names = [name for name in args.setup_list if offered(setups[name], across_nodes, replica_groups)]
     axes = {"micro_batch": split[0], "accumulation": split[1]} if split else {}
     exact, compressed = [], []
     for name in names:
