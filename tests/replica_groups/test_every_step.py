@@ -219,10 +219,10 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
     assert survivor_lines.count("replica_groups: node0 left the job") == 1  # one line per node, not per rank
     shard_bytes = restarted[0]["rejoined"]["bytes"]
     rejoined = f"replica_groups: node0 rejoined the job at step {came_back} with the weights and optimizer state of"
-    checkpoints = sorted(saved.iterdir(), key=lambda path: int(path.name[5:-5]))
+    assert f"{rejoined} node1 (local rank 0's shard: {shard_bytes:,} bytes from its memory" in outputs[0][1]
+    checkpoints = sorted(saved.iterdir(), key=lambda path: int(path.name[5:-5]))  # step 4 while node 0 was away
     assert [path.name for path in checkpoints] == [f"step={step}.ckpt" for step in range(2, steps + 1, 2)]
     assert [torch.load(path / "meta.pt", weights_only=False)["global_step"] for path in checkpoints] == [2, 4, 6, 8, 10]
-    assert f"{rejoined} node1 (local rank 0's shard: {shard_bytes:,} bytes from its memory" in outputs[0][1]
 
 
 @pytest.mark.slow
