@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_fastdist import FastDDPStrategy
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AutoCommState, AutoPolicy, Decision
 from lightning_fastdist.parallel.ddp.powersgd import PowerSGDSettings, compression_ratio
 from tests.support.clocks import ManualClock
 from tests.support.emulated_cluster import EmulatedCluster, cannot_emulate
 from tests.support.harness import run_function
-from tests.support.workloads import tiny_gpt
+from tests.support.workloads import make_trainer, repeated_batches, tiny_gpt
 
 WINDOW = 3
 WARMUP = AutoPolicy.warmup
@@ -75,9 +76,6 @@ def test_the_decision_on_given_measurements(level, share, exposed_ms, allow_bf16
 def test_one_rank_measures_nothing_so_a_single_gpu_run_makes_no_device_sync_for_it():
     # Nothing crosses a link with one rank: a window would only cost its two device syncs (the first GPU run counted
     # one at step 3, the window's start).
-    from lightning_fastdist import FastDDPStrategy
-    from tests.support.workloads import make_trainer, repeated_batches
-
     trainer = make_trainer(FastDDPStrategy(comm_hook_window=1), devices=1, max_steps=WARMUP + 2)
     trainer.fit(tiny_gpt(), repeated_batches())
     state = trainer.strategy.hook_state
@@ -124,8 +122,7 @@ class LoopbackClocks(L.Callback):
 def exact_on_loopback() -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_fastdist import FastDDPStrategy
-    from tests.support.workloads import LossRecorder, make_trainer, repeated_batches
+    from tests.support.workloads import LossRecorder
 
     runs = {}
     for name, strategy in (("lightning", DDPStrategy()), ("auto", FastDDPStrategy(comm_hook_window=WINDOW))):
