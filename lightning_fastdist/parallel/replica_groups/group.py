@@ -13,6 +13,8 @@ client (to read which nodes each quorum holds).
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +30,9 @@ INSTALL_HINT = "pip install lightning-fastdist[ft]"
 COORDINATOR_VARIABLE = "LIGHTNING_FASTDIST_COORDINATOR"  # HOST:PORT of a coordinator outside the nodes
 TRAINING_KEY = "outer_sync/training"  # in the register while the nodes train: a node that starts then rejoins
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
+# torchft's Rust side (manager, lighthouse) logs every quorum and commit at INFO on stderr: several lines per rank and
+# step. It reads RUST_LOG once, when it is first imported; unless the user set RUST_LOG, it then reads this level.
+TORCHFT_LOG_LEVEL = "warn"
 
 
 def torchft_available() -> bool:
@@ -36,9 +41,17 @@ def torchft_available() -> bool:
 
 
 def import_torchft(owner: str) -> ModuleType:
-    """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command."""
+    """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command. Imported here first, its
+    Rust side logs at :data:`TORCHFT_LOG_LEVEL` unless ``RUST_LOG`` says otherwise (the environment is left as it
+    was)."""
     if not torchft_available():
         raise ImportError(f"{owner} needs torchft, which is not installed: {INSTALL_HINT}")
+    if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
+        os.environ["RUST_LOG"] = TORCHFT_LOG_LEVEL
+        try:
+            import torchft
+        finally:
+            del os.environ["RUST_LOG"]
     import torchft
 
     return torchft
