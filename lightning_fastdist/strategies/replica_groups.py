@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_fastdist.parallel.replica_groups.every_step import OPTION, EveryStepRun
 from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients, FlatTensors
+from lightning_fastdist.parallel.replica_groups.group import is_first_node
 from lightning_fastdist.parallel.replica_groups.rejoin import load_optimizer_snapshot
 from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.strategies.loop_state import continue_after, training_position
@@ -160,8 +161,7 @@ class ReplicaGroupsJob:
         lighthouse then in a coordinator), so that checkpoints go on. Under DDP only local rank 0 knows the quorum:
         call on every rank of the node (it shares the answer). Kept as :attr:`wrote_last_checkpoint`."""
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
-        first = quorum_nodes[0] if quorum_nodes else "node0"
-        self.wrote_last_checkpoint = share_in_node(first == f"node{node_rank}")
+        self.wrote_last_checkpoint = share_in_node(is_first_node(quorum_nodes, node_rank))
         return self.wrote_last_checkpoint
 
     def training_ranks(self, world_size: int) -> int:

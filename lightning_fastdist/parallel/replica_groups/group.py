@@ -40,6 +40,12 @@ def torchft_available() -> bool:
     return importlib.util.find_spec("torchft") is not None
 
 
+def is_first_node(quorum_nodes: tuple[str, ...], node_rank: int) -> bool:
+    """Whether node ``node_rank`` is the first node of the latest quorum (``quorum_nodes``, sorted; node 0 before any):
+    the one that speaks for the job, which may not be node 0 once node 0 was lost (with a coordinator)."""
+    return (quorum_nodes[0] if quorum_nodes else "node0") == f"node{node_rank}"
+
+
 def import_torchft(owner: str) -> ModuleType:
     """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command. Imported here first, its
     Rust side logs at :data:`TORCHFT_LOG_LEVEL` unless ``RUST_LOG`` says otherwise (the environment is left as it
@@ -214,10 +220,8 @@ class FitRegister:
 
     def close(self, quorum_nodes: tuple[str, ...]) -> None:
         """The nodes no longer train, so a node that starts now starts a fit of its own: said by the first node of
-        the latest quorum (``quorum_nodes``, sorted; node 0 before any), which may not be node 0 once node 0 was
-        lost (where the nodes meet in a coordinator's store)."""
-        first = quorum_nodes[0] if quorum_nodes else "node0"
-        if first == f"node{self.group.node_rank}" and self.group.local_rank == 0:
+        the latest quorum (:func:`is_first_node`)."""
+        if is_first_node(quorum_nodes, self.group.node_rank) and self.group.local_rank == 0:
             self.store.delete_key(TRAINING_KEY)
 
 
