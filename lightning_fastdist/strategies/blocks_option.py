@@ -1,9 +1,5 @@
-"""The old spellings of the ``blocks`` option, kept for one release with a one-line deprecation message.
-
-``blocks`` (described in :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`) names a
-model's repeated blocks. ``FastFSDPStrategy`` called it ``shard_modules`` and
-``FastDDPStrategy`` ``block_modules``.
-"""
+"""The old spellings of the ``blocks`` option (``shard_modules`` of FastFSDPStrategy, ``block_modules`` of
+FastDDPStrategy), kept for one release with a one-line deprecation message."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ def blocks_option(strategy: str, blocks: Any, old_name: str, old_value: Any) -> 
     Args:
         strategy: the strategy's class name, for the messages.
         blocks: the ``blocks`` argument (``"auto"`` when not given); the plan checks it.
-        old_name: the deprecated argument's name (``"shard_modules"``, ``"block_modules"``).
-        old_value: its value, ``None`` when not given.
+        old_value: the deprecated argument ``old_name``'s value, ``None`` when not given.
 
     Raises:
         ValueError: both spellings given, or an old spelling's value that is neither ``"auto"`` nor class names.

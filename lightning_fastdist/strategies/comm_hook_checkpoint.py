@@ -2,10 +2,7 @@
 
 Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0: the checkpoint
 holds what every rank shares (step count, ``Q`` factors, world size) and each rank writes its error feedback to
-``<checkpoint>.powersgd/rankNNNNN.pt`` (staged and renamed) before rank 0 publishes the checkpoint. What a resume
-does with a missing file or at another world size: ``docs/ddp.md``, Pitfalls. Only files named like ours are ever
-replaced or removed there. Checkpoints written before this layout still load. :func:`gather_to_rank_zero` stays for
-small per-rank state (random states).
+``<checkpoint>.powersgd/rankNNNNN.pt`` before rank 0 publishes the checkpoint (resume pitfalls: ``docs/ddp.md``).
 """
 
 from __future__ import annotations
@@ -40,11 +37,8 @@ def gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] |
 
 
 def shard_folder(checkpoint_path: Any, follow_link: bool = False) -> str:
-    """Where the ranks' files of the checkpoint at ``checkpoint_path`` live.
-
-    A save writes beside the path it publishes; a load follows a link (Lightning's ``save_last="link"``
-    makes ``last.ckpt`` one) to the checkpoint it names, whose files are beside it.
-    """
+    """Where the ranks' files of a checkpoint live: a load follows a link (``last.ckpt`` under Lightning's
+    ``save_last="link"``) to the checkpoint it names, whose files are beside it."""
     path = str(checkpoint_path)
     if follow_link and is_local_path(path):
         path = str(Path(path).resolve())
@@ -78,7 +72,7 @@ def save_hook_state(
 
 
 def remember_location(saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
-    """``saved`` (the checkpoint's hook state) with the path it was loaded from, to find its shards later."""
+    """``saved`` with the path it was loaded from, to find its shards later."""
     return {**saved, LOCATION_KEY: str(checkpoint_path)}
 
 
@@ -88,13 +82,9 @@ def restore_hook_state(
     """Load the part of a checkpoint's hook state that belongs to this rank into ``hook_state``.
 
     Args:
-        hook_state: the registered hook's state.
         comm_hook: the strategy's ``comm_hook`` option (named in the warning when it ignores the state).
-        saved: what the checkpoint holds (:func:`save_hook_state`, with :func:`remember_location`), or
-            an older checkpoint's ``{"comm_hook": name, "per_rank": [state, ...]}``.
-        world_size: ranks now.
-        rank: this rank.
-        device: where the restored tensors go.
+        saved: what :func:`save_hook_state` and :func:`remember_location` left, or an older checkpoint's
+            ``{"comm_hook": name, "per_rank": [state, ...]}``.
     """
     if not isinstance(hook_state, PowerSGDState) or saved["comm_hook"] != "powersgd":
         rank_zero_warn(f"The checkpoint holds {saved['comm_hook']!r} hook state; comm_hook={comm_hook!r} ignores it.")
@@ -139,12 +129,10 @@ def remove_shards(checkpoint_path: Any, keep: int = 0) -> None:
 
     Only ``rankNNNNN.pt`` files are touched: anything else in the folder stays, and so does the folder.
     """
-    folder = shard_folder(checkpoint_path)
-    fs, root = fsspec.core.url_to_fs(folder)
+    fs, root = fsspec.core.url_to_fs(shard_folder(checkpoint_path))
     if not fs.isdir(root):
         return
-    entries = fs.ls(root, detail=False)
-    for entry in entries:
+    for entry in fs.ls(root, detail=False):
         match = _SHARD_NAME.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
         if match and int(match.group(1)) >= keep:
             fs.rm(entry)

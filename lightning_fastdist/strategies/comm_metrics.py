@@ -1,11 +1,7 @@
 """Close each optimizer step's communication count and exposed time, and log them without a device sync.
 
-Each strategy counts its collectives in a :class:`~lightning_fastdist.parallel.comm.accounting.CommStats`
-(``comm_stats``, ``None`` while nothing is counted) and may time what its steps waited for them in an
-:class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock` (``exposed_comm``). It calls
-:func:`end_comm_step` after every optimizer step, :meth:`CommMetricsLog.log` after every training step
-(when ``log_comm_bytes``), and runs a backward whose hooks send gradients (FSDP, DeepSpeed) inside
-:func:`one_gradient_round`.
+A strategy calls :func:`end_comm_step` after every optimizer step, :meth:`CommMetricsLog.log` after every training
+step, and runs a backward whose hooks send gradients (FSDP, DeepSpeed) inside :func:`one_gradient_round`.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ EXPOSED_METRIC = "comm/exposed_s"
 
 
 def end_comm_step(stats: CommStats | None, clock: ExposedCommClock | None) -> None:
-    """Close the optimizer step's traffic (``CommStats.end_step``) and exposed time, where counted."""
+    """Close the optimizer step's traffic and exposed time, where counted."""
     if stats is not None:
         stats.end_step()
     if clock is not None:
@@ -32,9 +28,8 @@ def end_comm_step(stats: CommStats | None, clock: ExposedCommClock | None) -> No
 
 @contextmanager
 def one_gradient_round(stats: CommStats | None) -> Generator[None, None, None]:
-    """Around a backward whose hooks send gradients: if it sent gradient bytes, it closes one round of gradient
-    communication in ``stats`` (where counted); a backward under ``no_sync`` (accumulation) sent none and closes
-    nothing."""
+    """Around a backward whose hooks send gradients: one round of gradient communication closed in ``stats`` if it
+    sent gradient bytes (a backward under ``no_sync``, accumulating, sent none)."""
     sent_before = stats.gradient_bytes_so_far() if stats is not None else 0
     yield
     if stats is not None and stats.gradient_bytes_so_far() > sent_before:
@@ -44,20 +39,17 @@ def one_gradient_round(stats: CommStats | None) -> Generator[None, None, None]:
 class CommMetricsLog:
     """Logs each collective's bytes of the last optimizer step as ``comm/<collective>_bytes_per_step``.
 
-    From inside a training step, on the steps whose metrics the loggers write (``log_every_n_steps``) and
-    whenever the counts changed since they were last logged (0 before the first step). Between those the
-    values logged last are still current, and each ``log`` call costs Lightning's bookkeeping host time,
-    which a fast accelerator step would feel on every step.
-
-    The last step's exposed seconds (``comm/exposed_s``) and a strategy's other host-side values are logged on
-    logging steps only: the exposed time changes every step, and on CUDA reading it waits for that step's events.
+    Only on the steps the loggers write and whenever the counts changed: between those the values logged last are
+    still current, and each ``log`` call costs host time a fast accelerator step would feel. The exposed seconds
+    (``comm/exposed_s``) and other host-side values go on logging steps only: on CUDA reading them waits for the
+    step's events.
     """
 
     def __init__(self) -> None:
         self._logged: tuple[int, ...] | None = None  # what the last log call sent, per collective
 
     def new_fit(self) -> None:
-        """Forget what was logged: a new fit logs into new results. Call in ``on_train_start``."""
+        """A new fit logs into new results: call in ``on_train_start``."""
         self._logged = None
 
     def log(
@@ -68,8 +60,7 @@ class CommMetricsLog:
         clock: ExposedCommClock | None,
         extra: Mapping[str, float] | None = None,
     ) -> None:
-        """Log from ``module`` (inside its training step) what ``stats`` and ``clock`` hold of the last step (nothing
-        while nothing is counted)."""
+        """Log from ``module``, inside its training step, what ``stats`` and ``clock`` hold of the last step."""
         if module is None or stats is None:
             return
         step_bytes = tuple(stats.last_step.get(collective, Traffic()).bytes for collective in collectives)

@@ -1,12 +1,9 @@
 """FastDDPStrategy: Lightning's DDP with gradient compression by name on every backend, sized buckets
 and measured communication.
 
-Lightning's ``DDPStrategy`` takes a comm hook only as a callable and registers it only on CUDA. This subclass
-registers one of our hooks by name on any backend (``"auto"`` by default), checkpoints its state
-(:mod:`~lightning_fastdist.strategies.comm_hook_checkpoint`), writes checkpoints atomically and logs each step's
-all-reduced bytes. Lightning's contract is kept: other keyword arguments go to ``DistributedDataParallel`` and its
-callable comm-hook arguments are refused with the option to use instead
-(:data:`~lightning_fastdist.strategies.ddp_options.REPLACED_LIGHTNING_OPTIONS`). ``docs/ddp.md`` has the rest.
+Lightning's ``DDPStrategy`` takes a comm hook only as a callable and registers it only on CUDA; this subclass
+registers one of ours by name on any backend and checkpoints its state. Other keyword arguments still go to
+``DistributedDataParallel``. ``docs/ddp.md`` has the rest.
 """
 
 from __future__ import annotations
@@ -83,51 +80,30 @@ class FastDDPStrategy(DDPStrategy):
     """DDP with a named gradient-compression hook, auto-sized buckets and communication accounting.
 
     Args:
-        comm_hook: how gradients are averaged: ``"auto"`` (the default), ``"none"``, ``"fp16"``, ``"bf16"``
-            or ``"powersgd"`` (:class:`~lightning_fastdist.parallel.ddp.comm_hook_spec.CommHookSpec`'s ``name``).
-        comm_hook_window: optimizer steps ``"auto"`` measures per decision
-            (:class:`~lightning_fastdist.parallel.ddp.auto_comm_hook.AutoPolicy`'s ``window``).
-        powersgd_rank: PowerSGD's ``rank``; PowerSGD's settings are described (and defaulted) once, in
+        comm_hook: how gradients are averaged: ``"auto"``, ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
+        comm_hook_window: optimizer steps ``"auto"`` measures per decision.
+        powersgd_rank: the ``powersgd_*`` options are described and defaulted once, in
             :class:`~lightning_fastdist.parallel.ddp.powersgd.PowerSGDSettings`.
-        powersgd_start_iter: PowerSGD's ``start_iter``.
-        powersgd_error_feedback: PowerSGD's ``error_feedback``.
-        powersgd_warm_start: PowerSGD's ``warm_start``.
-        powersgd_factor_dtype: PowerSGD's ``factor_dtype``.
-        bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to
-            [0.25, 100] MB, so communication overlaps the backward in several buckets without
-            paying per-message latency on tiny ones (see ``parallel/ddp/buckets.py``).
+        bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to [0.25, 100] MB, so
+            communication overlaps the backward without paying per-message latency on tiny buckets.
         gradient_as_bucket_view: let gradients live in DDP's buckets (saves one copy and memory).
         static_graph: promise DDP the set of used parameters never changes (enables optimisations).
-        find_unused_parameters: search for parameters without gradients every step; costs a
-            traversal of the graph, so only enable it for models that need it.
-        log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (a host-side count, no device sync) and the
-            time the last step waited for the all-reduces after its backward, ``comm/exposed_s``.
-        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`),
-            applied before DDP wraps the model.
-        blocks: the plan's: the blocks that activation checkpointing and per-block compile act on.
-        compile: the plan's.
-        compile_scope: the plan's.
-        outer_sync: synchronise across nodes every ``every`` steps with DiLoCo instead of every step
-            (:class:`~lightning_fastdist.parallel.semi_sync.settings.OuterSync` describes its options; a mapping of
-            them in a recipe); inside a node every step stays synchronous. ``None`` (the default): every step, exact.
-            ``docs/semi-sync.md`` says when it pays.
+        find_unused_parameters: search for parameters without gradients every step; costs a graph traversal.
+        log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (host-side, no device sync) and the time the last
+            step waited for the all-reduces after its backward, ``comm/exposed_s``.
+        activation_checkpointing: with ``blocks``, ``compile`` and ``compile_scope``, the plan's
+            (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`), applied before DDP wraps the model.
+        outer_sync: synchronise across nodes every ``every`` steps with DiLoCo instead of every step (``OuterSync``'s
+            options, a mapping in a recipe); inside a node every step stays synchronous. ``None``: every step, exact.
         replica_groups: train each node as a torchft replica group, the gradients averaged across the nodes every
-            step (what DDP computes), so that a lost node leaves the others training on and a restarted one joins
-            them (:class:`~lightning_fastdist.parallel.replica_groups.settings.ReplicaGroups` describes its options:
-            ``{min_nodes: 1}`` in a recipe; ``docs/fault-tolerance.md``). ``None`` (the default): one world, a lost
-            node ends the job.
+            step, so that a lost node leaves the others training on and a restarted one joins them
+            (``ReplicaGroups``' options: ``{min_nodes: 1}`` in a recipe). ``None``: one world, a lost node ends the job.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
-        start_method: how Lightning starts the other processes.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
+        accelerator: with ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``: set
+            by the Trainer.
         block_modules: deprecated spelling of ``blocks`` (one more release).
-        **kwargs: passed to ``DistributedDataParallel``, as by Lightning's ``DDPStrategy``
-            (``broadcast_buffers=False``, ``init_sync=False``, ...); checked at construction.
+        **kwargs: passed to ``DistributedDataParallel``, as by Lightning's ``DDPStrategy``; checked at construction.
     """
 
     handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
@@ -179,10 +155,8 @@ class FastDDPStrategy(DDPStrategy):
                     "outer_sync and replica_groups are two forms of training across nodes: give one (a lost node is "
                     "left out under outer_sync with its own min_nodes)."
                 )
-            if outer is not None:
-                comm_hook = _intra_node_hook(comm_hook, "outer_sync")
-            if replicas is not None:
-                comm_hook = _intra_node_hook(comm_hook, "replica_groups")
+            if outer is not None or replicas is not None:
+                comm_hook = _intra_node_hook(comm_hook, "outer_sync" if outer is not None else "replica_groups")
             self.comm = CommHookSpec(comm_hook, powersgd, AutoPolicy(window=comm_hook_window))
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
@@ -196,13 +170,6 @@ class FastDDPStrategy(DDPStrategy):
         blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
         self.timeout = collective_timeout(timeout, type(self).__name__)
         self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
-        ddp_kwargs: dict[str, Any] = {
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "static_graph": static_graph,
-            "find_unused_parameters": find_unused_parameters,
-        }
-        if bucket_cap_mb != "auto":
-            ddp_kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -212,7 +179,10 @@ class FastDDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=self.timeout,
             start_method=start_method,
-            **ddp_kwargs,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            **({"bucket_cap_mb": float(bucket_cap_mb)} if bucket_cap_mb != "auto" else {}),
             **kwargs,  # to DistributedDataParallel, as in Lightning (and LightningCLI sees them through this call)
         )
         self.bucket_cap_mb = bucket_cap_mb
@@ -259,10 +229,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Apply the plan to the model in place with DDP as its wrapper.
-
-        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
-        """
+        """Apply the plan to the model in place with DDP as its wrapper (the order's reasons: ``parallel_plan.py``)."""
         _, self.prepared = self.plan.apply(self.model, self._wrap_in_ddp, log=rank_zero_info)
         self.recompiles.call_sites = self.prepared.compiled_call_sites  # a recompile's report names them
 
@@ -292,8 +259,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @property
     def training_ranks(self) -> int:
-        """The ranks training now (what :class:`~lightning_fastdist.SpeedMonitor` counts): every rank, or under
-        outer_sync with ``min_nodes`` or replica_groups those of the nodes still in the job."""
+        """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
         across = self._across_nodes
         return across.training_ranks(self.world_size) if across is not None else self.world_size
 
@@ -301,6 +267,13 @@ class FastDDPStrategy(DDPStrategy):
     def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
         """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
         return self.outer_sync or self.replica_groups
+
+    @property
+    def _resume_ranks(self) -> tuple[int, int]:
+        """This rank and the ranks whose random states a checkpoint keeps: the node's under a world per node."""
+        if self._across_nodes is not None:
+            return self.local_rank, self.num_processes
+        return self.global_rank, self.world_size
 
     @override
     def on_train_start(self) -> None:
@@ -386,10 +359,9 @@ class FastDDPStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Training data is shared out over every rank of every node; with a world per node (outer_sync,
-        replica_groups) evaluation data over the node's ranks only, so that every node evaluates all of it on the
-        same weights and gets the same metrics (Lightning's reductions and EarlyStopping's decision are within a
-        node)."""
+        """Training data is shared out over every rank of every node; with a world per node evaluation data over the
+        node's ranks only, so that every node evaluates all of it and gets the same metrics (Lightning's reductions
+        and EarlyStopping's decision are within a node)."""
         if self._across_nodes is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
@@ -430,15 +402,11 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         refuse_non_finite(self, checkpoint, filepath)
-        if self.outer_sync is not None:  # each node's ranks gather in their node; each node writes its own state
-            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
+        self._resume.add_to(checkpoint, *self._resume_ranks)
+        if self.outer_sync is not None:  # each node writes its own state
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
             self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, trainer.global_step, stopping)
-        elif self.replica_groups is not None:  # the nodes hold the same state: its ranks' random states
-            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
-        else:
-            self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         powersgd = self.hook_state
         if isinstance(powersgd, AutoCommState):
             checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
@@ -456,8 +424,7 @@ class FastDDPStrategy(DDPStrategy):
         save_one_file(self, checkpoint, filepath, storage_options, writer)
 
     def _writes_checkpoint_file(self) -> bool:
-        """Global rank 0, or under ``replica_groups`` local rank 0 of the node that writes the job's checkpoints
-        (call on every rank)."""
+        """Global rank 0, or under ``replica_groups`` local rank 0 of the node that writes (call on every rank)."""
         if self.replica_groups is None:
             return self.is_global_zero
         return self.replica_groups.writes_checkpoints(self.node_rank) and self.local_rank == 0
@@ -466,20 +433,14 @@ class FastDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(self._load_noting_location, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=False)
-        if self.outer_sync is not None:
-            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
-            if self.lightning_module.trainer.training:
-                self.outer_sync.load(checkpoint, checkpoint_path)
-        elif self.replica_groups is not None:
-            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)
-        else:
-            self._resume.take_from(checkpoint, self.global_rank, self.world_size)
+        self._resume.take_from(checkpoint, *self._resume_ranks)  # under outer_sync node 0's; this node's at start
+        if self.outer_sync is not None and self.lightning_module.trainer.training:
+            self.outer_sync.load(checkpoint, checkpoint_path)
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
-        if saved:
-            if self.hook_state is None:
-                self._pending_hook_checkpoint = saved  # applied once the hook is registered
-            else:
-                self._restore_hook_state(saved)
+        if saved and self.hook_state is None:
+            self._pending_hook_checkpoint = saved  # applied once the hook is registered
+        elif saved:
+            self._restore_hook_state(saved)
         return checkpoint
 
     def _load_noting_location(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,6 +1,4 @@
-"""FastDDPStrategy's checks of DDP's own options (the comm hook checks itself:
-:class:`~lightning_fastdist.parallel.ddp.comm_hook_spec.CommHookSpec`); each bad value is refused at
-construction with one clear message."""
+"""FastDDPStrategy's checks of DDP's own options: each bad value is refused at construction in one line."""
 
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ _SET_BY_THE_STRATEGY = ("self", "module", "device_ids")
 
 
 def check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """Refuse, before any process starts, extra arguments that DistributedDataParallel would not take.
-
-    Lightning's ``DDPStrategy(**kwargs)`` passes them to ``DistributedDataParallel``; so does
-    FastDDPStrategy. Its own replacements of Lightning's comm-hook arguments say what to write instead.
-    """
+    """Refuse, before any process starts, extra arguments that DistributedDataParallel would not take (they go to
+    it, as in Lightning's ``DDPStrategy``); a replaced comm-hook argument of Lightning's says what to write instead."""
     parameters = inspect.signature(DistributedDataParallel.__init__).parameters
     accepted = [name for name in parameters if name not in _SET_BY_THE_STRATEGY]
     for name, value in kwargs.items():

@@ -1,12 +1,9 @@
 """FastDeepSpeedStrategy: DeepSpeed ZeRO through Lightning, on CUDA (NCCL) and on CPU (gloo), with our pieces.
 
 Lightning's ``DeepSpeedStrategy`` refuses every accelerator but CUDA, although DeepSpeed trains ZeRO 1-3 on CPU
-processes over gloo. This subclass makes the three changes a CPU device needs (``docs/deepspeed.md``), keeps
-DeepSpeed from compiling anything on CPU (:mod:`lightning_fastdist.parallel.deepspeed.runtime`), and adds what our
-other strategies do: activation checkpointing, the collective ``timeout``, job identity and preemption, bytes per
-collective without a device sync, atomic checkpoints and exact resume.
-:func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint` turns a checkpoint folder into
-one file for inference.
+processes over gloo. This subclass makes the changes a CPU device needs (``docs/deepspeed.md``) and adds what our
+other strategies do: activation checkpointing, the collective ``timeout``, preemption, communication accounting,
+atomic checkpoints and exact resume.
 """
 
 from __future__ import annotations
@@ -73,27 +70,20 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 1, 2 or 3 on GPUs or CPU processes, with our activation checkpointing and accounting.
 
     Args:
-        stage: :class:`~lightning_fastdist.parallel.deepspeed.settings.DeepSpeedSettings`' (the ZeRO stage).
-        offload_optimizer: the settings'.
-        offload_parameters: the settings'.
-        activation_checkpointing: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`),
-            applied before ``deepspeed.initialize``.
-        blocks: the plan's: the blocks activation checkpointing acts on.
-        allgather_bucket_size: the settings'.
-        reduce_bucket_size: the settings'.
-        load_full_weights: at stage 3, ``ckpt_path`` is one file of full weights (e.g. from
-            :func:`~lightning_fastdist.strategies.deepspeed_checkpoint.consolidate_checkpoint`)
+        stage: the ZeRO stage; with ``offload_optimizer``, ``offload_parameters``, ``allgather_bucket_size`` and
+            ``reduce_bucket_size``, described in
+            :class:`~lightning_fastdist.parallel.deepspeed.settings.DeepSpeedSettings`.
+        activation_checkpointing: with ``blocks``, the plan's
+            (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`), applied before DeepSpeed
+            wraps the model.
+        load_full_weights: at stage 3, ``ckpt_path`` is one file of full weights (e.g. from ``consolidate_checkpoint``)
             instead of a DeepSpeed checkpoint folder; optimizer state is then not restored.
-        log_comm_bytes: log the bytes of the last optimizer step's collectives as
-            ``comm/<collective>_bytes_per_step`` (host-side counts, no device sync), and the time it
-            waited for them as ``comm/exposed_s``.
+        log_comm_bytes: log the bytes of the last optimizer step's collectives as ``comm/<collective>_bytes_per_step``
+            (host-side, no device sync) and the time the step waited for them as ``comm/exposed_s``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        precision_plugin: set by the Trainer (``Trainer(precision=...)``: DeepSpeed runs bf16/fp16 itself).
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
+        accelerator: with ``parallel_devices``, ``cluster_environment``, ``precision_plugin``: set by the Trainer
+            (``Trainer(precision=...)``: DeepSpeed runs bf16/fp16 itself).
     """
 
     handles_preemption = True  # read by SyncFreeLogging, which otherwise installs the same handler itself
@@ -222,9 +212,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Called by Lightning's setup before deepspeed.initialize: buckets sized to the model, and the plan
-        # applied (the order: parallel/plan/parallel_plan.py) with no wrapper of ours, deepspeed.initialize being
-        # the wrapper.
+        # Called by Lightning's setup before deepspeed.initialize, which is the plan's wrapper here.
         self.config["zero_optimization"].update(self.settings.bucket_sizes(model))
         if self.prepared is None:  # a second fit meets the blocks already checkpointed
             self._give_idle_experts_zero_gradients(model)
@@ -276,9 +264,11 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         chosen, line = choose_offload_optimizer(optimizer, self.root_device.type)
         everywhere = self.reduce_boolean_decision(chosen is not optimizer, all=True)  # one optimizer for all ranks
         if chosen is not optimizer and not everywhere:
-            name = type(optimizer).__name__
             chosen = optimizer
-            line = f"ZeRO-Offload: the CPU step runs torch's {name}: DeepSpeed's CPU Adam did not build on every rank."
+            line = (
+                f"ZeRO-Offload: the CPU step runs torch's {type(optimizer).__name__}: DeepSpeed's CPU Adam did not "
+                "build on every rank."
+            )
         rank_zero_info(line)
         return chosen
 
@@ -372,9 +362,8 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         return checkpoint
 
     def _evaluates_from_zero3_folder(self, checkpoint_path: Any) -> bool:
-        """validate/test/predict from a ZeRO-3 checkpoint folder: DeepSpeed's inference engine has no ZeRO optimizer,
-        and its ``load_checkpoint`` then calls the missing ``_restore_from_bit16_weights`` of the
-        ``DeepSpeedZeRoOffload`` in its place (DeepSpeed 0.19); the weights are assembled from the folder instead."""
+        """validate/test/predict from a ZeRO-3 checkpoint folder: DeepSpeed's inference engine has no ZeRO optimizer
+        and its ``load_checkpoint`` fails on that (DeepSpeed 0.19): the weights are assembled from the folder."""
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return self.zero_stage_3 and not self.load_full_weights and not fitting and Path(checkpoint_path).is_dir()

@@ -1,14 +1,8 @@
 """One file from a DeepSpeed checkpoint folder: full fp32 weights for inference, without DeepSpeed or its ranks.
 
-A checkpoint of :class:`~lightning_fastdist.FastDeepSpeedStrategy` is a folder
-(DeepSpeed's layout: ``latest`` names the tag folder ``checkpoint/`` that holds
-each rank's partition of the weights and optimizer state). Under ZeRO-2 and 3
-no single file there holds the weights. :func:`consolidate_checkpoint`
-assembles them, with Lightning's
-:func:`~lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict`,
-into an ordinary Lightning checkpoint: ``MyModel.load_from_checkpoint(file)``
-loads it on one device, and ``FastDeepSpeedStrategy(load_full_weights=True)``
-can start from it (without the optimizer state).
+Under ZeRO-2 and 3 no single file of the folder holds the weights (each rank's partition is its own), so
+:func:`consolidate_checkpoint` assembles them into an ordinary Lightning checkpoint, which
+``MyModel.load_from_checkpoint`` loads on one device and ``FastDeepSpeedStrategy(load_full_weights=True)`` starts from.
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ from lightning_fastdist.parallel.deepspeed.runtime import import_deepspeed
 def consolidate_checkpoint(folder: _PATH, output: _PATH) -> dict[str, Any]:
     """Write the DeepSpeed checkpoint ``folder`` as the single Lightning checkpoint file ``output``; return it.
 
-    One process, no process group; the file is written under ``<output>.partial`` and renamed into place.
-    The weights are fp32 whatever the training precision; the optimizer state is left out.
+    One process, no process group; fp32 weights whatever the training precision, no optimizer state.
     """
     folder = Path(folder)
     if not (folder / "latest").is_file():

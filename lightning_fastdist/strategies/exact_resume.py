@@ -1,15 +1,8 @@
 """What a strategy adds to checkpoints so that a resumed run continues bit for bit.
 
-Lightning saves weights, optimizer, schedulers, loop progress and the training loader's position.
-:class:`ResumeState` adds every rank's random states (:mod:`.rng_states`, under :data:`RNG_KEY`), set back at the
-first training batch after a save or load (in both runs, so draws between the save and that batch, which differ
-between the runs, do not matter), and the loop progress (:mod:`.loop_state`). At another world size the data still
-continues at the next sample, but random draws follow this run's seed (a warning says so).
-
-A strategy owns a :class:`ResumeState` and calls :meth:`~ResumeState.add_to` in its ``save_checkpoint`` (after
-refusing a non-finite state), :meth:`~ResumeState.take_from` with the loaded checkpoint in ``load_checkpoint``,
-:meth:`~ResumeState.before_batch` first in ``on_train_batch_start``, and
-:func:`~.loop_state.align_resumed_batch_count` last in ``on_train_start``.
+Lightning saves weights, optimizer, schedulers, loop progress and the training loader's position. :class:`ResumeState`
+adds every rank's random states, set back at the first training batch after a save or load (in both runs, so draws
+between the save and that batch, which differ between the runs, do not matter), and fixes the loop progress.
 """
 
 from __future__ import annotations
@@ -50,9 +43,7 @@ class ResumeState:
                 "the run continues at the next sample but not bit for bit (random draws such as dropout follow this "
                 "run's seed, and each step's gradient is summed over another split of the batch)."
             )
-            self._rng_for_next_batch = None
-            return
-        self._rng_for_next_batch = per_rank[rank]
+        self._rng_for_next_batch = per_rank[rank] if len(per_rank) == world_size else None
 
     def before_batch(self) -> None:
         """Set the kept random states, once: call first in ``on_train_batch_start``."""

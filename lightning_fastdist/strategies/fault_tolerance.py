@@ -1,14 +1,6 @@
-"""What every strategy of this package does so that a checkpoint is never half written, garbage, or a dead end.
-
-- :func:`refuse_non_finite`: a save whose weights or optimizer state hold NaN or inf (on any rank) is refused
-  before anything is written, so a restart never resumes garbage.
-- :func:`save_one_file`: written under ``<name>.partial`` and renamed onto ``<name>`` once complete.
-- :func:`load_or_fall_back`: an unusable checkpoint ends in one line naming the file
-  (:func:`~lightning_fastdist.parallel.checkpoint.problems.describe_unloadable`); a ``last*.ckpt`` that does not
-  load is replaced by the newest checkpoint of its folder that does, with a warning.
-
-Each strategy calls :func:`refuse_non_finite` first in its ``save_checkpoint`` and loads through
-:func:`load_or_fall_back` in its ``load_checkpoint``. How the job starts, joins and stops is :mod:`.job`.
+"""What every strategy of this package does so that a checkpoint is never half written, garbage, or a dead end:
+a non-finite state is refused before anything is written, a file is staged and renamed once complete, and an
+unusable checkpoint ends in one line naming it (a ``last*.ckpt`` that does not load falls back to the newest that does).
 """
 
 from __future__ import annotations
@@ -39,8 +31,8 @@ class NonFiniteCheckpointError(RuntimeError):
 def refuse_non_finite(strategy: Strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     """Collective: raise :class:`NonFiniteCheckpointError` on every rank if any rank's state holds NaN/inf.
 
-    Call on every rank before anything is written; a DTensor is tested by its own rank's shard. Only the
-    weights and the optimizer state are tested: callbacks keep infinities on purpose (a best score so far).
+    A DTensor is tested by its own rank's shard. Only the weights and the optimizer state are tested: callbacks keep
+    infinities on purpose (a best score so far).
     """
     entry = non_finite_entry({key: checkpoint[key] for key in TRAINING_STATE_KEYS if key in checkpoint})
     if not strategy.reduce_boolean_decision(entry is not None, all=False):
@@ -79,9 +71,8 @@ def load_or_fall_back(
 
     Args:
         strategy: the strategy loading, for the trainer whose checkpoint path a fall-back replaces.
-        path: the checkpoint Lightning resolved (``ckpt_path``, ``"last"`` already resolved to a file).
+        path: the checkpoint Lightning resolved (``"last"`` already resolved to a file).
         load: loads one path on every rank (a collective for sharded checkpoints).
-        expects_folder: passed to :func:`describe_unloadable`.
 
     Raises:
         UnusableCheckpointError: neither ``path`` nor (for ``last``) any other checkpoint of its folder loads.

@@ -1,10 +1,9 @@
 """FastFSDPStrategy: FSDP2 applied automatically, with the parts Lightning leaves to the user.
 
 Lightning's ``ModelParallelStrategy`` asks the user to call ``fully_shard`` in ``configure_model`` and
-reduce-scatters gradients on every accumulation micro-batch. This strategy shards the unchanged model itself
-(:meth:`FastFSDPStrategy.parallelize`) inside a :class:`~lightning_fastdist.parallel.fsdp.sharding.RootUnit`, so a
-step may call ``self(...)`` or any submodule, skips gradient communication on non-final micro-batches, counts its
-collectives' bytes, and writes checkpoints atomically, optionally in the background.
+reduce-scatters gradients on every accumulation micro-batch. This strategy shards the unchanged model itself inside
+a root unit, so a step may call ``self(...)`` or any submodule, and skips gradient communication on non-final
+micro-batches.
 """
 
 from __future__ import annotations
@@ -86,42 +85,27 @@ class FastFSDPStrategy(ModelParallelStrategy):
     """FSDP2 sharding of an unchanged LightningModule: ZeRO-3, ZeRO-2 or HSDP, per block.
 
     Args:
-        blocks: the plan's (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`): each block is an
-            FSDP unit; parameters outside every block belong to the root, sharded last; a model
-            without blocks is one unit.
-        sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``
-            (:class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``mode``).
-        hsdp_group_size: ranks per shard group under ``"hsdp"``; must divide the
-            world size. ``None`` means the devices of one node.
-        cpu_offload: :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``cpu_offload``.
-        keep_fp32: :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`'s ``keep_fp32``: class names of
-            modules that keep float32 parameters under mixed precision, each a unit of its own.
-        activation_checkpointing: the plan's.
-        compile: the plan's.
-        compile_scope: the plan's.
-        checkpoint_format: ``"sharded"`` (a folder of per-rank shards, loadable at
-            any world size) or ``"full"`` (one file gathered on rank 0).
-        async_checkpointing: write sharded checkpoints in a background thread
-            (training continues once the state is copied to host memory).
-        outer_sync: shard inside each node and synchronise across nodes every ``every`` steps with DiLoCo
-            (:class:`~lightning_fastdist.parallel.semi_sync.settings.OuterSync` describes its options; a mapping of
-            them in a recipe): each rank sends its shard's pseudo-gradient to the ranks holding the same shard on the
-            other nodes. Not with ``sharding="hsdp"`` (which replicates across nodes every step). ``None`` (the
-            default): one sharded world, every step. ``docs/semi-sync.md`` says when it pays.
+        blocks: with ``activation_checkpointing``, ``compile`` and ``compile_scope``, the plan's
+            (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`): each block is an FSDP unit;
+            parameters outside every block belong to the root, sharded last.
+        sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``; with ``hsdp_group_size``, ``cpu_offload`` and ``keep_fp32``
+            described in :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`.
+        checkpoint_format: ``"sharded"`` (a folder of per-rank shards, loadable at any world size) or ``"full"`` (one
+            file gathered on rank 0).
+        async_checkpointing: write sharded checkpoints in a background thread (training continues once the state is
+            copied to host memory).
+        outer_sync: shard inside each node and synchronise across nodes every ``every`` steps with DiLoCo, each rank
+            with the ranks holding the same shard on the other nodes (``OuterSync``'s options, a mapping in a recipe).
+            Not with ``sharding="hsdp"``. ``None``: one sharded world, every step.
         replica_groups: shard inside each node and train each node as a torchft replica group, each rank's shard of
-            the gradients averaged every step with the ranks holding the same shard on the other nodes (what one
-            sharded world computes), so that a lost node leaves the others training on and a restarted one joins them
-            (:class:`~lightning_fastdist.parallel.replica_groups.settings.ReplicaGroups` describes its options:
-            ``{min_nodes: 1}`` in a recipe; ``docs/fault-tolerance.md``). Not with ``outer_sync`` or
-            ``sharding="hsdp"``. ``None`` (the default): one world, a lost node ends the job.
+            the gradients averaged every step with the same shard's ranks on the other nodes, so that a lost node leaves
+            the others training on (``ReplicaGroups``' options: ``{min_nodes: 1}`` in a recipe). Not with
+            ``outer_sync`` or ``sharding="hsdp"``. ``None``: one world, a lost node ends the job.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
-        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks
-            (:mod:`~lightning_fastdist.parallel.faults.collective_timeout`); ``None`` keeps torch's 30 minutes.
-        log_comm_bytes: log the bytes of the last optimizer step's parameter all-gathers and
-            gradient reduce-scatters (and HSDP all-reduces) as ``comm/allgather_bytes_per_step``,
-            ``comm/reduce_scatter_bytes_per_step`` (``comm/allreduce_bytes_per_step``): host-side
-            counts, no device sync), and the time the last step waited for them as ``comm/exposed_s``.
-            Needs torch >= 2.9 (FSDP2's custom collectives).
+        timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
+        log_comm_bytes: log the bytes of the last optimizer step's collectives as ``comm/<collective>_bytes_per_step``
+            (host-side, no device sync) and the time the step waited for them as ``comm/exposed_s``. Needs
+            torch >= 2.9 (FSDP2's custom collectives).
         shard_modules: deprecated spelling of ``blocks`` (one more release).
     """
 
@@ -215,7 +199,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     def check_names(self, module: pl.LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
-        process starts (a model that builds its layers in ``configure_model`` is checked when it is sharded)."""
+        process starts (a model built in ``configure_model`` is checked when it is sharded)."""
         if names_checkable(module):
             block_classes = resolve_blocks(module, self.plan.blocks)
             self._refuse_a_root_a_step_cannot_reduce(module, block_classes)
@@ -249,9 +233,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank is a data-parallel replica, whatever the sharding; with a world per node (outer_sync,
-        replica_groups) evaluation data is shared out over the node's ranks only, as FastDDPStrategy does (every node
-        evaluates all of it on the same weights)."""
+        """Every rank is a data-parallel replica, whatever the sharding; with a world per node evaluation data is
+        shared out over the node's ranks only, as FastDDPStrategy does."""
         if self._across_nodes is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
@@ -292,11 +275,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Move what FSDP did not place: parameterless modules (torchmetrics metrics), ``LightningModule.device``.
-
-        FSDP puts every parameter and buffer on the device itself; ``Module.to`` then moves
-        the rest, as in Lightning. Under ``cpu_offload`` the parameter shards stay on the CPU.
-        """
+        """Move what FSDP did not place: parameterless modules (torchmetrics metrics), ``LightningModule.device``;
+        under ``cpu_offload`` the parameter shards stay on the CPU."""
         assert self.model is not None
         if self.fsdp.cpu_offload:
             _move_all_but_parameters(self.model, self.root_device)
@@ -304,29 +284,24 @@ class FastFSDPStrategy(ModelParallelStrategy):
             self.model.to(self.root_device)
 
     def parallelize(self, model: nn.Module) -> RootUnit:
-        """Apply the plan to ``model`` in place with FSDP as its wrapper; return the root unit.
-
-        The order and its reasons: :mod:`~lightning_fastdist.parallel.plan.parallel_plan`.
-        """
-        precision = self.precision_plugin.precision
+        """Apply the plan to ``model`` in place with FSDP as its wrapper; return the root unit (the order's reasons:
+        ``parallel_plan.py``)."""
         self._refuse_a_root_a_step_cannot_reduce(model, resolve_blocks(model, self.plan.blocks))  # configure_model
         root, units, self.prepared, self._idle_experts = shard_model(
-            model, self.device_mesh, self.plan, self.fsdp, precision, rank_zero_info
+            model, self.device_mesh, self.plan, self.fsdp, self.precision_plugin.precision, rank_zero_info
         )
         self.recompiles.call_sites = self.prepared.compiled_call_sites  # a recompile's report names them
         if self._idle_experts.trackers and self._experts_group is None:
             self._experts_group = dist.new_group(backend="gloo")  # host-side flags: no device sync
         clock = ExposedCommClock(self.root_device)
-        replicated = self.fsdp.mode == "hsdp"
         stats = self.comm_stats if self.comm_stats is not None else CommStats()  # a second fit counts on
-        counted = count_fsdp_communication(units, stats, replicated, clock)  # not where torch cannot count them
+        counted = count_fsdp_communication(units, stats, self.fsdp.mode == "hsdp", clock)  # not where torch cannot
         self.comm_stats, self.exposed_comm = (stats, clock) if counted else (None, None)
         return root
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
-        """The collectives this strategy runs: all-gather and reduce-scatter, plus HSDP's all-reduce, or the one across
-        nodes of replica_groups or outer_sync."""
+        """All-gather and reduce-scatter, plus HSDP's all-reduce or the one across nodes."""
         if self.fsdp.mode == "hsdp":
             return (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
         if self.replica_groups is not None:
@@ -345,8 +320,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @property
     def training_ranks(self) -> int:
-        """The ranks training now (what :class:`~lightning_fastdist.SpeedMonitor` counts): every rank, or under
-        outer_sync with ``min_nodes`` or replica_groups those of the nodes still in the job."""
+        """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
         across = self._across_nodes
         return across.training_ranks(self.world_size) if across is not None else self.world_size
 
@@ -354,6 +328,13 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
         """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
         return self.outer_sync or self.replica_groups
+
+    @property
+    def _resume_ranks(self) -> tuple[int, int]:
+        """This rank and the ranks whose random states a checkpoint keeps: the node's under a world per node."""
+        if self._across_nodes is not None:
+            return self.local_rank, self.num_processes
+        return self.global_rank, self.world_size
 
     @override
     def on_train_start(self) -> None:
@@ -431,8 +412,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """A non-final accumulation micro-batch:
-        :meth:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding.accumulating`."""
+        """A non-final accumulation micro-batch: ``FSDPSharding.accumulating``."""
         if not isinstance(self.model, FSDPModule):
             yield
             return
@@ -468,20 +448,16 @@ class FastFSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         refuse_non_finite(self, checkpoint, filepath)
         path = Path(self.broadcast(filepath))
+        self._resume.add_to(checkpoint, *self._resume_ranks)
         if self.outer_sync is not None:  # each node writes its own state; node 0 the checkpoint the nodes share
             reshard_everywhere(self.model)
-            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
             self.outer_sync.save(self.model, self.optimizers, checkpoint, path, trainer.global_step, stopping)
             if self.node_rank != 0:
                 return
-        elif self.replica_groups is not None:  # the nodes hold the same state: one node's ranks write it
-            self._resume.add_to(checkpoint, self.local_rank, self.num_processes)
-            if not self.replica_groups.writes_checkpoints(self.node_rank):
-                return
-        else:
-            self._resume.add_to(checkpoint, self.global_rank, self.world_size)
+        elif self.replica_groups is not None and not self.replica_groups.writes_checkpoints(self.node_rank):
+            return  # the nodes hold the same state: one node's ranks write it
         if self.checkpoint_format == "full":  # one rank writes: global rank 0, or local rank 0 of the node writing
             writer = self.local_rank == 0 if self.replica_groups is not None else None
             save_one_file(self, checkpoint, path, writer=writer)
@@ -511,14 +487,9 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.barrier()
         load = functools.partial(self._load_under_module_names, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
-        if self.outer_sync is not None:
-            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)  # node 0's; this node's at start
-            if self.lightning_module.trainer.training:
-                self.outer_sync.load(checkpoint, checkpoint_path)
-        elif self.replica_groups is not None:
-            self._resume.take_from(checkpoint, self.local_rank, self.num_processes)
-        else:
-            self._resume.take_from(checkpoint, self.global_rank, self.world_size)
+        self._resume.take_from(checkpoint, *self._resume_ranks)  # under outer_sync node 0's; this node's at start
+        if self.outer_sync is not None and self.lightning_module.trainer.training:
+            self.outer_sync.load(checkpoint, checkpoint_path)
         return checkpoint
 
     def _load_under_module_names(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -537,7 +508,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
-        step alike), across the nodes too under replica_groups."""
+        step alike)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return on_across_nodes(self.replica_groups, self.lightning_module, tensor, "max")
 
@@ -554,8 +525,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if self.outer_sync is None:
             with self._lightning_module_names():
                 return super().lightning_module_state_dict()
-        # Under outer_sync the global weights (the same on every node), so that a checkpoint loads as what the nodes
-        # agreed on.
+        # Under outer_sync the global weights, so that a checkpoint loads as what the nodes agreed on.
         reshard_everywhere(self.model)
         with self.outer_sync.global_weights(self.model), self._lightning_module_names():
             return {name: value.clone() for name, value in super().lightning_module_state_dict().items()}
@@ -567,11 +537,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @contextmanager
     def _lightning_module_names(self) -> Generator[None, None, None]:
-        """Let ModelParallelStrategy's save and load see the LightningModule instead of the root around it.
-
-        Checkpoints then hold the LightningModule's own parameter names (no ``module.`` prefix), as with every
-        other strategy; FSDP's state-dict hooks on the modules that hold the root's parameters still reshard them.
-        """
+        """Let ModelParallelStrategy's save and load see the LightningModule instead of the root around it, so that
+        checkpoints hold its own parameter names (no ``module.`` prefix), as with every other strategy."""
         root = self.model
         self.model = self.lightning_module
         try:
@@ -618,12 +585,8 @@ def _sync_batchnorm_in_place(model: nn.Module, sync: bool) -> None:
 
 
 def _materialize(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:
-    """Lightning's meta-device materialisation; under ``cpu_offload`` the parameter shards are made on the CPU.
-
-    FSDP2 keeps offloaded shards in host memory and refuses, at the first forward, one found on the GPU
-    (torch's ``FSDPParamGroup._validate_cpu_offload_params``); the buffers go to ``device`` afterwards
-    (:meth:`FastFSDPStrategy.model_to_device`), where ``fully_shard`` puts those of a model built on a device.
-    """
+    """Lightning's meta-device materialisation; under ``cpu_offload`` the parameter shards are made on the CPU,
+    where FSDP2 expects them at the first forward (the buffers go to ``device`` in ``model_to_device``)."""
     _materialize_distributed_module(module, torch.device("cpu") if cpu_offload else device)
 
 

@@ -1,13 +1,6 @@
-"""How a strategy's processes start, join and fail as one job.
-
-- **Launch.** :func:`check_names_at_launch` has Lightning's launcher check the options' class names against the
-  model before another process starts and, where it starts every rank (one node), hand them a fresh run id in the
-  launch's environment only (a hand-made multi-node launch would draw one id per node, refused by the others).
-- **Joining.** :func:`join_process_group_once` joins through
-  :func:`~lightning_fastdist.parallel.faults.job_identity.join_process_group`; Lightning then keeps that group.
-- **A lost peer** is named in one line (:func:`explain_lost_peer_of_job`).
-
-Preemption is :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, installed in each ``setup``.
+"""How a strategy's processes start, join and fail as one job: the options' class names checked before another
+process starts, a fresh run id where Lightning starts every rank (a hand-made multi-node launch would draw one id
+per node, refused by the others), the process group joined once, a lost peer named in one line.
 """
 
 from __future__ import annotations
@@ -45,10 +38,8 @@ def check_names_at_launch(
     num_nodes: int,
 ) -> None:
     """Make ``launcher.launch`` call ``check_names(strategy.lightning_module)`` first and run under the launch's
-    run id; an instance attribute, so the launcher's class (and isinstance checks) stay Lightning's.
-
-    Call once Lightning configured the launcher: ``strategy``'s cluster environment and ``num_nodes`` are final.
-    """
+    run id; an instance attribute, so the launcher's class (and isinstance checks) stay Lightning's. Call once
+    Lightning configured the launcher: ``strategy``'s cluster environment and ``num_nodes`` are final."""
     if launcher is None:
         return
     environment = strategy.cluster_environment
@@ -100,9 +91,7 @@ def _fresh_run_id(wanted: bool) -> Generator[None, None, None]:
 
 def join_process_group_once(strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
     """Join the job's process group with ``timeout`` as its collective timeout, unless this process already has.
-
-    Call after the strategy set its world ranks; the device is set up first, as Lightning does.
-    """
+    Call after the strategy set its world ranks."""
     if dist.is_initialized():
         return
     assert strategy.accelerator is not None and isinstance(strategy.cluster_environment, ClusterEnvironment)

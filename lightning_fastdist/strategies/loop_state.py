@@ -1,13 +1,6 @@
-"""Lightning's loop progress made to agree with where the training data stands, on save and on resume.
-
-- **An epoch cut short** by ``max_steps`` (or ``should_stop``): Lightning marks it processed, so a checkpoint
-  written then would resume at the next epoch. :func:`reopen_epoch_cut_short` writes its epoch as unfinished, the
-  form Lightning gives a checkpoint taken inside an epoch; plain Lightning reads it the same way.
-- **Another world size or batch size**: a :class:`~lightning_fastdist.data.ResumableDataLoader` resumes by samples,
-  which can be another number of batches; :func:`align_resumed_batch_count` moves Lightning's count there, so the
-  epoch ends after its real last batch.
-- **A node that rejoins a running job** (``outer_sync`` with ``min_nodes``) takes the position a live node sent:
-  :func:`training_position` on that node, :func:`continue_after` on this one.
+"""Lightning's loop progress made to agree with where the training data stands: on save (an epoch cut short by
+``max_steps`` would otherwise resume at the next epoch), on resume (a loader that resumes by samples may be at
+another batch count) and when a node rejoins a running job (it takes the position a live node sent).
 """
 
 from __future__ import annotations
@@ -20,7 +13,8 @@ from lightning_fastdist.data import ResumableDataLoader, ResumeRefusedError
 
 
 def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
-    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place)."""
+    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place), the form Lightning gives
+    a checkpoint taken inside an epoch."""
     loop = checkpoint.get("loops", {}).get("fit_loop")
     if loop is None:
         return
@@ -86,9 +80,8 @@ def training_position(trainer: pl.Trainer) -> dict[str, Any]:
 
 def continue_after(trainer: pl.Trainer, position: dict[str, Any], optimizer_steps: int) -> None:
     """Set the loops, loaders and schedulers of a fit that has not started its first batch to where another node of
-    the job stood during its optimizer step ``optimizer_steps`` (:func:`training_position`), as if this trainer had
-    taken that step too: the next batch is the one after it. Call in ``on_train_start``, before
-    :func:`align_resumed_batch_count`."""
+    the job stood during its optimizer step ``optimizer_steps``, as if this trainer had taken that step too. Call in
+    ``on_train_start``, before :func:`align_resumed_batch_count`."""
     fit_loop = trainer.fit_loop
     epoch_loop = fit_loop.epoch_loop
     for tracker in (fit_loop.epoch_progress.current, fit_loop.epoch_progress.total):

@@ -1,17 +1,10 @@
 """One torch.distributed world per node, for the strategies whose nodes train as torchft replica groups (``outer_sync``,
-``replica_groups``); owned by :class:`~lightning_fastdist.strategies.outer_sync.OuterSyncJob` and
-:class:`~lightning_fastdist.strategies.replica_groups.ReplicaGroupsJob`.
+``replica_groups``).
 
-The ranks of a node form their own world, rendezvousing in a store of their node at ``MASTER_PORT + 2 + NODE_RANK``;
-global rank 0 starts torchft's lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` (or the job uses the one
-``TORCHFT_LIGHTHOUSE`` names), and the nodes meet in node 0's store. With ``LIGHTNING_FASTDIST_COORDINATOR`` both are a
-coordinator's outside the nodes (``lightning-fastdist coordinator``), so that losing node 0 does not end the job.
-
-Lightning keeps the job's global ranks and world size: the training sampler shards over every rank of every node,
-global rank 0 writes the logs and the checkpoints (under ``replica_groups`` the first node of the latest quorum writes
-the checkpoints). Collectives of Lightning's own
-(``self.log(sync_dist=True)``, ``all_gather``, barriers) are within the node; under ``replica_groups`` its reductions
-while training go on across the nodes (:mod:`~lightning_fastdist.strategies.replica_groups`).
+A node's ranks rendezvous in a store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's
+lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` unless ``TORCHFT_LIGHTHOUSE`` names one, or a coordinator outside the
+nodes holds both (``LIGHTNING_FASTDIST_COORDINATOR``), so that losing node 0 does not end the job. Lightning keeps the
+job's global ranks and world size; its own collectives are within the node.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ class NodeWorlds:
             coordinator_at(coordinator)  # a bad address is refused before any process starts
 
     def join(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
-        """Join this node's own world (and, on global rank 0, start the lighthouse). Call after the strategy set
-        its world ranks."""
+        """Join this node's own world (and on global rank 0 start the lighthouse), after the strategy set its ranks."""
         environment = strategy.cluster_environment
         assert environment is not None and strategy.accelerator is not None
         strategy.accelerator.setup_device(strategy.root_device)
@@ -122,10 +114,9 @@ class NodeWorlds:
         )
 
     def group_of_this_fit(self) -> ReplicaGroup:
-        """This node's group with a store of this fit's own for torchft's ``Manager``, on a free port: torchft
-        rendezvouses each quorum's process group in it under the quorum's number, which a new lighthouse counts from
-        1 again, so that a second fit in the same processes would read the first one's addresses in a store they
-        share. Call on every rank of the node when a fit starts."""
+        """This node's group with a store of this fit's own for torchft's ``Manager``: torchft keys each quorum's
+        rendezvous by a number a new lighthouse counts from 1 again, so a second fit sharing a store would read the
+        first one's addresses. Call on every rank of the node when a fit starts."""
         group = self.group
         assert group is not None, "join first"
         self.close_fit()
@@ -142,8 +133,8 @@ class NodeWorlds:
         self._manager_store = None
 
     def training_ranks(self, quorum_nodes: tuple[str, ...], world_size: int) -> int:
-        """The ranks of the nodes in the latest quorum (``quorum_nodes``, empty where this process does not talk
-        across nodes or before the first quorum: then ``world_size``)."""
+        """The ranks of the nodes in ``quorum_nodes``, or ``world_size`` where that is empty (this process does not
+        talk across nodes, or no quorum yet)."""
         if not quorum_nodes:
             return world_size
         assert self.group is not None

@@ -1,23 +1,10 @@
 """What a strategy with ``outer_sync`` does differently: one torch.distributed world per node, DiLoCo across them.
 
-Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
-
-- **Before any process starts** (:meth:`OuterSyncJob.check_launch`): more than one node, torchft installed.
-- **Joining** (the job's ``nodes``, a :class:`~lightning_fastdist.strategies.node_worlds.NodeWorlds`): one world per
-  node; evaluation data is shared over the node's ranks, so that every node evaluates all of it.
-- **Fitting** (:meth:`OuterSyncJob.start`): once the optimizer exists, torchft's ``DiLoCo`` hooks its ``step`` on each
-  process that talks across nodes. Under DDP that is each node's local rank 0 (a replica group of one, so the link
-  carries each pseudo-gradient once per node); after a fragment's outer step it broadcasts that fragment to the
-  node's other ranks (inside the node, on fast links), whose weights DDP keeps equal to its own. Under FSDP every
-  rank talks to the ranks holding the same shard on the other nodes and applies the outer step to its own shard:
-  the link still carries the model once per node, and nothing is broadcast.
-- **Evaluating** (:meth:`OuterSyncJob.evaluate_on_global_weights`): on the global weights (the last outer step's),
-  the same on every node; the local ones are put back afterwards.
-- **Rejoining**: a node restarted with the same command while the others train (``min_nodes`` below the job's
-  nodes) takes a live node's weights, optimizer state, schedule and training position through torchft at their next
-  quorum, and trains on from the step after it (:mod:`~lightning_fastdist.parallel.replica_groups.rejoin`,
-  :func:`~lightning_fastdist.strategies.loop_state.continue_after`).
-- **After fit** (:meth:`OuterSyncJob.finish`): the model keeps the global weights; the lighthouse stops.
+torchft's ``DiLoCo`` hooks the optimizer's ``step`` on each process that talks across nodes. Under DDP that is each
+node's local rank 0, so the slow link carries each pseudo-gradient once per node, and it broadcasts each fragment
+after its outer step to the node's other ranks on fast links. Under FSDP every rank talks to the ranks holding the
+same shard on the other nodes, and nothing is broadcast. Evaluation and the weights after fit are the global ones,
+the same on every node; a node restarted while the others train (``min_nodes``) takes a live node's state.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ from torch import nn
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
 from lightning_fastdist.parallel.replica_groups.group import ReplicaGroup
-from lightning_fastdist.parallel.replica_groups.rejoin import Rejoined, load_optimizer_snapshot
+from lightning_fastdist.parallel.replica_groups.rejoin import load_optimizer_snapshot
 from lightning_fastdist.parallel.semi_sync.fragments import split_into_fragments
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import OuterSyncRun
@@ -75,8 +62,7 @@ class OuterSyncJob:
         return self.nodes.group
 
     def check_launch(self, num_nodes: int) -> None:
-        """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
-        torchft."""
+        """Refuse, before any process starts, one node, more ``min_nodes`` than nodes, or no torchft."""
         self.nodes.check_launch(num_nodes, "remove outer_sync (inside a node every step is synchronous)")
 
     def check_fragments(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
@@ -94,13 +80,11 @@ class OuterSyncJob:
         **counting: Any,
     ) -> None:
         """Hook the one optimizer's ``step`` with DiLoCo (after the weights are made equal across nodes), and put back
-        what :meth:`load` read of a checkpoint the fit resumes from (this node's random states into ``resume``): call
-        when training starts, after Lightning restored the checkpoint's own state (loading an optimizer's state may
-        step it, which DiLoCo would count).
+        what :meth:`load` read (this node's random states into ``resume``). Call when training starts, after Lightning
+        restored the checkpoint's own state: loading an optimizer's state may step it, which DiLoCo would count.
 
         Args:
-            model: the model as trained (wrapped or sharded); ``module``: the LightningModule, whose ``blocks`` (the
-                plan's option) are split into fragments.
+            model: the model as trained (wrapped or sharded); ``module``'s ``blocks`` are split into fragments.
         """
         if len(optimizers) != 1:
             raise ValueError(
@@ -114,7 +98,6 @@ class OuterSyncJob:
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
         trainer = module.trainer
         if group.talks_across_nodes:
-            report = _warn if group.local_rank == 0 else None  # once per node
             self.run = OuterSyncRun(
                 self.settings,
                 model,
@@ -122,12 +105,13 @@ class OuterSyncJob:
                 optimizers[0],
                 group,
                 timeout,
-                report=report,
+                report=_warn if group.local_rank == 0 else None,  # once per node
                 position=functools.partial(training_position, trainer),
                 **counting,
             )
-        rejoined = self._rejoined_in_node()
-        if not self.sharded:
+        rejoined = self.run.rejoined if self.run is not None else None
+        if not self.sharded:  # under DDP local rank 0 received a live node's state, and tells the others
+            rejoined = share_in_node(rejoined)
             broadcast_in_node(model.parameters())  # the weights local rank 0 agreed on with the other nodes
             self._hook = optimizers[0].register_step_post_hook(self._after_step)  # runs after DiLoCo's own
         self._steps = 0
@@ -141,12 +125,6 @@ class OuterSyncJob:
         node_rng = self._resume(model, optimizers[0])
         if node_rng is not None:
             resume.take_from(node_rng, self.group.local_rank, self.group.ranks_per_node)
-
-    def _rejoined_in_node(self) -> Rejoined | None:
-        """How this node joined a running job, if it did (:mod:`~lightning_fastdist.parallel.replica_groups.rejoin`):
-        under DDP local rank 0 received the live node's state and tells the node's other ranks."""
-        rejoined = self.run.rejoined if self.run is not None else None
-        return rejoined if self.sharded else share_in_node(rejoined)
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
@@ -166,8 +144,8 @@ class OuterSyncJob:
             store.delete_key(key)
 
     def training_ranks(self, world_size: int) -> int:
-        """The ranks of the nodes in the latest quorum (known where this process talks across nodes, global rank 0
-        among them; elsewhere, and before the first quorum, ``world_size``)."""
+        """The ranks of the nodes in the latest quorum (known where this process talks across nodes), else
+        ``world_size``."""
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
         return self.nodes.training_ranks(quorum_nodes, world_size)
 
@@ -217,8 +195,7 @@ class OuterSyncJob:
         optimizer_steps: int,
         stopping: bool = False,
     ) -> None:
-        """While fitting, write this node's own state beside ``filepath`` and the shared part into ``checkpoint``
-        (:mod:`~lightning_fastdist.strategies.outer_sync_checkpoint`); a weights-only checkpoint has neither.
+        """While fitting, write this node's own state beside ``filepath`` and the shared part into ``checkpoint``.
 
         A checkpoint written on a stop signal holds the global weights only, marked as such: each node stops on its
         own (the nodes do not agree on a step yet), so a wait for the others could wait forever."""
@@ -243,8 +220,8 @@ class OuterSyncJob:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
             return
-        assert self.group is not None
         group = self.group
+        assert group is not None
         node = read_node_state(saved, checkpoint_path, group.node_rank, group.num_nodes, group.ranks_per_node)
         self._pending_resume = (saved, node)
 

@@ -1,22 +1,10 @@
 """``outer_sync`` in checkpoints: what the nodes share in the checkpoint, what each node alone holds beside it.
 
-Between two outer syncs every node has weights, an inner optimizer state and random states of its own. The
-checkpoint global rank 0 publishes holds what the nodes share: the global weights (its ``state_dict``, so it loads
-into a plain model as what the nodes agreed on), the outer optimizers' momentum and torchft's step count, under
-:data:`CHECKPOINT_KEY`. Each node writes its own before that, and waits for the other nodes' (counted in node 0's
-store: a node that rejoined at that step has nothing to write, and a collective would pair with its next one) before
-global rank 0 publishes: under DDP its local rank 0 writes ``<checkpoint>.outer_sync/nodeNNNNN.pt`` (staged and
-renamed); under FSDP its ranks write their shards, and of the outer optimizers, as a distributed checkpoint folder
-``<checkpoint>.outer_sync/nodeNNNNN`` (``torch.distributed.checkpoint``, published atomically).
-A resume reads its node's state and puts its weights, inner optimizer and random states back when training starts
-(after Lightning restored the checkpoint's own), so the run goes on bit for bit.
-
-A node that had left the job (``min_nodes``) when the others saved has no state in the checkpoint: resumed, it
-takes the first node's, as a node that rejoins a running job does.
-
-A checkpoint written while a fragment's all-reduce is in flight (the ``delay`` steps before it is applied) cannot
-resume exactly (the all-reduce's result is not in it), nor can one written on a stop signal (the global weights
-only: the nodes stop on their own): resuming a fit from either is refused in one line.
+The checkpoint holds the global weights (so it loads into a plain model as what the nodes agreed on), the outer
+optimizers and torchft's step count. Each node's own weights, inner optimizer and random states go beside it, in
+``<checkpoint>.outer_sync/nodeNNNNN.pt`` (DDP) or a distributed checkpoint folder ``nodeNNNNN`` of shards (FSDP),
+written before global rank 0 publishes; the nodes count each other's saves in node 0's store, since a node that
+rejoined at that step has nothing to write and a collective would pair with its next one.
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ _SHARDED_NODE_META = "node.pt"  # in a node's folder: what is not a shard (its s
 
 def node_file(checkpoint_path: Any, node: int, sharded: bool = False, follow_link: bool = False) -> str:
     """Where node ``node``'s state of the checkpoint at ``checkpoint_path`` lives (beside the file a link names): a
-    file, or a folder of shards when the node's ranks hold shards (``sharded``)."""
+    file, or a folder of shards (``sharded``)."""
     path = str(checkpoint_path)
     if follow_link and is_local_path(path):
         path = str(Path(path).resolve())
@@ -71,10 +59,8 @@ def save_node_state(
     every node, before rank 0 publishes ``checkpoint``.
 
     Args:
-        group: where this rank stands in the job.
-        run: the outer synchronisation (where this process talks across nodes; ``None`` on the others).
+        run: ``None`` where this process does not talk across nodes.
         node_rank_states: the random states of this node's ranks (gathered on its local rank 0), else ``None``.
-        optimizer_steps: the steps trained when saving.
     """
     if run is None:
         return
@@ -123,8 +109,8 @@ def _sharded_state(run: OuterSyncRun, model: nn.Module, optimizer: torch.optim.O
 def read_node_state(
     saved: dict[str, Any], checkpoint_path: Any, node: int, num_nodes: int, ranks_per_node: int
 ) -> dict[str, Any]:
-    """This node's state of a checkpoint whose shared part is ``saved``, checked to belong to it (of a node whose
-    ranks hold shards: what is not a shard; :func:`restore_node_state` reads the shards).
+    """This node's state of a checkpoint whose shared part is ``saved``, checked to belong to it (of a sharded node
+    what is not a shard: :func:`restore_node_state` reads those).
 
     Raises:
         ValueError: one line saying why this checkpoint cannot resume this run exactly.
@@ -136,7 +122,7 @@ def read_node_state(
             "load its weights into a new run."
         )
     steps = saved["optimizer_steps"]
-    if saved["in_flight"]:
+    if saved["in_flight"]:  # the all-reduce's result is not in the checkpoint
         raise ValueError(
             f"outer_sync: this checkpoint was written after step {steps}, while a fragment's all-reduce was in flight, "
             "and cannot resume exactly; resume from a checkpoint at a multiple of every/fragments steps "
@@ -169,11 +155,7 @@ def read_node_state(
 
 def _node_with_state(checkpoint_path: Any, node: int, num_nodes: int, sharded: bool) -> int:
     """``node`` if the checkpoint holds its state, else the first node whose state it holds: a node that had left the
-    job (``min_nodes``) when the others saved wrote none.
-
-    Raises:
-        ValueError: the checkpoint holds no node's state.
-    """
+    job (``min_nodes``) when the others saved wrote none."""
     for candidate in (node, *range(num_nodes)):
         fs, path = fsspec.core.url_to_fs(node_file(checkpoint_path, candidate, sharded, follow_link=True))
         if fs.exists(path):
@@ -207,8 +189,7 @@ def restore_node_state(
 def remove_node_files(checkpoint_path: Any) -> None:
     """Remove the nodes' files and folders of ``checkpoint_path``, then the folder holding them if empty; nothing else
     there is touched."""
-    folder = f"{checkpoint_path}{NODES_SUFFIX}"
-    fs, root = fsspec.core.url_to_fs(folder)
+    fs, root = fsspec.core.url_to_fs(f"{checkpoint_path}{NODES_SUFFIX}")
     if not fs.isdir(root):
         return
     for entry in fs.ls(root, detail=False):

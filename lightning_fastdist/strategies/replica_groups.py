@@ -2,24 +2,10 @@
 node, gradients averaged across the nodes every step through torchft, a lost node left out and a restarted one taken
 back.
 
-Owned and called by FastDDPStrategy and FastFSDPStrategy from their own hooks:
-
-- **Before any process starts** (:meth:`ReplicaGroupsJob.check_launch`): more than one node, torchft installed.
-- **Joining** (the job's ``nodes``, a
-  :class:`~lightning_fastdist.strategies.node_worlds.NodeWorlds`): one world per node.
-- **Fitting** (:meth:`ReplicaGroupsJob.start`): each process that talks across nodes runs
-  :class:`~lightning_fastdist.parallel.replica_groups.every_step.EveryStepRun`. Under DDP that is each node's local
-  rank 0 (the link carries the gradients once per node); under FSDP every rank, with the ranks holding the same shard
-  on the other nodes. Each batch's start starts the step's quorum (:meth:`ReplicaGroupsJob.before_batch`);
-  Lightning's closure is wrapped so that after the backward (DDP or FSDP has averaged the gradients inside the node)
-  they are averaged across the nodes (under DDP local rank 0 gives the node's other ranks the result:
-  :meth:`ReplicaGroupsJob.averaging_after`), before clipping and ``on_before_optimizer_step`` see them, as in one
-  world. A step that did not commit leaves every gradient ``None``: the optimizer skips it.
-- **Rejoining**: a node restarted with the same command while the others train takes a live node's weights,
-  optimizer state and training position at their next step's quorum, and trains on from the step after it
-  (:func:`~lightning_fastdist.strategies.loop_state.continue_after`).
-- **Checkpoints** (:meth:`ReplicaGroupsJob.writes_checkpoints`): the nodes hold the same state, and the first node of
-  the latest quorum writes it, so that checkpoints go on while node 0 is away.
+The processes that talk across nodes are each node's local rank 0 under DDP (the link carries the gradients once per
+node) and every rank under FSDP (with the same shard's ranks on the other nodes). The gradients are averaged across
+nodes inside Lightning's closure, so clipping and ``on_before_optimizer_step`` see them as in one world; a step that
+did not commit leaves every gradient ``None`` and the optimizer skips it.
 """
 
 from __future__ import annotations
@@ -46,9 +32,8 @@ from lightning_fastdist.strategies.node_worlds import NodeWorlds, broadcast_in_n
 
 class ReplicaGroupsJob:
     """Training every step across nodes that are torchft replica groups (``owner`` names the strategy in errors;
-    ``broadcast_buffers``: the model's buffers are node 0's at every step, as DDP's ``broadcast_buffers`` makes them
-    rank 0's, under FSDP those of the rank holding the same shard on node 0; ``sharded``: each rank of a node holds a
-    shard of the weights, as under FSDP, instead of all of them)."""
+    ``broadcast_buffers``: the buffers are node 0's at every step, as DDP's ``broadcast_buffers`` makes them rank 0's;
+    ``sharded``: each rank of a node holds a shard of the weights, as under FSDP)."""
 
     def __init__(
         self, settings: ReplicaGroups, owner: str, broadcast_buffers: bool = True, sharded: bool = False
@@ -64,8 +49,7 @@ class ReplicaGroupsJob:
         self.wrote_last_checkpoint = False  # whether this node wrote the latest checkpoint (writes_checkpoints)
 
     def check_launch(self, num_nodes: int) -> None:
-        """Refuse, before any process starts, what cannot run: one node, more ``min_nodes`` than nodes, or no
-        torchft."""
+        """Refuse, before any process starts, one node, more ``min_nodes`` than nodes, or no torchft."""
         self.nodes.check_launch(num_nodes, f"remove {OPTION}")
 
     def start(
@@ -77,8 +61,7 @@ class ReplicaGroupsJob:
         **counting: Any,
     ) -> None:
         """Start this node's side of the job when training starts (after Lightning restored a checkpoint's state):
-        the weights made equal across nodes, or, on a node restarted while the others train, theirs taken, with the
-        loops set to their position."""
+        the weights made equal across nodes, or on a node restarted while the others train theirs taken."""
         if not module.automatic_optimization or len(optimizers) != 1:
             raise ValueError(
                 f"{self.owner}: {OPTION} averages the gradients of Lightning's automatic optimization, one optimizer, "
@@ -137,8 +120,7 @@ class ReplicaGroupsJob:
     def reduce_across_nodes(self, tensor: torch.Tensor, reduce_op: Any) -> torch.Tensor:
         """Take ``tensor``, reduced over the node's ranks with Lightning's ``reduce_op`` (``"mean"``, ``"sum"``,
         ``"max"``, ``"min"``, a ``ReduceOp``; ``None`` sums), on across the nodes training, as one world would
-        reduce it: the mean of the nodes' means (each has as many ranks), their sum, maximum or minimum. Call on
-        every rank of the node, while training (``self.log(sync_dist=True)`` of a training hook)."""
+        reduce it (each node has as many ranks). Call on every rank of the node, while training."""
         op = _REDUCE_OPS.get(reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
         if op is None:
             raise ValueError(f"{self.owner}: reduce_op={reduce_op!r} is not one of {sorted(map(str, _REDUCE_OPS))}.")
@@ -157,16 +139,14 @@ class ReplicaGroupsJob:
 
     def writes_checkpoints(self, node_rank: int) -> bool:
         """Whether this node writes the checkpoint being saved: the first node of the latest quorum (node 0 before
-        any), which every node of that quorum agrees on. Node 0 while it trains, and another while node 0 is away (its
-        lighthouse then in a coordinator), so that checkpoints go on. Under DDP only local rank 0 knows the quorum:
-        call on every rank of the node (it shares the answer). Kept as :attr:`wrote_last_checkpoint`."""
+        any), so that checkpoints go on while node 0 is away. Under DDP only local rank 0 knows the quorum: call on
+        every rank of the node (it shares the answer)."""
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
         self.wrote_last_checkpoint = share_in_node(is_first_node(quorum_nodes, node_rank))
         return self.wrote_last_checkpoint
 
     def training_ranks(self, world_size: int) -> int:
-        """The ranks of the nodes in the latest quorum (known on each node's local rank 0, global rank 0 among them;
-        elsewhere, and before the first quorum, ``world_size``)."""
+        """The ranks of the nodes in the latest quorum (known on each node's local rank 0), else ``world_size``."""
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
         return self.nodes.training_ranks(quorum_nodes, world_size)
 
@@ -197,8 +177,7 @@ def on_across_nodes(
     job: ReplicaGroupsJob | None, module: pl.LightningModule | None, reduced: Any, reduce_op: Any
 ) -> Any:
     """``reduced`` (a tensor Lightning reduced over the node's ranks with ``reduce_op``, or anything else) reduced on
-    across the nodes while training under ``job``, as one world would have reduced it; else as it is. Called by both
-    strategies' ``reduce`` and ``all_reduce_max``."""
+    across the nodes while training under ``job``, as one world would have reduced it; else as it is."""
     replicas = _reducing_across_nodes(job, module)
     if replicas is None or not isinstance(reduced, torch.Tensor):
         return reduced

@@ -1,11 +1,8 @@
 """A process's random states (torch CPU and CUDA, Python ``random``, NumPy) as checkpoint values.
 
-Lightning's ``_collect_rng_states``/``_set_rng_states`` read and write the CPU, Python and NumPy states; this module
-makes them loadable with ``torch.load(weights_only=True)``, which refuses NumPy arrays (NumPy's key array travels
-as a tensor). CUDA: Lightning saves every visible GPU's generator by device index, which gives a rank the wrong
-state when the resumed job maps GPUs to ranks differently (``srun --gpus-per-task=1``). Here a rank saves its own
-device's generator alone, under :data:`OWN_CUDA_KEY`, kept by rank (:mod:`.exact_resume`), and restores it to
-whatever device that rank now computes on.
+Loadable with ``torch.load(weights_only=True)``, which refuses NumPy arrays (NumPy's key array travels as a tensor).
+A rank saves its own GPU's generator alone and restores it to whatever device it now computes on: Lightning's list by
+device index gives a rank the wrong state when the resumed job maps GPUs to ranks differently.
 """
 
 from __future__ import annotations
@@ -31,12 +28,8 @@ def collect_rng_states() -> dict[str, Any]:
 
 
 def cuda_state_to_restore(states: dict[str, Any], device_index: int) -> torch.Tensor | None:
-    """The CUDA generator state for the device this rank computes on now (``device_index``), or ``None``.
-
-    A checkpoint of this package holds the rank's own device's state, whatever its index was then.
-    One written before (Lightning's list by device index) can only be read by index: the same index
-    if the list has it.
-    """
+    """The CUDA generator state for the device this rank computes on now (``device_index``), or ``None``; a legacy
+    checkpoint (Lightning's list) can only be read by index."""
     if OWN_CUDA_KEY in states:
         return states[OWN_CUDA_KEY]
     legacy = states.get(LEGACY_CUDA_KEY) or []
@@ -44,11 +37,8 @@ def cuda_state_to_restore(states: dict[str, Any], device_index: int) -> torch.Te
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Make ``states`` (from :func:`collect_rng_states`) this process's random states.
-
-    The CUDA state goes to the generator of the current device (the one Lightning set for this rank);
-    in a process that has not started CUDA (a CPU run) it is ignored.
-    """
+    """Make ``states`` (from :func:`collect_rng_states`) this process's random states; the CUDA state goes to the
+    current device (the one Lightning set for this rank), and is ignored where CUDA has not started."""
     states = dict(states)
     if "numpy" in states:
         name, keys, position, has_gauss, cached_gaussian = states["numpy"]
