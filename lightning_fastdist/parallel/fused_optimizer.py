@@ -1,10 +1,7 @@
 """Switch an existing torch optimizer to its fused implementation, in place (torch only).
 
-A fused Adam, AdamW or SGD step runs as one kernel per parameter group and takes the loss
-scaler's ``found_inf`` on the device, so ``16-mixed`` training needs no host sync to skip a
-step (:class:`~lightning_fastdist.precision.FastMixedPrecision` and
-:class:`~lightning_fastdist.callbacks.nonfinite_loss.NonFiniteLoss` switch the optimizers
-Lightning built from ``configure_optimizers``).
+A fused Adam, AdamW or SGD step runs as one kernel per parameter group and takes the loss scaler's ``found_inf`` on
+the device, so ``16-mixed`` training needs no host sync to skip a step.
 """
 
 from __future__ import annotations
@@ -20,17 +17,10 @@ FUSED_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
 
 
 def fuse_optimizer(optimizer: Optimizer) -> str | None:
-    """Switch ``optimizer`` in place to torch's fused implementation.
+    """Switch ``optimizer`` in place to torch's fused implementation; ``None``, or the reason it cannot be fused.
 
-    Works on an optimizer that already exists (Lightning creates it from
-    ``configure_optimizers``): LR schedulers keep their reference. Existing
-    ``step`` counters move to the parameters' device, as fused kernels need.
-
-    Args:
-        optimizer: the optimizer to switch.
-
-    Returns:
-        ``None`` on success (or if it was fused already), else the reason it cannot be fused.
+    In place, so LR schedulers keep their reference. Existing ``step`` counters move to the parameters' device,
+    as fused kernels need.
     """
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         return None

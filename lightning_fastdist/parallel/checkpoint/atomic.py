@@ -1,15 +1,9 @@
 """Atomic checkpoint writes: a crash during a save never damages the checkpoint that was there before.
 
-Every save is written under ``<name>.partial`` and published onto the target once complete: a file by one rename, a
-checkpoint folder by exchanging the two paths (else two renames via ``<name>.replaced``), then the old checkpoint's
-files deleted. Any other folder is never replaced: a single-file save onto it raises :class:`IsADirectoryError` (as
-Lightning does), a sharded one is merged in, its ``.metadata`` index moved last so a crash leaves a folder that
-refuses to load. Only checkpoint files are ever deleted (``docs/fault-tolerance.md``).
-
-:class:`ShardedCheckpointWriter` does this for distributed-checkpoint folders (optionally in a background thread);
-:func:`save_file_atomically` for a single file written by one rank;
-:func:`save_folder_atomically` for a folder that another library's writer fills on every rank (DeepSpeed's);
-:func:`check_save_target` refuses a single-file save onto a folder on every rank.
+Every save is written under ``<name>.partial`` and published once complete: a file by one rename, a checkpoint
+folder by exchanging the two paths. Any other folder is never replaced: a sharded save is merged in, its index moved
+last so a crash leaves a folder that refuses to load. Only checkpoint files are ever deleted
+(``docs/fault-tolerance.md``).
 """
 
 from __future__ import annotations
@@ -65,9 +59,9 @@ def _is_file(path: Path) -> bool:
 
 def _is_states_folder(path: Path) -> bool:
     """Whether ``path`` is a folder of checkpoint files only (DeepSpeed's tag folder inside its checkpoint)."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    return all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
+    return (
+        not path.is_symlink() and path.is_dir() and all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
+    )
 
 
 def is_checkpoint_folder(path: Path) -> bool:
@@ -90,9 +84,8 @@ def _describe_folder(path: Path) -> str:
 def check_save_target(path: Path, sharded: bool) -> None:
     """Raise :class:`IsADirectoryError` if a single-file checkpoint would replace a folder that is not a checkpoint.
 
-    Call it on every rank before saving, so that all ranks stop alike
-    (Lightning's contract: a full checkpoint onto a folder is an error). A
-    sharded save onto any folder is accepted: it is written into the folder.
+    Call it on every rank before saving, so that all ranks stop alike (Lightning's contract). A sharded save onto
+    any folder is accepted: it is written into the folder.
     """
     path = Path(path)
     if not sharded and path.is_dir() and not is_checkpoint_folder(path):
@@ -169,8 +162,7 @@ def _merge_into(staged: Path, folder: Path) -> None:
 def publish(staged: Path, path: Path) -> None:
     """Publish the complete save ``staged`` at ``path``; only a file or a checkpoint folder there is replaced.
 
-    Raises :class:`IsADirectoryError` for a single file onto any other folder,
-    which is left untouched; a folder ``staged`` is merged into such a folder.
+    A single file onto any other folder raises :class:`IsADirectoryError`; a folder ``staged`` is merged into it.
     """
     if not _exists(path) or (_is_file(staged) and _is_file(path)):
         os.replace(staged, path)  # atomic, also over an existing file
@@ -190,10 +182,7 @@ def publish(staged: Path, path: Path) -> None:
 
 
 def save_file_atomically(write: Callable[[Path], None], path: Path) -> None:
-    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only).
-
-    Raises :class:`IsADirectoryError` before writing if ``path`` is a folder that is not a checkpoint.
-    """
+    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only)."""
     path = Path(path)
     check_save_target(path, sharded=False)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,14 +238,10 @@ class ShardedCheckpointWriter:
     """Saves a distributed checkpoint folder atomically; every rank calls :meth:`save` and :meth:`wait`.
 
     Args:
-        asynchronous: return from :meth:`save` once the state is copied to host
-            memory and write it in a background thread; the folder is published
-            by rank 0 once every rank has finished. The next :meth:`save` (or
-            :meth:`wait`) waits for the previous one.
-        process_group: the group the background writes coordinate over. It must
-            not be the group training communicates on (two threads would mix
-            their collectives); create a dedicated gloo group for it. Ignored
-            when ``asynchronous`` is ``False``.
+        asynchronous: return from :meth:`save` once the state is in host memory and write it in a background
+            thread; rank 0 publishes the folder once every rank has finished. The next save waits for the previous.
+        process_group: the group the background writes coordinate over: a dedicated gloo group, never the one
+            training communicates on (two threads would mix their collectives).
     """
 
     def __init__(self, asynchronous: bool = False, process_group: dist.ProcessGroup | None = None) -> None:
@@ -268,10 +253,8 @@ class ShardedCheckpointWriter:
         """Save ``state`` (a distributed-checkpoint state dict) as the folder ``path``.
 
         Args:
-            state: what :func:`torch.distributed.checkpoint.save` accepts.
             path: the folder to publish; the same on every rank.
-            write_extra: called on rank 0 with the staging folder to add files
-                of its own (for example non-tensor metadata) before publishing.
+            write_extra: called on rank 0 with the staging folder to add files of its own (non-tensor metadata).
         """
         self.wait()
         path = Path(path)
@@ -296,8 +279,7 @@ class ShardedCheckpointWriter:
     def wait(self) -> None:
         """Block until this rank's part of the pending background save (if any) is done.
 
-        On rank 0 that means the whole checkpoint is written and published;
-        other ranks that need to see it published must also synchronise with rank 0.
+        Only on rank 0 is the checkpoint then published; other ranks that need it must synchronise with rank 0.
         """
         if self._pending is None:
             return

@@ -1,10 +1,7 @@
 """Say in one line what is wrong with a checkpoint that does not load, naming the file.
 
 A truncated file, a missing shard or a YAML file passed as a checkpoint ends deep inside ``torch.load`` or
-``torch.distributed.checkpoint`` with a traceback that often does not name the file. :func:`describe_unloadable`
-looks at the path itself (present, folder or file, archive, complete; a sharded folder's ``.metadata`` and every
-shard it names; a DeepSpeed folder's ``latest`` and the states folder it names) and returns the first thing wrong, or,
-when the path looks whole, what loading it raised.
+``torch.distributed.checkpoint`` with a traceback that often does not name the file; this looks at the path itself.
 """
 
 from __future__ import annotations
@@ -48,10 +45,9 @@ def _file_problem(path: Path) -> str | None:
         head = file.read(len(_ZIP_MAGIC))
     if head.startswith(_ZIP_MAGIC):
         # A zip archive ends with its directory: a file cut short (a crash or a full disk during a copy) has none.
-        complete = zipfile.is_zipfile(path)
-        return (
-            None if complete else f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
-        )
+        if zipfile.is_zipfile(path):
+            return None
+        return f"is truncated or damaged ({path.stat().st_size} bytes, not a complete zip archive)"
     if head.startswith(_PICKLE_MAGIC):
         return None
     printable = head.decode("utf-8", errors="replace")
@@ -98,11 +94,8 @@ def describe_unloadable(path: str | Path, error: BaseException, expects_folder: 
     """One line: ``path`` and what is wrong with it, for a load of ``path`` that raised ``error``.
 
     Args:
-        path: the checkpoint path that failed to load.
-        error: what the load raised (its first line is used when the path itself looks fine,
-            e.g. a checkpoint of another model).
-        expects_folder: ``True`` when the strategy loads sharded folders only,
-            ``False`` when it loads single files only, ``None`` when it takes both.
+        error: what the load raised (its first line is used when the path itself looks fine).
+        expects_folder: ``True``: the strategy loads sharded folders only, ``False``: single files only, ``None``: both.
     """
     path = Path(path)
     checkpoint = f"checkpoint '{path}'"

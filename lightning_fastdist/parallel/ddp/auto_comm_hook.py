@@ -1,27 +1,8 @@
 """``comm_hook="auto"``: DDP's gradients start exact and are compressed only where the network makes it pay.
 
-What a gradient-compression hook gains depends on the cluster, not on the model alone: on a fast link the
-all-reduce hides under the backward and compression only costs accuracy; on a slow one the step waits for
-it. So the choice is measured, on the user's own model and machines, while training:
-
-1. The first ``warmup`` optimizer steps are not measured (allocations, connections, a compile).
-2. Over the next ``window`` steps, each rank measures its wall time and its exposed communication (the
-   time its steps waited for communication the backward did not hide, ``comm/exposed_s``'s clock).
-3. The ranks combine their numbers in one all-reduce on a CPU (gloo) group: the longest window and the
-   shortest wait. A rank that waited for a slower peer's compute did not wait for the network; the slowest
-   rank's wait is the communication alone. Every rank reaches the same decision from the same numbers,
-   with no device sync; on a GPU the wall clock is read after a device
-   synchronisation at the window's two ends only.
-4. The exposed share of the step decides (:class:`AutoPolicy`): at ``none`` (fp32, exact: the losses of
-   Lightning's DDP, bit for bit), a share of at least ``bf16_share`` switches to ``bf16`` (half the bytes);
-   at ``bf16``, a share still of at least ``powersgd_share``, with a model whose matrices compress at least
-   ``min_powersgd_ratio`` times, switches to ``powersgd``. A wait under ``min_exposed_ms`` per step never
-   switches (it is latency, which fewer bytes do not shorten). A decision that does not switch is final.
-
-The levels only go up, one at a time: at most two switches, never back. Each decision is one line on rank 0
-and the ``comm/hook_level`` metric (0, 1, 2); it is saved in checkpoints and kept on resume.
-
-DDP takes one comm hook per model: :func:`auto_hook` is registered once and dispatches to the level's hook.
+What compression gains depends on the cluster: on a fast link the all-reduce hides under the backward and
+compression only costs accuracy. So the ranks measure the exposed share of their steps and agree on moving up one
+level, ``none`` -> ``bf16`` -> ``powersgd``, never back (``docs/ddp.md``, "comm_hook: auto").
 """
 
 # No "from __future__ import annotations": DDP compares the hook's annotations with its own types.
@@ -52,15 +33,13 @@ class AutoPolicy:
     """When ``comm_hook="auto"`` switches (docs/ddp.md has the measurements behind the numbers).
 
     Attributes:
-        warmup: optimizer steps not measured after the start and after each switch.
+        warmup: optimizer steps not measured after the start and after each switch (allocations, a compile).
         window: optimizer steps measured per decision.
-        bf16_share: the exposed share of a step from which sending bf16 pays (half the bytes, a cast per bucket).
+        bf16_share: the exposed share of a step from which sending bf16 pays.
         powersgd_share: the exposed share, already sending bf16, from which PowerSGD pays.
-        min_powersgd_ratio: how many times fewer bytes PowerSGD must send than fp32 for its extra compute
-            (two thin matmuls and an orthonormalisation per matrix, per step) to be worth it.
-        min_exposed_ms: the least wait per step worth compressing for: below it the wait is mostly the
-            per-message latency of the all-reduces (a small model on loopback or NVLink), which sending fewer
-            bytes does not shorten.
+        min_powersgd_ratio: how many times fewer bytes than fp32 PowerSGD must send to be worth its extra compute.
+        min_exposed_ms: the least wait per step worth compressing for: below it the wait is mostly per-message
+            latency, which sending fewer bytes does not shorten.
     """
 
     warmup: int = 3
@@ -89,8 +68,7 @@ class Decision:
 
     def line(self, policy: AutoPolicy) -> str:
         """The one line rank 0 logs."""
-        moved = self.level_to != self.level_from
-        verdict = f"switching to {self.level_to}" if moved else f"staying at {self.level_to}"
+        verdict = f"switching to {self.level_to}" if self.level_to != self.level_from else f"staying at {self.level_to}"
         return (
             f"comm_hook auto: {verdict} after step {self.step}: the step waited {100 * self.exposed_share:.0f}% of "
             f"its {1000 * self.step_s:.0f} ms for gradient communication at {self.level_from} "
@@ -104,14 +82,10 @@ class AutoCommState(HookState):
 
     Args:
         module: the model DDP wraps (PowerSGD keys its memories by its parameters).
-        policy: when to switch.
-        powersgd_settings: the strategy's ``powersgd_*`` options, used from the switch to PowerSGD on.
         decision_group: a CPU (gloo) group over the same ranks, for the decisions' all-reduce.
         allow_bf16: whether the backend and device reduce bfloat16 (else ``auto`` stays exact).
-        wall_clock: the clock a window's wall time is read from, in seconds (a test gives one of its own, so
-            that what is decided does not depend on how busy the machine is).
-        single_rank: the group has one rank: no gradient crosses a link, so nothing is measured (a window's two
-            device syncs would buy nothing) and the level stays ``none``.
+        wall_clock: in seconds; a test gives its own so that decisions do not depend on the machine's load.
+        single_rank: no gradient crosses a link: nothing is measured (no device syncs), the level stays ``none``.
     """
 
     module: nn.Module | None = None
@@ -144,7 +118,7 @@ class AutoCommState(HookState):
 
         Args:
             exposed_total_s: the exposed-communication clock's running total (read at the window's ends only).
-            synchronize: waits for the device (a no-op on CPU), so that the wall clock covers the device's work.
+            synchronize: waits for the device, so that the wall clock covers the device's work.
         """
         self.steps += 1
         if not self.measuring:
@@ -157,7 +131,8 @@ class AutoCommState(HookState):
         elif self._steps_at_level == policy.warmup + policy.window and self._window_start is not None:
             synchronize()
             started, exposed_before = self._window_start
-            # The maximum of (wall, -exposed): the longest wall time and the shortest wait, the same everywhere.
+            # The maximum of (wall, -exposed): the longest wall time and the shortest wait, the same everywhere
+            # (a rank that waited for a slower peer's compute did not wait for the network).
             measured = torch.tensor(
                 [self.wall_clock() - started, exposed_before - exposed_total_s()], dtype=torch.float64
             )
@@ -170,10 +145,7 @@ class AutoCommState(HookState):
     def decide(self, share: float, step_s: float, exposed_s: float) -> Decision:
         """Decide on one window's measurements (combined over the ranks) and switch to the level decided.
 
-        Args:
-            share: the exposed share of the window's wall time.
-            step_s: the wall time per optimizer step.
-            exposed_s: the exposed communication per optimizer step.
+        ``share`` is the exposed share of the window's wall time; ``step_s`` and ``exposed_s`` are per optimizer step.
         """
         policy, level = self.policy, self.level
         target = level
@@ -199,14 +171,11 @@ class AutoCommState(HookState):
         self._steps_at_level = 0
         self._window_start = None
         if level == "powersgd" and self.powersgd is None:
-            self.powersgd = self._new_powersgd()
-
-    def _new_powersgd(self) -> PowerSGDState:
-        # The exact and bf16 steps before the switch were PowerSGD's warm-up: it compresses from the first bucket.
-        state = PowerSGDState(process_group=self.process_group, stats=self.stats, settings=self.powersgd_settings)
-        state.iteration = self.powersgd_settings.start_iter
-        state.index_parameters(self.module)
-        return state
+            state = PowerSGDState(process_group=self.process_group, stats=self.stats, settings=self.powersgd_settings)
+            # The exact and bf16 steps before were PowerSGD's warm-up: it compresses from the first bucket.
+            state.iteration = self.powersgd_settings.start_iter
+            state.index_parameters(self.module)
+            self.powersgd = state
 
     def state_dict(self) -> dict:
         """The level, the decisions and the steps (PowerSGD's memories are saved by the strategy, per rank)."""
@@ -224,7 +193,7 @@ class AutoCommState(HookState):
 
 
 def auto_hook(state: AutoCommState, bucket: dist.GradBucket) -> Future[Tensor]:
-    """Average one bucket with the hook of the current level (:class:`AutoCommState`)."""
+    """Average one bucket with the hook of the current level (DDP takes one hook per model)."""
     if state.level == "powersgd":
         return powersgd_hook(state.powersgd, bucket)
     if state.level == "bf16":

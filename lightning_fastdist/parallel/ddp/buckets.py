@@ -23,10 +23,9 @@ def gradient_bytes(module: nn.Module) -> int:
 
 
 def auto_bucket_cap_mb(module: nn.Module, compiled: bool = False) -> float:
-    """DDP ``bucket_cap_mb`` for ``module``: gradient MB / 8, clamped to [0.25, 100] MB.
+    """DDP ``bucket_cap_mb`` for ``module``: gradient MB / :data:`TARGET_BUCKETS`, clamped.
 
-    ``compiled``: the model runs under ``torch.compile``, whose DDP graph splitting requires buckets no smaller
-    than DDP's 1 MB first bucket (dynamo's ``DDPOptimizer`` asserts it): the floor is then 1 MB.
+    ``compiled``: under ``torch.compile``, dynamo's ``DDPOptimizer`` asserts buckets no smaller than DDP's first.
     """
     floor = max(MIN_BUCKET_MB, COMPILED_MIN_BUCKET_MB) if compiled else MIN_BUCKET_MB
     wanted = gradient_bytes(module) / MEBIBYTE / TARGET_BUCKETS

@@ -32,13 +32,11 @@ class CommHookSpec:
     """How DDP averages gradients; checked when built, so a bad choice fails before any process starts.
 
     Attributes:
-        name: ``"auto"`` (starts exact, then measures and switches to bf16, then PowerSGD, only where the
-            network makes it pay: :mod:`~lightning_fastdist.parallel.ddp.auto_comm_hook`), ``"none"`` (full
-            precision, always), ``"fp16"`` or ``"bf16"`` (sent in half precision: half the bytes),
-            ``"powersgd"`` (low-rank compression, see :class:`PowerSGDSettings`). ``"none"`` still
-            registers a full-precision averaging hook, so bytes are counted the same way for every choice.
+        name: ``"auto"`` (starts exact, switches to bf16, then PowerSGD, only where the network makes it pay),
+            ``"none"`` (full precision, still through a hook so bytes are counted alike), ``"fp16"``, ``"bf16"``
+            or ``"powersgd"``.
         powersgd: PowerSGD's settings (checked whatever the name, so a typo never waits for a switch).
-        auto: when ``"auto"`` switches (:class:`~lightning_fastdist.parallel.ddp.auto_comm_hook.AutoPolicy`).
+        auto: when ``"auto"`` switches.
     """
 
     name: str = "auto"

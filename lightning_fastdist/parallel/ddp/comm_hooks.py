@@ -1,9 +1,7 @@
-"""DDP gradient communication hooks, chosen by name, that run on every backend.
+"""DDP gradient communication hooks that run on every backend and count the bytes they send.
 
 torch's bf16 hook refuses any backend but NCCL although gloo all-reduces bf16 correctly; these use only
-``torch.distributed.all_reduce``, so they work on gloo and NCCL alike, and record their payload in a
-:class:`CommStats` (bytes per step counted, not estimated). A hook receives one gradient bucket and returns a future
-that resolves to it holding the average over ranks.
+``torch.distributed.all_reduce``, so they work on gloo and NCCL alike.
 """
 
 # No "from __future__ import annotations": DDP compares the hooks' annotations
@@ -24,12 +22,7 @@ CommHook = Callable[["HookState", dist.GradBucket], Future]
 
 @dataclass
 class HookState:
-    """What every hook needs: the group to reduce over and where to count bytes.
-
-    Args:
-        process_group: the group to all-reduce over; ``None`` is the default group.
-        stats: byte and round counters updated by the hook.
-    """
+    """What every hook needs: the group to reduce over (``None``: the default group) and where to count bytes."""
 
     process_group: dist.ProcessGroup | None = None
     stats: CommStats = field(default_factory=CommStats)
@@ -40,10 +33,9 @@ class HookState:
 
 
 def launch_mean_all_reduce(state: HookState, tensor: Tensor) -> Future:
-    """Divide ``tensor`` by the world size, start an async all-reduce of it in place, count its bytes.
+    """Divide ``tensor`` by the world size, start an async all-reduce of it in place, count its bytes; a future of it.
 
     Dividing first (rather than after the sum) keeps low-precision sums from overflowing.
-    Returns a future resolving to ``tensor``.
     """
     tensor.div_(state.world_size)
     state.stats.record(tensor)
@@ -66,13 +58,12 @@ def _compressing_hook(dtype: torch.dtype) -> CommHook:
     def hook(state: HookState, bucket: dist.GradBucket) -> Future[Tensor]:
         _finish_round_if_last(state, bucket)
         buffer = bucket.buffer()
-        compressed = buffer.to(dtype)
 
         def decompress(future: Future) -> Tensor:
             buffer.copy_(future.value())
             return buffer
 
-        return launch_mean_all_reduce(state, compressed).then(decompress)
+        return launch_mean_all_reduce(state, buffer.to(dtype)).then(decompress)
 
     hook.__name__ = f"{str(dtype).removeprefix('torch.')}_compress_hook"
     hook.__doc__ = f"Average gradients in {dtype} (half the bytes of fp32), then write them back in full precision."

@@ -1,13 +1,8 @@
-"""PowerSGD gradient compression (Vogels et al., NeurIPS 2019) as a DDP hook, with checkpointable state.
+"""PowerSGD gradient compression (Vogels et al., 2019) as a DDP hook that never waits, with checkpointable state.
 
-Each gradient matrix ``M`` is sent as two thin factors, ``P = M Q`` then ``Q = M^T P``, each averaged over ranks,
-and rebuilt as ``P Q^T``; vectors and matrices too small to gain are averaged exactly. Error feedback adds what a
-rank's compression dropped to its next gradient; warm start carries ``Q`` over between steps.
-
-The hook never waits: the rest of each round runs as callbacks of the ``P`` all-reduce's futures, and it batches
-consecutive buckets (1/:data:`BATCHES_PER_STEP` of a step's bytes each) since every all-reduce costs a fixed time
-(``docs/ddp.md``, Pitfalls). The error and ``Q`` memories are kept per parameter position, not per DDP bucket:
-DDP rebuilds its buckets after the first backward, so bucket indices are not stable across a resume.
+Each gradient matrix ``M`` travels as two thin averaged factors, ``P = M Q`` then ``Q = M^T P``, and is rebuilt as
+``P Q^T``; vectors and matrices too small to gain are averaged exactly. Consecutive buckets are batched because
+every all-reduce costs a fixed time (``docs/ddp.md``, Pitfalls).
 """
 
 # No "from __future__ import annotations": DDP compares the hooks' annotations
@@ -39,16 +34,13 @@ class PowerSGDSettings:
     """PowerSGD's options and their one set of defaults (FastDDPStrategy's ``powersgd_*`` options).
 
     Attributes:
-        rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more. 16 keeps the demo
-            model's loss close to exact DDP's where 4 lags (docs/ddp.md), and a wide matrix still travels far smaller.
-        start_iter: optimizer steps averaged exactly before compression starts (>= 2): the first
-            synchronisations are exact while DDP settles its buckets, and early training is
-            sensitive to compression, so start after the learning-rate warm-up.
+        rank: columns ``r`` of the factors (>= 1); higher is closer to exact and sends more.
+        start_iter: optimizer steps averaged exactly first (>= 2): DDP settles its buckets meanwhile, and early
+            training is sensitive to compression, so start after the learning-rate warm-up.
         error_feedback: carry each rank's compression error into its next gradient.
         warm_start: reuse last step's ``Q`` factors (a better approximation for free).
-        factor_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: what ``P`` and ``Q`` are all-reduced
-            in; half precision halves their bytes (bf16 cannot overflow, fp16 keeps more
-            mantissa). The products, orthonormalisation and error feedback stay in the gradients' dtype.
+        factor_dtype: what ``P`` and ``Q`` are all-reduced in; half precision halves their bytes (bf16 cannot
+            overflow, fp16 keeps more mantissa). Products and error feedback stay in the gradients' dtype.
         seed: seed of the random initial ``Q`` (identical on every rank).
     """
 
@@ -79,11 +71,11 @@ class PowerSGDState(HookState):
     """The PowerSGD hook's settings and memories on one rank.
 
     Args:
-        settings: the options (:class:`PowerSGDSettings`).
         iteration: gradient synchronisations so far.
         errors: per parameter, what compression dropped last step (error feedback).
         q_memory: per parameter, the last ``Q`` factor (warm start).
-        parameter_index: a parameter's position in the model, by ``id``: the memories' key.
+        parameter_index: a parameter's position in the model, by ``id``: the memories' key. Not a DDP bucket
+            index: DDP rebuilds its buckets after the first backward, so those differ across a resume.
         batch_elements: elements sent in a batch's first round from which it starts (0: every bucket alone).
     """
 
@@ -100,12 +92,10 @@ class PowerSGDState(HookState):
     def factor_group(self) -> dist.ProcessGroup | None:
         """The group the Q all-reduces go to, which start from callbacks rather than from DDP's thread.
 
-        NCCL runs a future's callbacks at once in the thread that started the collective (its futures
-        complete when the collective is queued on the GPU), so the order stays DDP's and the group is
-        the hook's. Elsewhere (gloo) callbacks run in the backend's threads as collectives finish: the
-        Q rounds get a group of their own, created on first use by every member at the same bucket, in
-        DDP's thread: creating a group from a callback thread would race the collectives DDP's thread
-        starts meanwhile on the default group.
+        NCCL runs a future's callbacks at once in the thread that queued the collective, so the order stays
+        DDP's and the group is the hook's. Gloo runs them in its own threads as collectives finish: the Q rounds
+        get a group of their own, created on first use in DDP's thread, since creating it from a callback thread
+        would race the collectives DDP's thread starts meanwhile on the default group.
         """
         if self._factor_group is None:
             if dist.get_backend(self.process_group) == dist.Backend.NCCL:
@@ -117,11 +107,11 @@ class PowerSGDState(HookState):
     def index_parameters(self, module: nn.Module) -> None:
         """Key the memories by each parameter's position in ``module.parameters()``; size the batches by its shapes."""
         self.parameter_index = {id(p): i for i, p in enumerate(module.parameters())}
-        trained = [p for p in module.parameters() if p.requires_grad]
         rank = self.settings.rank
-        self.batch_elements = (
-            sum(_first_round_elements(p, _factor_columns(p, rank)) for p in trained) // BATCHES_PER_STEP
+        elements = sum(
+            _first_round_elements(p, _factor_columns(p, rank)) for p in module.parameters() if p.requires_grad
         )
+        self.batch_elements = elements // BATCHES_PER_STEP
 
     def state_dict(self) -> dict:
         """This rank's position and memories as CPU tensors (error feedback differs per rank)."""
@@ -215,26 +205,18 @@ def _launch_average(state: PowerSGDState, tensor: Tensor, group: dist.ProcessGro
     return work.get_future().then(lambda _: tensor)
 
 
-def _result_future(device: torch.device) -> Future:
-    """What the hook returns: CUDA-aware on a GPU, so DDP's wait orders its stream after the callbacks' work."""
-    return Future(devices=[device]) if device.type == "cuda" else Future()
-
-
 class _BucketBatch:
     """Consecutive buckets' rounds after the hook returned: P averaged -> orthonormalise, ``Q = M^T P`` -> Q
-    averaged -> ``M = P Q^T`` and error feedback -> each bucket's future. Each step is a callback of the
-    previous one's future.
+    averaged -> ``M = P Q^T`` and error feedback -> each bucket's future, each a callback of the previous future.
 
-    Collectives must start in the same order on every rank. The hook starts the P all-reduce itself (in DDP's
-    order; the exact gradients travel in it when they have the factors' dtype, else in an all-reduce of their
-    own just before); the Q all-reduces start from callbacks, so they go to their own group
-    (:meth:`PowerSGDState.factor_group`), one after another in batch order: each waits for the previous
-    batch's Q to have started (``previous_q_started``), never for its result.
+    Collectives must start in the same order on every rank. The hook starts the P all-reduce in DDP's order (the
+    exact gradients ride in it when they have the factors' dtype, else in their own all-reduce just before); the
+    Q all-reduces start from callbacks, so they go to their own group, in batch order: each waits for the
+    previous batch's Q to have started (``previous_q_started``), never for its result.
 
-    A batch holds its state weakly. Its callbacks run in the groups' own threads (gloo), and a thread
-    releases a callback, with what the callback holds, only after the futures it completed woke DDP up:
-    had the batch held the state (and through it the groups), a group destroyed meanwhile could be freed
-    in its own thread, whose destructor then joins that thread and aborts the process.
+    A batch holds its state weakly: gloo releases a callback, with what it holds, only after the futures it
+    completed woke DDP up, so a held state (and through it a group destroyed meanwhile) could be freed in the
+    group's own thread, whose destructor then joins that thread and aborts the process.
     """
 
     def __init__(self, state: PowerSGDState) -> None:
@@ -271,7 +253,9 @@ class _BucketBatch:
                 self.exact.append(view)
             self.first_round_elements += _first_round_elements(view, columns)
         self.buffers.append(bucket.buffer())
-        self.results.append(_result_future(bucket.buffer().device))
+        device = bucket.buffer().device
+        # CUDA-aware on a GPU, so DDP's wait orders its stream after the callbacks' work.
+        self.results.append(Future(devices=[device]) if device.type == "cuda" else Future())
         return self.results[-1]
 
     def start(self, previous_q_started: Future) -> None:
@@ -343,8 +327,8 @@ class _BucketBatch:
             result.set_exception(error)
 
     def _used_on_this_stream(self) -> None:
-        """On a GPU a callback runs on a side stream: tell the caching allocator that the bucket's tensors, made on
-        the backward's stream, are used here too, so their memory is not handed out again before this work ran."""
+        """A callback runs on a side stream: tell the caching allocator that the tensors made on the backward's
+        stream are used here too, so their memory is not handed out again before this work ran."""
         if self.buffers[0].is_cuda:
             stream = torch.cuda.current_stream(self.buffers[0].device)
             for tensor in (*self.ps, *self.qs, *self.matrices, *self.compensated):
@@ -362,27 +346,24 @@ class _BucketBatch:
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future[Tensor]:
     """Average one bucket with rank-``r`` PowerSGD compression (exact before ``start_iter``).
 
-    Returns at once: the bucket joins the pending batch (:class:`_BucketBatch`), whose first all-reduce starts
-    when it holds enough elements (``state.batch_elements``) or the bucket is the step's last; the rest runs in
-    callbacks, so the backward goes on meanwhile (on a GPU, the callbacks run on side streams: the compute
-    stream never waits for the P and Q rounds).
+    Returns at once: the bucket joins the pending batch, whose first all-reduce starts when it holds
+    ``state.batch_elements`` or the bucket is the step's last; the rest runs in callbacks (on side streams on a
+    GPU), so the backward goes on meanwhile.
     """
     is_last = bucket.is_last()
     if is_last:
         state.stats.finish_round()
     if state.iteration < state.settings.start_iter:
-        if is_last:
-            state.iteration += 1
-        return launch_mean_all_reduce(state, bucket.buffer())
-
-    batch = state.pending or _BucketBatch(state)
-    result = batch.add(bucket)
-    if is_last or batch.first_round_elements >= state.batch_elements:
-        state.pending = None
-        batch.start(state.last_q_started)
-        state.last_q_started = batch.q_started
+        result = launch_mean_all_reduce(state, bucket.buffer())
     else:
-        state.pending = batch
+        batch = state.pending or _BucketBatch(state)
+        result = batch.add(bucket)
+        if is_last or batch.first_round_elements >= state.batch_elements:
+            state.pending = None
+            batch.start(state.last_q_started)
+            state.last_q_started = batch.q_started
+        else:
+            state.pending = batch
     if is_last:
         state.iteration += 1
     return result

@@ -1,12 +1,8 @@
 """Count the collectives DeepSpeed's engine and ZeRO optimizers run, from tensor metadata only.
 
-Every collective DeepSpeed issues goes through one backend object (``deepspeed.comm.comm.cdb``);
-:func:`count_deepspeed_communication` replaces its collective methods with ones that record the bytes in a
-:class:`~lightning_fastdist.parallel.comm.accounting.CommStats` (as that module counts them) and call the original.
-DeepSpeed's own communication logger synchronises the device after every call, so it is not used. Given an
-:class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock`, they also time the waits: a blocking call
-whole, an asynchronous one's ``wait()`` (ZeRO-3's gathers); on CUDA calls on DeepSpeed's own reduction stream are
-left out (``docs/exposed-comm.md``).
+Every collective DeepSpeed issues goes through one backend object (``deepspeed.comm.comm.cdb``), whose methods are
+wrapped to record bytes and time waits. DeepSpeed's own communication logger is not used: it synchronises the device
+after every call.
 """
 
 from __future__ import annotations
@@ -75,21 +71,17 @@ def _counting(
 def count_deepspeed_communication(stats: CommStats, clock: ExposedCommClock | None = None) -> Callable[[], None]:
     """Record every collective of DeepSpeed's communication backend in ``stats`` until the returned function is called.
 
-    Call after ``deepspeed.init_distributed``. The returned function puts the backend's own methods back.
-    With ``clock``, also time the waits for them (see the module docstring).
+    Call after ``deepspeed.init_distributed``. With ``clock``, also time the waits: a blocking call whole, an
+    asynchronous one's ``wait()``; on CUDA, calls on DeepSpeed's own reduction stream are left out.
     """
     from deepspeed.comm import comm  # noqa: PLC0415 - optional
 
     backend = comm.cdb
     if backend is None:
         raise RuntimeError("count_deepspeed_communication: DeepSpeed's distributed backend is not initialised yet.")
-    replaced = []
-    for name, entry in COUNTED_METHODS.items():
-        method = getattr(backend, name, None)
-        if method is None:
-            continue
-        setattr(backend, name, _counting(method, entry, stats, clock))
-        replaced.append(name)
+    replaced = [name for name in COUNTED_METHODS if getattr(backend, name, None) is not None]
+    for name in replaced:
+        setattr(backend, name, _counting(getattr(backend, name), COUNTED_METHODS[name], stats, clock))
 
     def restore() -> None:
         for name in replaced:

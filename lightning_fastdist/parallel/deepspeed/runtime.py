@@ -1,16 +1,5 @@
 """DeepSpeed as an optional dependency that runs on CPU (gloo) and CUDA (NCCL) without compiling anything.
 
-- :func:`import_deepspeed` imports it or says in one line how to install it.
-- :func:`skip_jit_built_comm_ops`: DeepSpeed would compile its shared-memory all-reduce op
-  (``deepspeed_shm_comm``) at the first ``init_distributed`` on the CPU accelerator (an error without a
-  compiler), although gloo carries every collective anyway; marking it incompatible avoids that.
-- :func:`auto_bucket_size`: buckets no larger than the model.
-- :func:`check_deepspeed_device`: DeepSpeed picks its accelerator once per process; a Trainer on another
-  device would have it put tensors where the model is not.
-- :func:`choose_offload_optimizer`: under ZeRO-Offload, DeepSpeed's ``DeepSpeedCPUAdam`` replaces torch's
-  Adam or AdamW where it can be built (CUDA, a compiler, ninja); elsewhere torch's keeps stepping, and one
-  line says which runs and why.
-
 ``docs/deepspeed.md`` lists the ops DeepSpeed would compile just in time and what the strategy does instead.
 """
 
@@ -50,10 +39,9 @@ def import_deepspeed(owner: str) -> ModuleType:
 def auto_bucket_size(model: torch.nn.Module) -> int:
     """The ``"auto"`` bucket size: the trainable parameters, at most :data:`MAX_AUTO_BUCKET` elements.
 
-    DeepSpeed allocates its buckets at full size on every micro-batch (one or two per bucket kind), so a
-    bucket larger than the model only costs memory, and under ``deterministic=True`` the time to fill it.
-    A parameter ZeRO-3 partitioned (a model validated after fit, or after ``GatheredParameters``) holds an empty
-    tensor on every rank; its size is ``ds_numel`` (counting ``numel()`` sized the buckets 0, which DeepSpeed refuses).
+    DeepSpeed allocates its buckets at full size on every micro-batch, so a bucket larger than the model only
+    costs memory (and, under ``deterministic=True``, the time to fill it). A parameter ZeRO-3 partitioned holds
+    an empty tensor on every rank: its size is ``ds_numel`` (``numel()`` would give 0, which DeepSpeed refuses).
     """
     return min(MAX_AUTO_BUCKET, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad))
 
@@ -81,7 +69,10 @@ def engines_placed_on(device_rank: int) -> Iterator[None]:
 
 
 def skip_jit_built_comm_ops() -> None:
-    """Keep DeepSpeed's communication backend from compiling its shared-memory op; call before ``init_distributed``."""
+    """Keep DeepSpeed's communication backend from compiling its shared-memory op; call before ``init_distributed``.
+
+    On the CPU accelerator it would compile it (an error without a compiler), although gloo carries every collective.
+    """
     import deepspeed.ops  # noqa: PLC0415 - optional
 
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
@@ -95,7 +86,10 @@ def deepspeed_device_type() -> str:
 
 
 def check_deepspeed_device(device: torch.device, owner: str) -> None:
-    """Raise ``RuntimeError`` in one line if DeepSpeed's accelerator is not ``device``'s type."""
+    """Raise ``RuntimeError`` in one line if DeepSpeed's accelerator is not ``device``'s type.
+
+    DeepSpeed picks its accelerator once per process; on another device it would put tensors where the model is not.
+    """
     chosen = deepspeed_device_type()
     if chosen != device.type:
         raise RuntimeError(
@@ -112,9 +106,7 @@ _NO_CPU_ADAM_OPTION = ("amsgrad", "maximize", "differentiable")
 def cpu_adam_obstacle(optimizer: Optimizer, device_type: str) -> str | None:
     """Why DeepSpeed's CPU Adam cannot take over ``optimizer``'s offloaded step, or ``None`` (it may still not build).
 
-    Args:
-        optimizer: the LightningModule's optimizer.
-        device_type: the Trainer's device type; only CUDA runs compile anything.
+    ``device_type``: the Trainer's; only CUDA runs compile anything.
     """
     if device_type != "cuda":
         return f"a {device_type} run compiles nothing"
@@ -163,10 +155,8 @@ def choose_offload_optimizer(
 ) -> tuple[Optimizer, str]:
     """The optimizer ZeRO-Offload steps on the CPU, and one line saying which and why.
 
-    Args:
-        optimizer: the LightningModule's optimizer.
-        device_type: the Trainer's device type.
-        build: makes the replacement (:func:`to_deepspeed_cpu_adam`); a failure keeps ``optimizer``.
+    DeepSpeed's CPU Adam replaces torch's Adam or AdamW where it can be built; ``build`` makes it, and a failure
+    keeps ``optimizer``.
     """
     obstacle = cpu_adam_obstacle(optimizer, device_type)
     if obstacle is None:

@@ -18,14 +18,12 @@ class DeepSpeedSettings:
     """How DeepSpeed's ZeRO shards a model; each bad value is refused in one ``ValueError`` naming the option.
 
     Args:
-        stage: the ZeRO stage: ``1`` partitions the optimizer state, ``2`` also the
-            gradients, ``3`` also the parameters (gathered block by block for compute).
-        offload_optimizer: keep the optimizer state and run its step in host memory
-            (ZeRO-Offload); every stage.
+        stage: ``1`` partitions the optimizer state, ``2`` also the gradients, ``3`` also the parameters
+            (gathered block by block for compute).
+        offload_optimizer: keep the optimizer state and run its step in host memory (ZeRO-Offload); every stage.
         offload_parameters: keep the partitioned parameters in host memory (ZeRO-Infinity); stage 3 only.
-        allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or
-            ``"auto"``: the trainable parameters, at most :data:`~.runtime.MAX_AUTO_BUCKET`
-            (:func:`~.runtime.auto_bucket_size`).
+        allgather_bucket_size: elements per all-gather of updated parameters (stages 1 and 2), or ``"auto"``:
+            the trainable parameters, capped.
         reduce_bucket_size: elements per gradient reduction, or ``"auto"`` (the same rule).
     """
 

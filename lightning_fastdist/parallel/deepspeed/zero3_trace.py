@@ -1,10 +1,8 @@
 """Let DeepSpeed ZeRO-3 record its parameter trace when the model calls itself inside its forward.
 
 ZeRO-3 records the order a step uses the modules in, to prefetch from it, and starts a new step whenever the root
-module's forward begins. Lightning runs ``training_step`` as the root's forward and ``training_step`` calls
-``self(x)``: the nested call starts a new step mid-step, so every step throws the trace away (no prefetch, and host
-syncs to check the new trace against the other ranks; Lightning's ``DeepSpeedStrategy`` too).
-:func:`start_zero3_steps_at_the_outer_forward` starts a step only when no forward of the root is running already.
+module's forward begins. Lightning runs ``training_step`` as the root's forward and it calls ``self(x)``: the nested
+call starts a new step mid-step, so every step throws the trace away (no prefetch, and host syncs).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The ``timeout`` option of the strategies (how long a collective may wait before the process gives up), and the
-line said when a collective gave up because another rank died or stopped answering.
-
-gloo notices a crashed peer at once ("Connection closed/reset by peer": the line says a rank crashed, never
-quoting the timeout) and a stuck one only when the timeout expires (the line quotes it). Under NCCL torch's
-watchdog acts as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says (:func:`nccl_error_handling`): with 3, the default, it
-ends the process with SIGABRT (no line of ours); with 2 the next collective raises and gets the line with the
-setting in effect. ``NCCL_ASYNC_ERROR_HANDLING`` is the deprecated spelling. Either way the process exits non-zero.
-``docs/fault-tolerance.md`` ("Timeouts and a rank that dies") has the rest.
+"""The strategies' ``timeout`` option (how long a collective may wait), and the line said when a collective gave up
+because another rank died or stopped answering. gloo notices a crashed peer at once and a stuck one only at the
+timeout; NCCL's watchdog by default ends the process with no line of ours (``docs/fault-tolerance.md``,
+"Timeouts and a rank that dies").
 """
 
 from __future__ import annotations
@@ -26,12 +21,7 @@ log = logging.getLogger(__name__)
 def collective_timeout(timeout: float | timedelta | None, owner: str) -> timedelta:
     """Return ``timeout`` as a ``timedelta``: a number is seconds (YAML-friendly), ``None`` is Lightning's default.
 
-    Args:
-        timeout: finite seconds (> 0), a ``timedelta`` (> 0), or ``None``.
-        owner: the class name to put in the error message.
-
-    Raises:
-        ValueError: zero, negative, infinite, NaN, or not a number / timedelta.
+    A value that is not finite and > 0 raises a ``ValueError`` naming ``owner``.
     """
     if timeout is None:
         return default_pg_timeout
@@ -40,14 +30,10 @@ def collective_timeout(timeout: float | timedelta | None, owner: str) -> timedel
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(_message(owner, timeout))
+        seconds = math.nan  # not a duration: refused below
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(_message(owner, timeout))
+        raise ValueError(f"{owner}: timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}.")
     return timedelta(seconds=seconds)
-
-
-def _message(owner: str, timeout: object) -> str:
-    return f"{owner}: timeout must be a finite number of seconds > 0 (or a timedelta), got {timeout!r}."
 
 
 # What torch's backends say when a peer crashed (gloo's closed socket, NCCL's remote error) ...
@@ -91,8 +77,7 @@ def lost_peer_cause(exception: BaseException) -> str | None:
 def nccl_error_handling(environ: Mapping[str, str] = os.environ) -> str:
     """What torch's NCCL watchdog does on a failed or timed-out collective, as ``"NAME=value (meaning)"``.
 
-    Read as torch reads it: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else the deprecated
-    ``NCCL_ASYNC_ERROR_HANDLING``, else torch's default, 3.
+    Read as torch reads it: the new variable, else the deprecated one, else torch's default.
     """
     for name in NCCL_ERROR_HANDLING_VARIABLES:
         if name in environ:
@@ -111,11 +96,8 @@ _RESUME = "resume with --ckpt_path last (torchrun --max-restarts does this by it
 def lost_peer_message(timeout: timedelta, rank: int, cause: str = "timed out", backend: str | None = None) -> str:
     """The line printed in front of a lost-peer error on ``rank``.
 
-    Args:
-        timeout: the collective timeout; quoted only when a peer timed out (or may have).
-        rank: this process's global rank.
-        cause: what :func:`lost_peer_cause` found.
-        backend: the process group's backend; under ``"nccl"`` the watchdog's setting is named too.
+    ``timeout`` is quoted only when a peer timed out (or may have); under the ``"nccl"`` backend the watchdog's
+    setting is named too.
     """
     seconds = f"{timeout.total_seconds():g} s"
     what = {
@@ -134,14 +116,8 @@ def lost_peer_message(timeout: timedelta, rank: int, cause: str = "timed out", b
 
 
 def explain_lost_peer(exception: BaseException, timeout: timedelta, rank: int, backend: str | None = None) -> None:
-    """If ``exception`` is a lost peer, log :func:`lost_peer_message` and attach it to the exception as a note.
-
-    Args:
-        exception: what interrupted training (from a strategy's ``on_exception``).
-        timeout: the process group's collective timeout, quoted when a peer timed out.
-        rank: this process's global rank.
-        backend: the process group's backend (``"nccl"`` adds the watchdog's setting).
-    """
+    """If ``exception`` (from a strategy's ``on_exception``) is a lost peer, log :func:`lost_peer_message` and attach
+    it to the exception as a note."""
     cause = lost_peer_cause(exception)
     if cause is None:
         return

@@ -1,10 +1,7 @@
 """Find NaN or infinite values in a state about to be saved (weights, optimizer moments), with one host read.
 
-A checkpoint with a NaN weight is worse than none: a restart resumes it and
-trains garbage. :func:`non_finite_entry` tests every floating-point tensor of a
-nested state (``DTensor`` shards test their local part) on its own device, folds
-the answers into one flag per device and reads those flags once; only when one
-is set does it walk the state again to name the first bad entry.
+A checkpoint with a NaN weight is worse than none: a restart resumes it and trains garbage. The answers are folded
+into one flag per device, read once; only when one is set is the state walked again to name the first bad entry.
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ def _floating(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
 def non_finite_entry(state: Any) -> str | None:
     """The path (``state_dict.blocks.0.attn.weight``) of the first tensor in ``state`` holding NaN/inf, or ``None``.
 
-    Args:
-        state: nested mappings, lists and tensors (a Lightning checkpoint dict, a state dict);
-            of a sharded tensor only this rank's shard is tested.
+    ``state``: nested mappings, lists and tensors; of a sharded tensor only this rank's shard is tested.
     """
     flags: dict[torch.device, torch.Tensor] = {}
     for _, tensor in _floating(_tensors(state, "")):

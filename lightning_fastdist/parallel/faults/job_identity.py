@@ -1,10 +1,8 @@
 """Join the process group only with the ranks of one's own launch.
 
-Two jobs given the same ``MASTER_PORT`` mix: the second job's ranks would connect to the first job's store. So
-:func:`join_process_group` has rank 0 publish the launch's run id in the store and every other rank compare it with
-its own; a mismatch stops that process with one line naming the port, and a port in use is reported as that. The
-run id comes from the launcher (:data:`RUN_ID_VARIABLES`); ranks launched without one are not checked.
-``docs/fault-tolerance.md``, "Job identity".
+Two jobs given the same ``MASTER_PORT`` mix: the second job's ranks would connect to the first job's store. So rank
+0 publishes the launcher's run id in the store and every other rank compares it with its own
+(``docs/fault-tolerance.md``, "Job identity").
 """
 
 from __future__ import annotations
@@ -49,15 +47,8 @@ def join_process_group(
 ) -> None:
     """``init_process_group`` from ``MASTER_ADDR``/``MASTER_PORT`` (``env://``), after checking the launch's run id.
 
-    Args:
-        backend: ``"gloo"``, ``"nccl"``, ...
-        rank: this process's global rank.
-        world_size: the number of processes.
-        timeout: for the store and the process group's collectives.
-        device_id: passed on to ``init_process_group`` (binds NCCL to the device).
-
-    Raises:
-        JobIdentityError: the port is in use (rank 0) or the store there belongs to another launch.
+    ``timeout`` bounds the store and the collectives. Raises :class:`JobIdentityError` if the port is in use (rank 0)
+    or the store there belongs to another launch.
     """
     port = os.environ.get("MASTER_PORT", "?")
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{port}"
@@ -82,11 +73,8 @@ def join_process_group(
 def verify_run_id(store: dist.Store, rank: int, run_id: str | None, address: str) -> None:
     """Rank 0 publishes ``run_id`` in ``store``; every other rank checks that it equals its own.
 
-    Ranks launched without a run id accept any; a rank with one refuses a store whose
+    Ranks launched without a run id accept any; a rank with one refuses (:class:`JobIdentityError`) a store whose
     rank 0 published another (or none).
-
-    Raises:
-        JobIdentityError: the ids differ.
     """
     own = run_id or _UNKNOWN
     if rank == 0:

@@ -1,11 +1,8 @@
 """Agree across ranks on a stop request (a signal one rank received) without synchronising any device.
 
-A signal handler may not run collectives (the rank that got the signal would enter one the others are not in). The
-handler only records the request on the host (:meth:`StopAgreement.request`); every rank calls
-:meth:`StopAgreement.poll` at the same step boundaries, which starts one asynchronous all-reduce (max) on a gloo
-group of its own and returns the previous poll's result, long completed. So every rank reads the same value at the
-same boundary, and nothing waits: the value is read from a host NumPy array, never through a tensor (so
-``count_host_syncs`` sees no read).
+A signal handler may not run collectives (the others would not be in it), so it only records the request; every rank
+polls at the same step boundaries, each poll starting an asynchronous gloo all-reduce and returning the previous
+one's result, long completed. The value is read from a host NumPy array, never through a tensor, so nothing syncs.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ class StopAgreement:
     """Turns stop requests recorded by any rank into one decision that every rank reads at the same boundary.
 
     Args:
-        group: a gloo process group over all ranks that nothing else uses (see
-            :func:`new_agreement_group`), or ``None`` for a single process.
+        group: a gloo process group over all ranks that nothing else uses, or ``None`` for a single process.
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -39,8 +35,7 @@ class StopAgreement:
     def poll(self) -> int:
         """Collective: the largest request any rank had made by the previous poll (``NO_REQUEST`` if none).
 
-        Call it at the same points on every rank. Without a group (one process)
-        the answer is this process's own request, at once.
+        Call it at the same points on every rank. Without a group the answer is this process's own request, at once.
         """
         if self.group is None:
             return self.requested
@@ -68,9 +63,8 @@ class StopAgreement:
 def new_agreement_group(timeout: timedelta) -> dist.ProcessGroup | None:
     """Collective: a gloo group over all ranks for :class:`StopAgreement`, or ``None`` for a single process.
 
-    gloo reduces host tensors whatever the training backend (NCCL included), and a
-    group of its own keeps these small all-reduces out of the order of training's
-    collectives. ``timeout`` bounds how long a rank waits for a silent peer.
+    gloo reduces host tensors whatever the training backend, and a group of its own keeps these small all-reduces
+    out of the order of training's collectives. ``timeout`` bounds how long a rank waits for a silent peer.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None

@@ -1,10 +1,8 @@
 """Buffers made equal on every rank, as DDP's ``broadcast_buffers`` makes them.
 
-FSDP shards parameters, not buffers, and DeepSpeed's ZeRO partitions none either: each rank's BatchNorm running
-statistics follow its own batches, so without this ``validate`` and ``predict`` would give a different answer on each
-rank, and a sharded checkpoint would hold some rank's statistics. DDP broadcasts rank 0's buffers before a forward;
-rank 0's statistics evolve the same way under all three, so broadcasting them before evaluation (FastFSDPStrategy and
-FastDeepSpeedStrategy) and before a checkpoint collects them (FastFSDPStrategy) gives DDP's results.
+FSDP and ZeRO shard no buffers: each rank's BatchNorm statistics follow its own batches, so ``validate`` would differ
+per rank. Rank 0's statistics evolve as under DDP, so broadcasting them before evaluation and checkpoints gives DDP's
+results.
 """
 
 from __future__ import annotations

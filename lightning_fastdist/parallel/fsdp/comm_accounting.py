@@ -1,12 +1,8 @@
 """Count FSDP2's parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduces), and time their waits.
 
-FSDP2 lets each unit take its own all-gather and reduce-scatter objects (``set_custom_all_gather`` /
-``set_custom_reduce_scatter``, torch >= 2.9). The ones here do what FSDP2's defaults do and record the tensor's
-bytes in a :class:`~lightning_fastdist.parallel.comm.accounting.CommStats` first; HSDP's all-reduce is counted
-from FSDP2's all-reduce hook. Given an :class:`~lightning_fastdist.parallel.comm.exposed.ExposedCommClock` they
-also time the training's waits: on CPU every FSDP2 collective blocks (timed whole; an asynchronous one's ``wait()``
-is timed), HSDP's all-reduce is the gap before the all-reduce hook, and on CUDA only waits issued on the compute
-stream count. Where in FSDP2's code each of these happens: ``docs/exposed-comm.md``.
+FSDP2 (torch >= 2.9) lets each unit take its own all-gather and reduce-scatter objects: the ones here do what its
+defaults do and record the bytes first; HSDP's all-reduce is counted from FSDP2's all-reduce hook, and timed as the
+gap before it. Where in FSDP2's code each wait happens: ``docs/exposed-comm.md``.
 """
 
 from __future__ import annotations
@@ -27,12 +23,7 @@ REDUCE_SCATTER_FUNCTION = "reduce_scatter_single" if hasattr(dist, "reduce_scatt
 
 
 class _CountingComm:
-    """What FSDP2's communication interface needs besides the call: plain ``torch.empty`` buffers.
-
-    Args:
-        stats: where each call's bytes are recorded.
-        clock: where the time spent waiting for each call goes, or ``None``.
-    """
+    """What FSDP2's communication interface needs besides the call: plain ``torch.empty`` buffers."""
 
     def __init__(self, stats: CommStats, clock: ExposedCommClock | None = None) -> None:
         self.stats = stats
@@ -95,17 +86,10 @@ def _all_reduce_hook(stats: CommStats, reduce_scatter: CountingReduceScatter) ->
 def count_fsdp_communication(
     units: Sequence[nn.Module], stats: CommStats, replicated: bool, clock: ExposedCommClock | None = None
 ) -> bool:
-    """Make every FSDP unit in ``units`` record its collectives in ``stats``.
+    """Make every FSDP unit in ``units`` record its collectives in ``stats`` (and, with ``clock``, time their waits).
 
-    Args:
-        units: modules that ``fully_shard`` was applied to.
-        stats: where the bytes go.
-        replicated: the mesh has a replicate dimension (HSDP): also count the
-            all-reduce of each gradient shard across replica groups.
-        clock: where the time spent waiting for them goes (the module docstring says what is timed), or ``None``.
-
-    Returns:
-        ``False`` when this torch has no FSDP2 communication interfaces (nothing is counted).
+    ``replicated``: the mesh has a replicate dimension (HSDP): also count the all-reduce across replica groups.
+    Returns ``False`` when this torch has no FSDP2 communication interfaces (nothing is counted).
     """
     if not hasattr(FSDPModule, "set_custom_all_gather"):  # torch before 2.9
         return False

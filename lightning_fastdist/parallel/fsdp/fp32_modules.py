@@ -1,9 +1,8 @@
 """Modules that keep their parameters in float32 under FSDP's mixed precision.
 
-Under ``bf16-mixed`` FSDP reduce-scatters one buffer of one dtype per unit. A module that casts itself to float32
-every forward (SwitchTransformers' router) hands FSDP gradients of two dtypes. The ``keep_fp32`` option names such
-classes: each instance becomes a unit of its own, gathered and reduced in its own dtype. An unnamed one is refused at
-the first forward, before any gradient is reduced (:func:`refuse_dtype_changes`). ``docs/models.md``.
+Under ``bf16-mixed`` FSDP reduce-scatters one buffer of one dtype per unit, and a module that casts itself to float32
+(SwitchTransformers' router) hands it gradients of two dtypes: ``keep_fp32`` makes such a class a unit of its own, and
+an unnamed one is refused at the first forward (``docs/models.md``).
 """
 
 from __future__ import annotations

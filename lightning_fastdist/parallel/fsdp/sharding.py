@@ -1,10 +1,9 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) applied per block, then to the root.
 
 Modes: ``"zero3"`` gathers each block's parameters for its forward and again for its backward (least memory);
-``"zero2"`` keeps them gathered from forward to backward and across accumulation micro-batches
-(:meth:`FSDPSharding.accumulating`); ``"hsdp"`` shards within groups of ``hsdp_group_size`` ranks and replicates
-across groups. FSDP2 gathers a unit's parameters only when that module itself is called, so the root unit is
-:class:`RootUnit` around the model, which Lightning runs every step through (``docs/fsdp.md``, "The root unit").
+``"zero2"`` keeps them gathered from forward to backward and across accumulation micro-batches; ``"hsdp"`` shards
+within groups of ``hsdp_group_size`` ranks and replicates across groups. FSDP2 gathers a unit's parameters only when
+that module itself is called, so the root unit is :class:`RootUnit` around the model (``docs/fsdp.md``).
 """
 
 from __future__ import annotations
@@ -35,10 +34,7 @@ ONE_UNIT = "; FSDP shards the whole model as one unit (name its blocks for one u
 
 # Lightning precision name -> (dtype FSDP computes in, dtype it reduces gradients in).
 # "-true" precisions convert the module itself, so FSDP keeps the parameters' dtype.
-_MIXED_PRECISION_DTYPES = {
-    "bf16-mixed": (torch.bfloat16, torch.float32),
-    "16-mixed": (torch.float16, torch.float32),
-}
+_MIXED_PRECISION_DTYPES = {"bf16-mixed": (torch.bfloat16, torch.float32), "16-mixed": (torch.float16, torch.float32)}
 
 
 def fsdp_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -51,14 +47,11 @@ class FSDPSharding:
     """How FSDP shards a model (the module docstring describes the modes); it checks itself once, when built.
 
     Args:
-        mode: one of :data:`SHARDING_MODES`.
         hsdp_group_size: ranks per shard group under ``"hsdp"``; ``None`` until :meth:`for_world` fixes it.
-        cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU and copy each
-            unit to the device for its compute (on a CPU mesh nothing moves, which lets a GPU recipe
-            run unchanged on CPU).
-        keep_fp32: class names of modules that keep their parameters in their own dtype under mixed
-            precision (a router that casts itself to float32): each instance is a unit of its own,
-            gathered and reduced in that dtype (:mod:`~lightning_fastdist.parallel.fsdp.fp32_modules`).
+        cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU and copy each unit to the
+            device for its compute (on a CPU mesh nothing moves, so a GPU recipe runs unchanged on CPU).
+        keep_fp32: class names of modules that keep their parameters in their own dtype under mixed precision (a
+            router that casts itself to float32): each instance is a unit of its own, gathered and reduced so.
     """
 
     mode: ShardingMode = "zero3"
@@ -83,11 +76,7 @@ class FSDPSharding:
             raise ValueError(f"hsdp_group_size: got {group!r}; use a positive integer that divides the world size.")
 
     def for_world(self, world_size: int, devices_per_node: int) -> FSDPSharding:
-        """This sharding with HSDP's group size fixed for ``world_size`` ranks (default: one node's devices).
-
-        Raises:
-            ValueError: the group size does not divide ``world_size`` (the message lists the sizes that do).
-        """
+        """This sharding with HSDP's group size fixed for ``world_size`` ranks (default: one node's devices)."""
         if self.mode != "hsdp":
             return self
         group = self.hsdp_group_size or devices_per_node
@@ -117,37 +106,27 @@ class FSDPSharding:
         precision: str = "32-true",
         selectively_checkpointed: Sequence[nn.Module] = (),
     ) -> list[nn.Module]:
-        """Shard ``model`` in place: each block becomes an FSDP unit (inner blocks first), the root last.
+        """Shard ``model`` in place, each block an FSDP unit (inner blocks first); return the units, the root last.
 
         Args:
-            model: the model; its parameters may live on the meta device (materialise them afterwards).
-            mesh: from :meth:`mesh`.
-            block_classes: module classes whose instances become FSDP units; the
-                parameters outside every block (embeddings, head) belong to the root unit, and so
-                do those of a block that shares a parameter outside it (it stays in its enclosing
-                unit: :mod:`~lightning_fastdist.parallel.plan.shared_parameters`).
+            model: its parameters may live on the meta device (materialise them afterwards).
+            block_classes: module classes whose instances become FSDP units; parameters outside every block belong
+                to the root unit, and so do those of a block that shares a parameter outside it.
             precision: a Lightning precision name; ``"bf16-mixed"``/``"16-mixed"`` set the mixed-precision policy.
-            selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs to
-                the compute dtype in a pre-forward hook that runs before checkpointing's in the forward but
-                inside the recomputation in the backward, where selective checkpointing meets ops the
-                forward never ran and fails. These blocks cast their inputs in a hook of their own, inside
-                the checkpointed region both times.
-
-        Returns:
-            The modules that were sharded, the root last.
+            selectively_checkpointed: blocks under selective checkpointing. FSDP casts a unit's inputs in a
+                pre-forward hook that runs before checkpointing's in the forward but inside the recomputation in
+                the backward, where selective checkpointing meets ops the forward never ran and fails. These
+                blocks cast their inputs in a hook of their own, inside the checkpointed region both times.
         """
         param_dtype, reduce_dtype = fsdp_dtypes(precision)
         mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        # The root's inputs are whatever reaches it (a whole batch, targets included, when a step runs
-        # through it): it leaves them as they are, and each block casts its own inputs.
+        # The root's inputs are whatever reaches it (a whole batch, targets included): each block casts its own.
         root_mixed_precision = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
-        # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator
-        # torch cannot pin, and the "offloaded" state is where it already was.
+        # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator torch cannot pin.
         offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if self.cpu_offload else OffloadPolicy()
-        # Children before parents: fully_shard must see a block's own parameters
-        # before an enclosing unit claims them.
+        # Children before parents: fully_shard must see a block's own parameters before an enclosing unit claims them.
         units = self.units(model, block_classes)
         own_dtype = {id(module) for module in self._fp32_modules(model)}
         cast_inside = {id(block) for block in selectively_checkpointed} if param_dtype is not None else set()
@@ -160,9 +139,8 @@ class FSDPSharding:
             if id(unit) in cast_inside:
                 policy = root_mixed_precision  # no cast in FSDP's hook: the block's own hook casts
                 unit.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
-            # The root (embeddings, final norm, head) ends the forward and starts the backward:
-            # resharding it in between would only gather the same weights again at once, so it
-            # stays gathered, as FSDP2 does for a root by default.
+            # The root ends the forward and starts the backward: resharding it in between would only gather the
+            # same weights again at once, so it stays gathered, as FSDP2 does for a root by default.
             reshard_after_forward = self.mode != "zero2" and unit is not model
             fully_shard(
                 unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=offload
@@ -209,10 +187,9 @@ class FSDPSharding:
     def accumulating(self, root: FSDPModule) -> Generator[None, None, None]:
         """A non-final accumulation micro-batch of ``root``: no gradient reduce-scatter (nor HSDP all-reduce).
 
-        Under ``zero2`` the gathered weights also stay gathered after such a micro-batch's
-        backward: the next forward needs them unchanged (no optimizer step in between), so one
-        all-gather per optimizer step replaces one per micro-batch. Memory does not grow: ZeRO-2
-        holds every gathered weight at the end of each forward anyway.
+        Under ``zero2`` the gathered weights also stay gathered after such a micro-batch's backward: the next
+        forward needs them unchanged, so one all-gather per optimizer step replaces one per micro-batch. Memory does
+        not grow: ZeRO-2 holds every gathered weight at the end of each forward anyway.
         """
         keep_gathered = self.mode == "zero2"
         root.set_requires_gradient_sync(False)
@@ -228,7 +205,7 @@ class FSDPSharding:
 
 class ShardedModel(NamedTuple):
     """What :func:`shard_model` built: the root unit, every FSDP unit (the root last), the plan's blocks and the
-    experts that may sit idle (:class:`~lightning_fastdist.parallel.plan.idle_experts.IdleExperts`)."""
+    experts that may sit idle."""
 
     root: RootUnit
     units: list[nn.Module]
@@ -249,14 +226,6 @@ def shard_model(
     Every block is sharded first, the root (a :class:`RootUnit` around ``model``, holding what is left) last; the order
     of the plan's steps is ``docs/plan.md``'s. Meta-device parameters stay there: materialise each rank's shard
     afterwards. ``FastFSDPStrategy`` and ``doctor --simulate`` both run this function, so what is simulated trains.
-
-    Args:
-        model: the model (a LightningModule or any ``nn.Module``).
-        mesh: from :meth:`FSDPSharding.mesh`.
-        plan: blocks, activation checkpointing and compile.
-        sharding: the FSDP mode, HSDP group and offload.
-        precision: a Lightning precision name (see :meth:`FSDPSharding.shard`).
-        log: where the plan's lines go.
     """
 
     def wrap(model: nn.Module, prepared: PreparedBlocks) -> tuple[RootUnit, list[nn.Module], IdleExperts]:
