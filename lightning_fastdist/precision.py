@@ -1,11 +1,9 @@
 """FastMixedPrecision: AMP whose fp16 loss scaling never waits for the GPU.
 
-torch's ``GradScaler`` reads ``found_inf`` on the host every step unless the optimizer is fused (fused Adam, AdamW
-and SGD skip the update in the kernel), and Lightning's ``MixedPrecision`` refuses gradient clipping with fused
-optimizers. This plugin fuses Adam, AdamW and SGD under ``"16-mixed"`` (and says so, or why it cannot), allows
-clipping (it unscales first, once), logs ``fp16/skipped_steps`` and ``fp16/loss_scale`` with no host sync, and
-refuses ``"16-mixed"`` on CPU unless a scaler is passed. :class:`~lightning_fastdist.FastFSDPStrategy` builds its
-FSDP2 mixed-precision policy from :attr:`FastMixedPrecision.precision`. ``docs/precision.md``.
+torch's ``GradScaler`` reads ``found_inf`` on the host every step unless the optimizer is fused (the fused kernel
+skips the update itself), and Lightning's ``MixedPrecision`` refuses gradient clipping with fused optimizers. This
+plugin fuses Adam, AdamW and SGD under ``"16-mixed"``, allows clipping (it unscales first, once) and logs
+``fp16/skipped_steps`` and ``fp16/loss_scale`` with no host sync.
 """
 
 from __future__ import annotations
@@ -47,22 +45,13 @@ class FastMixedPrecision(Precision):
     """Mixed or bf16 precision for Lightning with no host sync per step.
 
     Args:
-        precision: ``"bf16-mixed"`` (autocast to bf16, fp32 weights),
-            ``"16-mixed"`` (autocast to fp16 with loss scaling) or
-            ``"bf16-true"`` (weights and compute in bf16).
-        device: device type autocast and the loss scaler act on, ``"cuda"`` or
-            ``"cpu"``; ``None`` picks ``"cuda"`` when available.
-        scaler: the ``torch.amp.GradScaler`` for ``"16-mixed"``; ``None``
-            creates one. Passing one is also how to run ``"16-mixed"`` on CPU
-            (slow; meant for testing loss scaling without a GPU).
-        fuse_optimizers: under ``"16-mixed"``, switch Adam, AdamW and SGD to
-            their fused implementations so that skipping a step needs no host
-            sync. Other optimizers keep working, with one host sync per step
-            (a warning says so).
-
-    Raises:
-        ValueError: an unknown ``precision`` or ``device``, ``"16-mixed"`` on
-            CPU without an explicit ``scaler``, or a ``scaler`` with another precision.
+        precision: ``"bf16-mixed"`` (autocast to bf16, fp32 weights), ``"16-mixed"`` (autocast to fp16 with loss
+            scaling) or ``"bf16-true"`` (weights and compute in bf16).
+        device: ``"cuda"`` or ``"cpu"``, where autocast and the loss scaler act; ``None`` picks ``"cuda"`` if available.
+        scaler: the ``GradScaler`` for ``"16-mixed"``; ``None`` creates one. Passing one is also how to run
+            ``"16-mixed"`` on CPU (slow; meant for testing loss scaling without a GPU).
+        fuse_optimizers: under ``"16-mixed"``, switch Adam, AdamW and SGD to their fused implementations so that
+            skipping a step needs no host sync; other optimizers cost one host sync per step.
     """
 
     def __init__(
@@ -85,15 +74,13 @@ class FastMixedPrecision(Precision):
             )
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"FastMixedPrecision: scaler is only used with precision='16-mixed', got {precision!r}.")
-        self.precision = precision
+        self.precision = precision  # FastFSDPStrategy builds its FSDP2 mixed-precision policy from it
         self.device = device
-        self.scaler = scaler if precision != "16-mixed" or scaler is not None else torch.amp.GradScaler(device)
+        self.scaler = torch.amp.GradScaler(device) if precision == "16-mixed" and scaler is None else scaler
         self.fuse_optimizers = fuse_optimizers
         self._bf16_true = HalfPrecision("bf16-true") if precision == "bf16-true" else None
         self.skipped_steps: Tensor | None = None  # on the device; created at the first fp16 step
         self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler update
-
-    # ---------------------------------------------------------------- module and inputs
 
     @override
     def convert_module(self, module: Module) -> Module:
@@ -121,8 +108,6 @@ class FastMixedPrecision(Precision):
         dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
         with torch.autocast(self.device, dtype=dtype, cache_enabled=False):
             yield
-
-    # ---------------------------------------------------------------- optimizers
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
@@ -197,8 +182,6 @@ class FastMixedPrecision(Precision):
         if clip_val > 0 and self.scaler is not None:
             self._unscale_once(optimizer)  # clip the true gradients; a fused step then skips its own unscaling
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
-
-    # ---------------------------------------------------------------- checkpoints
 
     @override
     def state_dict(self) -> dict[str, Any]:

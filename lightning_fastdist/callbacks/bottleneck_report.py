@@ -1,11 +1,7 @@
 """BottleneckReport: measure a window of training steps and print a checklist with a fix per finding.
 
-After ``start_step`` warm-up batches: ``num_steps`` timed batches (data wait, step and optimizer time, gradient
-sync rounds and bytes, recompiles, peak memory; then every rank re-sends one step's collectives to time them
-alone, :mod:`~lightning_fastdist.diagnostics.comm_probe`), then ``host_sync_steps`` batches under
-:func:`~lightning_fastdist.count_host_syncs` (apart, because counting slows every op). The worst rank is reported;
-rank 0 prints the checklist and writes ``<filename>.json`` and ``.md`` into the log directory. Outside the windows
-each hook is one integer comparison. ``docs/bottlenecks.md`` has the checks.
+Host syncs are counted in batches of their own after the timed window, because counting slows every op. Each rank
+measures; the worst rank is reported. Outside the windows each hook is one integer comparison.
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ class BottleneckReport(Callback):
         start_step: training batches to skip before measuring (warm-up, compilation).
         num_steps: batches in the timed window (>= 2).
         host_sync_steps: batches counted for host syncs after the timed window (>= 1).
-        filename: stem of the files written into the log directory.
+        filename: stem of the ``.json`` and ``.md`` files rank 0 writes into the log directory.
     """
 
     def __init__(
@@ -86,8 +82,6 @@ class BottleneckReport(Callback):
         self._watcher = RecompileWatcher(report=lambda message: None)
         self._at_start: dict = {}
         self._timing: dict = {}
-
-    # ------------------------------------------------------------ hooks
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -152,13 +146,8 @@ class BottleneckReport(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_measuring()
 
-    # ------------------------------------------------------------ measuring
-
-    def _stats(self, trainer: Trainer) -> CommStats | None:
-        return getattr(trainer.strategy, "comm_stats", None)
-
     def _open_timing(self, trainer: Trainer) -> None:
-        stats = self._stats(trainer)
+        stats: CommStats | None = getattr(trainer.strategy, "comm_stats", None)
         self._at_start = {
             "global_step": trainer.global_step,
             "rounds": stats.rounds if stats is not None else None,
@@ -176,13 +165,13 @@ class BottleneckReport(Callback):
         steps = [seconds(m.start, m.end) for m in self._marks]
         optimizer = [seconds(m.before_optimizer, m.end) for m in self._marks if m.before_optimizer is not None]
         optimizer_steps = trainer.global_step - self._at_start["global_step"]
-        stats = self._stats(trainer)
+        stats: CommStats | None = getattr(trainer.strategy, "comm_stats", None)
         rounds = step_traffic = None
         if stats is not None and self._at_start["totals"] is not None:
             rounds = stats.rounds - self._at_start["rounds"]
             step_traffic = self._traffic_per_step(stats, optimizer_steps)
-        ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
-        bucket_bytes = getattr(ddp, "bucket_bytes_cap", None) if ddp is not None else None
+        model = trainer.strategy.model
+        bucket_bytes = getattr(model, "bucket_bytes_cap", None) if isinstance(model, DistributedDataParallel) else None
         comm_s, why = None, ""
         if step_traffic is None:
             why = "communication is counted by FastDDPStrategy and FastFSDPStrategy only"
@@ -228,8 +217,6 @@ class BottleneckReport(Callback):
             self._counter.__exit__(None, None, None)
             self._counting = False
         self._watcher.stop()  # a no-op when it is not watching
-
-    # ------------------------------------------------------------ reporting
 
     def _finish(self, trainer: Trainer) -> None:
         assert self._counter is not None

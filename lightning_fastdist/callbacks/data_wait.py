@@ -1,8 +1,7 @@
-"""Time the training loop spends waiting for batches, from two callback hooks.
+"""Time the training loop spends waiting for batches: two ``perf_counter`` calls per batch, no device access.
 
-From one batch's ``on_train_batch_end`` to the next one's ``on_train_batch_start`` Lightning fetches a batch; the
-rest is the step. :class:`DataWaitClock` records both with two ``perf_counter`` calls per batch, no device access.
-On a GPU the host runs ahead of the device, so the wait measured is an upper bound of the time the GPU starves.
+From one batch's ``on_train_batch_end`` to the next one's ``on_train_batch_start`` Lightning fetches a batch. On a
+GPU the host runs ahead of the device, so the wait measured is an upper bound of the time the GPU starves.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ import time
 class DataWaitClock:
     """Per-batch data-wait and step seconds, measured on the host.
 
-    Call :meth:`batch_started` from ``on_train_batch_start`` and
-    :meth:`batch_ended` from ``on_train_batch_end``; :meth:`pause` when the loop
-    leaves training (validation), so that the next wait is not counted.
+    Call :meth:`pause` when the loop leaves training (validation), so that the next wait is not counted.
     """
 
     def __init__(self) -> None:
@@ -25,13 +22,13 @@ class DataWaitClock:
         self._start: float | None = None
 
     def batch_started(self) -> None:
-        """Note the start of a step; the time since the previous step's end is a data wait."""
+        """Call from ``on_train_batch_start``: the time since the previous step's end is a data wait."""
         self._start = time.perf_counter()
         if self._last_end is not None:
             self.waits.append(self._start - self._last_end)
 
     def batch_ended(self) -> None:
-        """Note the end of a step."""
+        """Call from ``on_train_batch_end``."""
         self._last_end = time.perf_counter()
         if self._start is not None:
             self.steps.append(self._last_end - self._start)
@@ -42,7 +39,6 @@ class DataWaitClock:
         self._last_end = None
 
     def reset(self) -> None:
-        """Drop everything recorded so far."""
         self.waits.clear()
         self.steps.clear()
         self._last_end = self._start = None

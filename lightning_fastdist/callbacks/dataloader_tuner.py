@@ -1,12 +1,8 @@
-"""DataLoaderTuner: audit the train/val DataLoaders when fit starts, optionally rebuild them tuned, and time data waits.
+"""DataLoaderTuner: audit the train/val DataLoaders when fit starts, optionally rebuild them tuned, time data waits.
 
-The rules are in :mod:`lightning_fastdist.diagnostics.dataloader_audit`. At ``on_fit_start`` the tuner wraps the
-``train_dataloader``/``val_dataloader`` methods of this fit's DataModule (else the LightningModule), so it sees
-each loader before Lightning adds its ``DistributedSampler``; with ``mode="auto"`` it returns a rebuilt loader: the
-loader's own class called with the arguments Lightning recorded, tuned settings replacing the old, so subclasses
-keep their behaviour. The wrappers are removed when fit ends. Loaders passed to ``trainer.fit`` directly are
-audited at ``on_train_start`` and reported only. Data wait (``data/wait_ms``): host time from one training batch's
-end to the next's start (:class:`~lightning_fastdist.callbacks.data_wait.DataWaitClock`). ``docs/bottlenecks.md``.
+The tuner wraps this fit's ``train_dataloader``/``val_dataloader`` hooks so it sees each loader before Lightning adds
+its ``DistributedSampler``. A rebuilt loader is the loader's own class called with the arguments Lightning recorded,
+so subclasses keep their behaviour. Loaders passed to ``trainer.fit`` directly are reported only.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ from lightning_fastdist.trainer.internals import InstancePatches
 MODES = ("audit", "auto")
 LOADER_HOOKS = {"train": "train_dataloader", "val": "val_dataloader"}
 WAIT_METRIC = "data/wait_ms"
-# Lightning internal: while a *_dataloader hook runs, Lightning records each DataLoader's constructor
-# arguments on it under these names (lightning.fabric.utilities.data, Lightning 2.x).
+# Lightning internal: while a *_dataloader hook runs, Lightning records each DataLoader's constructor arguments on it.
 SAVED_ARGS, SAVED_KWARGS, SAVED_ARG_NAMES = "__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names"
 
 
@@ -54,8 +49,6 @@ class DataLoaderTuner(Callback):
         self._cores_per_rank = 1
         self._accelerator = "cpu"
 
-    # ------------------------------------------------------------ audit / rebuild
-
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.findings, self.applied = {}, {}
@@ -73,7 +66,11 @@ class DataLoaderTuner(Callback):
         for name, loader in (("train", trainer.train_dataloader), ("val", trainer.val_dataloaders)):
             if name not in self.findings and isinstance(loader, DataLoader):
                 self._record(name, loader, rebuilt=False)
-        self._report()
+        lines = self.report().splitlines()
+        if lines:
+            rank_zero_info("DataLoaderTuner:\n" + "\n".join(f"  {line}" for line in lines))
+        else:
+            rank_zero_info("DataLoaderTuner: the train/val DataLoader settings look right.")
 
     def _tuned(self, name: str, original: Callable[[], Any]) -> Callable[[], Any]:
         def tuned_loaders() -> Any:
@@ -99,13 +96,6 @@ class DataLoaderTuner(Callback):
         self.applied[name] = [f for f in findings if rebuilt and f.proposed is not None]
         return findings
 
-    def _report(self) -> None:
-        lines = self.report().splitlines()
-        if lines:
-            rank_zero_info("DataLoaderTuner:\n" + "\n".join(f"  {line}" for line in lines))
-        else:
-            rank_zero_info("DataLoaderTuner: the train/val DataLoader settings look right.")
-
     def report(self) -> str:
         """Every finding of the last fit, one line each, marked ``changed`` or ``advice``."""
         return "\n".join(
@@ -121,8 +111,6 @@ class DataLoaderTuner(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._patches.undo()
-
-    # ------------------------------------------------------------ data wait
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -10,16 +10,10 @@ from torch import Tensor
 
 
 def scalars_to_host(values: Mapping[str, Tensor]) -> dict[str, float | int | bool]:
-    """Python numbers for one-element tensors, read with one batched copy per device.
+    """Python numbers for one-element tensors, equal to ``tensor.item()``, read with one batched copy per device.
 
-    The tensors of each device are stacked (as float64, which holds every
-    float32 and integer value a metric takes exactly) and copied in one go. On
-    CUDA the copy is non-blocking into pinned memory and the host waits once,
-    on an event; elsewhere the stacked tensor is read directly. Every value
-    equals what ``tensor.item()`` returns.
-
-    Args:
-        values: name -> tensor with exactly one element.
+    Each device's tensors are stacked as float64, which holds every float32 and integer value a metric takes
+    exactly. On CUDA the copy is non-blocking into pinned memory and the host waits once, on an event.
 
     Raises:
         ValueError: a tensor has more than one element.

@@ -1,12 +1,8 @@
 """NonFiniteLoss: skip or stop on a NaN/inf training loss without reading the loss on the host every step.
 
 Lightning's ``detect_anomaly`` and the usual ``if not torch.isfinite(loss)`` wait for the device every step; here
-every check stays on the device. Each micro-batch's loss goes into a device flag, all-reduced (max) before the
-optimizer step so every rank decides alike. ``action="skip"`` hands the flag to the fused optimizers as
-``found_inf`` (as ``torch.amp.GradScaler`` does) and stops with :class:`NonFiniteLossError` after
-``max_consecutive_skips`` bad steps in a row; ``action="stop"`` reads the count once per check interval (and before
-a checkpoint) and raises on every rank at the same step. ``docs/fault-tolerance.md``, "Non-finite loss", has the
-rest.
+the loss goes into a device flag, all-reduced (max) before the optimizer step so every rank decides alike, and the
+host reads the count of bad steps once per check interval (and before a checkpoint).
 """
 
 from __future__ import annotations
@@ -37,15 +33,11 @@ class NonFiniteLoss(Callback):
     """Skip the optimizer step, or stop training, when the training loss is NaN or inf.
 
     Args:
-        action: ``"skip"`` (leave the weights and optimizer state of that step
-            untouched and go on), ``"stop"`` (raise :class:`NonFiniteLossError` on
-            every rank at the next check) or ``"off"`` (no check at all).
-        check_every_n_steps: optimizer steps between two host reads of the count
-            of bad steps (warning for ``"skip"``, error for ``"stop"``); ``None``
-            uses the trainer's ``log_every_n_steps`` so the read lands where the
-            loggers read their values anyway.
-        max_consecutive_skips: with ``"skip"``, stop training (at the next check)
-            once this many optimizer steps in a row had a bad loss.
+        action: ``"skip"`` (the fused optimizer leaves weights and state untouched, as with ``GradScaler``'s
+            ``found_inf``), ``"stop"`` (raise :class:`NonFiniteLossError` on every rank at the next check) or ``"off"``.
+        check_every_n_steps: optimizer steps between two host reads of the count of bad steps; ``None`` uses the
+            trainer's ``log_every_n_steps``, so the read lands where the loggers read their values anyway.
+        max_consecutive_skips: with ``"skip"``, stop at the next check once this many steps in a row had a bad loss.
     """
 
     def __init__(

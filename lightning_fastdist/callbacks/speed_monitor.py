@@ -1,18 +1,8 @@
 """SpeedMonitor: samples/s, tokens/s, TFLOP/s and MFU, measured without synchronising.
 
-Time is read only on logging steps: on CUDA as events recorded on the stream
-(a window is measured once its closing event has completed, which
-:meth:`torch.cuda.Event.query` tells without waiting, so a value can lag by
-one logging interval); elsewhere with the wall clock. What a batch holds is
-counted from its shapes, which live on the host (:meth:`SpeedMonitor.count_units`).
-Values go through ``LightningModule.log`` as host (CPU) tensors, so logging
-them reads nothing back from the device.
-
-Logged every logging step, for all ranks together: ``speed/<unit>_per_sec``
-for every unit counted, by default ``speed/samples_per_sec`` always and
-``speed/tokens_per_sec`` for batches of token ids; then, when tokens and the
-FLOPs per token are known, ``speed/tflops_per_sec`` and ``speed/mfu`` (model
-FLOPs utilisation per device, when the device's peak is known too).
+Time is read only on logging steps, on CUDA from events whose completion is queried without waiting (so a value can
+lag by one logging interval). Batches are counted from their shapes, which live on the host, and values are logged
+as host tensors, so logging them reads nothing back from the device.
 """
 
 from __future__ import annotations
@@ -58,12 +48,9 @@ def _is_token_ids(tensor: Any) -> bool:
 def default_units(batch: Any, encoder_decoder: bool = False) -> dict[str, int]:
     """``samples`` (the first dimension of the batch's first tensor) and, for token ids, ``tokens``.
 
-    The first tensor is taken as token ids when it is an integer tensor of shape
-    ``(samples, sequence)``; then ``tokens`` is its number of elements. Images,
-    feature vectors and other float inputs count samples only. An encoder-decoder
-    (``encoder_decoder``) processes its decoder's tokens too: a HuggingFace-style
-    batch's ``decoder_input_ids``, or else its ``labels`` (the decoder reads them
-    shifted right), are added to the encoder's ``input_ids``.
+    The first tensor is token ids when it is an integer tensor of shape ``(samples, sequence)``. An encoder-decoder
+    processes its decoder's tokens too: a HuggingFace-style batch's ``decoder_input_ids``, or else its ``labels``
+    (the decoder reads them shifted right), are added to the encoder's ``input_ids``.
     """
     first = first_tensor(batch)
     if first is None or first.dim() == 0:
@@ -96,19 +83,13 @@ class _Window:
 
 
 class SpeedMonitor(Callback):
-    """Log training throughput and MFU on logging steps, never synchronising the device.
-
-    What a batch is made of is counted by :meth:`count_units`: samples, and
-    tokens for batches of token ids. A subclass overrides it to count its own
-    units (images, pixels, frames, ...), each logged as ``speed/<unit>_per_sec``.
+    """Log ``speed/<unit>_per_sec`` for all ranks together, TFLOP/s and MFU on logging steps, never synchronising.
 
     Args:
-        flops_per_token: training FLOPs (forward + backward) per token. ``None``
-            reads the LightningModule's ``flops_per_token`` attribute if it has
-            one (TinyGPT does); without either, TFLOP/s and MFU are not logged.
-        peak_flops_per_device: peak FLOP/s of one device for MFU. ``None`` looks
-            the GPU up in :mod:`lightning_fastdist.diagnostics.peak_flops` for the
-            trainer's precision; on CPU or an unknown GPU, MFU is not logged.
+        flops_per_token: training FLOPs (forward + backward) per token; ``None`` reads the LightningModule's
+            ``flops_per_token`` attribute. Without either, TFLOP/s and MFU are not logged.
+        peak_flops_per_device: peak FLOP/s of one device for MFU; ``None`` looks the GPU up for the trainer's
+            precision. On CPU or an unknown GPU, MFU is not logged.
     """
 
     def __init__(self, flops_per_token: float | None = None, peak_flops_per_device: float | None = None) -> None:
@@ -124,14 +105,10 @@ class SpeedMonitor(Callback):
         self._pending: list[_Window] = []
 
     def count_units(self, batch: Any) -> dict[str, int]:
-        """What one training batch of this rank holds, by unit name: override to count your own units.
+        """What one training batch of this rank holds, by unit name (:func:`default_units`): override to count your own.
 
-        The default is :func:`default_units`: ``{"samples": B}``, plus
-        ``{"tokens": B * T}`` when the batch's first tensor is integer token ids
-        of shape ``(B, T)`` (an encoder-decoder's decoder tokens added). Each
-        name is logged as ``speed/<name>_per_sec`` for all ranks together;
-        ``tokens`` also gives TFLOP/s and MFU. Count from shapes only (reading a
-        device tensor's values would synchronise). For images, for example::
+        ``tokens`` also gives TFLOP/s and MFU. Count from shapes only: reading a device tensor's values would
+        synchronise. For images, for example::
 
             class ImageSpeed(SpeedMonitor):
                 def count_units(self, batch):

@@ -1,30 +1,10 @@
 """SyncFreeLogging: ``self.log(..., prog_bar=True)`` without a device-to-host sync on every batch.
 
-Plain Lightning 2.6 turns every ``prog_bar=True`` metric into a Python number
-whenever it assembles the batch's metrics (after every batch, and again when
-the progress bar refreshes), turns every logged metric into a number with one
-``.item()`` each on logging steps, and under DDP broadcasts the SIGTERM flag
-and reads it back before every batch. Each of those waits for the GPU.
-
-With this callback:
-
-- ``prog_bar=True`` is recorded, then passed on to Lightning as ``False``, so
-  Lightning never converts those values; the tensors stay on the device.
-  Python numbers logged without ``sync_dist`` stay on the host (Lightning
-  would copy each to the device, a blocking copy on a GPU).
-- When Lightning hands metrics to the loggers (every ``log_every_n_steps``
-  training batches and at the end of each epoch or evaluation), every logged
-  value and every progress-bar value moves to the host in one batched copy
-  (:func:`scalars_to_host`). The loggers receive the same names, steps and
-  values as without the callback; the progress bar shows the values of the
-  last such transfer.
-- Lightning's per-batch SIGTERM broadcast (a host sync every batch) is replaced
-  by :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler`, which
-  every strategy of this package installs anyway; the callback installs it
-  under other strategies (Lightning's own ``DDPStrategy``, for example).
-
-It relies on private Lightning internals listed in
-:mod:`lightning_fastdist.trainer.internals`, checked at ``setup``.
+Lightning converts every ``prog_bar=True`` metric to a number after every batch, every logged metric with one
+``.item()`` each on logging steps, and under DDP broadcasts the SIGTERM flag before every batch; each waits for the
+GPU. Here ``prog_bar`` values stay on the device, and when Lightning hands the loggers their values (which they get
+unchanged) every logged and progress-bar value moves to the host in one batched copy; the progress bar shows those.
+:class:`PreemptionHandler` replaces the SIGTERM broadcast. The private Lightning internals used are checked at setup.
 """
 
 from __future__ import annotations
@@ -59,8 +39,7 @@ class SyncFreeLogging(Callback):
     """Keep logged metrics on the device; move them to the host in one copy per logging step.
 
     Args:
-        sigterm_check_every_n_steps: deprecated and ignored: signals are now agreed on at
-            every optimizer step without a host sync (see :mod:`~lightning_fastdist.trainer.preemption`).
+        sigterm_check_every_n_steps: deprecated and ignored.
     """
 
     def __init__(self, sigterm_check_every_n_steps: int | None = None) -> None:
@@ -80,8 +59,7 @@ class SyncFreeLogging(Callback):
         self._patches.replace(pl_module, "log", self._log_sync_free(pl_module))
         self._patches.replace(connector, "log_metrics", self._log_metrics_from_host(trainer, connector.log_metrics))
         if not getattr(trainer.strategy, "handles_preemption", False):
-            timeout = strategy_timeout(trainer.strategy) or default_pg_timeout
-            self._preemption = PreemptionHandler(trainer, timeout)
+            self._preemption = PreemptionHandler(trainer, strategy_timeout(trainer.strategy) or default_pg_timeout)
             self._preemption.install()
 
     @override
@@ -94,9 +72,8 @@ class SyncFreeLogging(Callback):
     def _log_sync_free(self, pl_module: LightningModule) -> Callable[..., None]:
         """``pl_module.log`` that records ``prog_bar=True`` here and passes ``prog_bar=False`` on.
 
-        A Python number becomes a host tensor (Lightning would copy it to the
-        device, which on a GPU blocks until the device is idle), unless it is
-        to be reduced across ranks: collectives need it on the device.
+        A Python number becomes a host tensor (Lightning's copy to the device blocks on a GPU), unless it is to be
+        reduced across ranks: collectives need it on the device.
         """
         original = pl_module.log
         signature = inspect.signature(original)
@@ -115,14 +92,10 @@ class SyncFreeLogging(Callback):
         return log
 
     def progress_bar_items(self, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The entries of ``metrics`` that Lightning would show in the progress bar.
+        """The entries of Lightning's callback ``metrics`` that it would show in the progress bar.
 
-        For a name logged with ``prog_bar=True``, Lightning shows ``NAME_step`` or
-        ``NAME_epoch`` when both exist (the metric was logged on step and epoch),
+        For a name logged with ``prog_bar=True``, Lightning shows ``NAME_step`` or ``NAME_epoch`` when both exist,
         else ``NAME``; a ``/dataloader_idx_N`` suffix stays attached.
-
-        Args:
-            metrics: Lightning's callback metrics of the current batch or epoch.
         """
         chosen: dict[tuple[str, str], tuple[str, Tensor]] = {}
         for key, value in metrics.items():

@@ -2,23 +2,8 @@
 
 Lightning has no public hook for "hand the loggers their values" or "check for SIGTERM before a batch", and its
 strategies' extension points are private methods, so the package uses names Lightning may move in any release.
-Each is listed here with the modules that use it and why:
-
-- :data:`INTERNALS`: what :class:`SyncFreeLogging`, :class:`SpeedMonitor` and
-  :class:`~lightning_fastdist.trainer.preemption.PreemptionHandler` replace or read *on one trainer's instances*
-  (never on the classes) for the duration of a fit, with the parameters each must take. :func:`require_internals`
-  fails in one line naming the missing piece if an upgrade moved one (the optional preemption path only switches
-  itself off, saying so: :func:`missing_internals_line`); ``tests/callbacks/test_sync_free_logging.py`` fails on
-  the same check when the installed Lightning changes.
-- :data:`PRIVATE_IMPORTS` and :data:`PRIVATE_ATTRIBUTES`: every private function, class and constant imported
-  from Lightning, and every private attribute read, set or overridden on its objects; :data:`CHECKPOINT_KEYS`:
-  the fit loop's progress as Lightning writes it into checkpoints. :func:`missing_private_names` says which of
-  them the installed Lightning lacks.
-
-The accessors below (:func:`logger_connector`, :func:`is_logging_step`, :func:`strategy_timeout`) are how the
-callbacks reach Lightning's private objects. ``tests/project/test_lightning_private_names.py`` reads the
-package's source and fails naming any private Lightning name not listed here (or listed with other modules than
-those that use it), and fails on :func:`missing_private_names` when the installed Lightning changes.
+Listing each with its users makes an upgrade that moves one fail in one line (``tests/project`` reads the source to
+keep the registry complete); the accessors below are how the callbacks reach Lightning's private objects.
 """
 
 from __future__ import annotations
@@ -38,6 +23,7 @@ from packaging.version import Version
 # Lightning versions whose internals were read and tested (lower bound inclusive, upper exclusive).
 TESTED_LIGHTNING = (Version("2.6.0"), Version("2.7.0"))
 
+# Replaced or read on one trainer's instances (never on the classes) for the duration of a fit:
 # (object path from the trainer, attribute, the parameters it must take, what we use it for)
 INTERNALS = (
     ("_logger_connector", "log_metrics", ("metrics", "step"), "hand host-side values to the loggers"),
@@ -67,7 +53,6 @@ class PrivateName:
     Attributes:
         used_in: the modules of this package that use it directly (``"strategies.fsdp"``; ``"trainer.internals"``
             for the names the accessors below reach for the others).
-        purpose: what the package uses it for.
     """
 
     used_in: tuple[str, ...]
@@ -265,30 +250,22 @@ def strategy_timeout(strategy: Any) -> timedelta | None:
 
 
 def lightning_version_is_tested(version: str = lightning.__version__) -> bool:
-    """Whether ``version`` lies in :data:`TESTED_LIGHTNING`."""
     low, high = TESTED_LIGHTNING
     return low <= Version(version) < high
-
-
-def _resolve(trainer: Trainer, path: str) -> object | None:
-    owner: object | None = trainer
-    for part in path.split("."):
-        owner = getattr(owner, part, None)
-    return owner
 
 
 def missing_internals(trainer: Trainer) -> list[str]:
     """Descriptions of the :data:`INTERNALS` that ``trainer`` lacks or whose signature changed."""
     missing = []
     for path, name, parameters, purpose in INTERNALS:
-        owner = _resolve(trainer, path)
+        owner: object | None = trainer
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
         where = f"Trainer.{path}.{name}"
-        if (
-            owner is None or not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {})
-        ):  # no getattr: properties run
+        # Looked up on the class and the instance's __dict__: getattr on the instance would run a property.
+        if owner is None or not hasattr(type(owner), name) and name not in getattr(owner, "__dict__", {}):
             missing.append(f"{where} (used to {purpose}) does not exist")
-            continue
-        if parameters is not None:
+        elif parameters is not None:
             found = tuple(inspect.signature(getattr(owner, name)).parameters)
             if found != parameters:
                 missing.append(f"{where} takes {found}, expected {parameters}")
@@ -309,11 +286,7 @@ def missing_internals_line(trainer: Trainer, user: str) -> str | None:
 
 
 def require_internals(trainer: Trainer, user: str) -> None:
-    """Raise if a private Lightning internal that ``user`` needs has moved; warn on an untested version.
-
-    Args:
-        trainer: the trainer whose instances will be patched.
-        user: the class name to put in the message.
+    """Raise if a private Lightning internal that ``user`` (a class name) needs has moved; warn on an untested version.
 
     Raises:
         RuntimeError: one or more internals are missing or changed shape (one line naming the first).
@@ -333,13 +306,11 @@ class InstancePatches:
         self._undo: list[tuple[object, str, bool, object]] = []
 
     def replace(self, owner: object, name: str, replacement: object) -> None:
-        """Set ``owner.name = replacement`` on the instance, remembering what was there."""
         had_own = name in vars(owner)
         self._undo.append((owner, name, had_own, vars(owner).get(name)))
         object.__setattr__(owner, name, replacement)
 
     def undo(self) -> None:
-        """Restore every replaced attribute."""
         while self._undo:
             owner, name, had_own, previous = self._undo.pop()
             if had_own:

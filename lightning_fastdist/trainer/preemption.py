@@ -1,12 +1,9 @@
 """Stop on SIGTERM or SIGUSR1 as a job: every rank at the same step, the step saved, a non-zero exit status.
 
-Lightning 2.6 broadcasts from inside its signal handler (a deadlock when the other ranks are in an all-reduce) and
-before every batch (a host sync per step), saves nothing and exits 0. :class:`PreemptionHandler` replaces that
-during ``fit``: the handler only records the signal
-(:class:`~lightning_fastdist.parallel.faults.stop_agreement.StopAgreement`); at optimizer-step boundaries (so the
-checkpoint holds a whole step) the ranks agree without waiting, then each saves that step, prints one line and exits
-with ``128 + signal``. During ``validate``/``test``/``predict`` the signal keeps its default action.
-``docs/fault-tolerance.md``, "Stopped by a signal".
+Lightning broadcasts from inside its signal handler (a deadlock when the other ranks are in an all-reduce) and before
+every batch (a host sync per step), saves nothing and exits 0. Here, during ``fit``, the handler only records the
+signal; at optimizer-step boundaries (so the checkpoint holds a whole step) the ranks agree without waiting, then
+each saves that step and exits with ``128 + signal``. Other stages keep the signal's default action.
 """
 
 from __future__ import annotations
@@ -46,11 +43,10 @@ class Preempted(SystemExit):
 
 
 class PreemptionHandler:
-    """Coordinated stop of one trainer's ``fit`` on :data:`STOP_SIGNALS` (see the module docstring).
+    """Coordinated stop of one trainer's ``fit`` on :data:`STOP_SIGNALS`.
 
     Args:
-        trainer: the trainer; :meth:`install` must run before Lightning registers its
-            signal handlers (a strategy's ``setup`` or a callback's ``setup`` does).
+        trainer: :meth:`install` must run before Lightning registers its signal handlers (a ``setup`` hook does).
         timeout: how long a rank waits for the others' agreement before failing.
     """
 
@@ -64,8 +60,7 @@ class PreemptionHandler:
     def install(self) -> None:
         """Replace Lightning's signal handling on this trainer; collective when fitting on several ranks.
 
-        Preemption handling is optional: where this Lightning lacks an internal it patches, one line says
-        so and training goes on with Lightning's own signal handling.
+        Optional: where this Lightning lacks an internal it patches, one line says so and Lightning's handling stays.
         """
         trainer = self.trainer
         missing = missing_internals_line(trainer, type(self).__name__)
@@ -142,8 +137,7 @@ def _wrote_no_checkpoint(trainer: Trainer) -> bool:
     """Whether this process's world is its node's alone (``outer_sync``, ``replica_groups``) and this node did not
     write the job's checkpoint: node 0 writes it under ``outer_sync``, the first node of the latest quorum under
     ``replica_groups`` (the strategy's ``replica_groups`` job says whether it was this one)."""
-    own_world = dist.is_available() and dist.is_initialized() and dist.get_world_size() < trainer.world_size
-    if not own_world:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() < trainer.world_size):
         return False
     replica_groups = getattr(trainer.strategy, "replica_groups", None)
     if replica_groups is not None:
