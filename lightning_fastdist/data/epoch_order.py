@@ -1,11 +1,8 @@
 """Where each rank reads in an epoch's global sample order, for the samplers whose order is known.
 
-``DistributedSampler`` deals one permutation out to the ranks in turn (rank ``r`` of ``W`` reads positions
-``r, r + W, ...``), so when every rank has handed out ``k`` batches of ``b`` the ranks together have read the first
-``k * b * W`` positions, whatever ``W`` is: a resume at another world size finds its place by counting positions
-(``docs/fault-tolerance.md``, "Another world size"). :class:`~lightning_fastdist.data.EpochShuffleSampler` and
-``SequentialSampler`` give the same permutations as ``DistributedSampler`` with one replica, so one process and
-several read one order.
+``DistributedSampler`` deals one permutation out to the ranks in turn, so after ``k`` batches of ``b`` per rank the
+ranks have read the first ``k * b * W`` positions whatever the world size ``W``: a resume at another world size finds
+its place by counting positions. ``EpochShuffleSampler`` and ``SequentialSampler`` give its one-replica orders.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ class EpochShare:
     """One rank's share of an epoch.
 
     Attributes:
-        order: the permutation: ``["shuffled", seed, length]`` or ``["sequential", length]``;
-            ``None`` when the sampler's order is not known (then positions cannot be counted).
-        world_size: ranks the permutation is dealt out to.
-        rank: this rank.
+        order: ``["shuffled", seed, length]`` or ``["sequential", length]``; ``None`` when the sampler's order is
+            not known (then positions cannot be counted).
         samples: items this rank reads in an epoch.
     """
 

@@ -10,23 +10,18 @@ from torch.utils.data import RandomSampler
 
 
 class EpochShuffleSampler(RandomSampler):
-    """Every index once per epoch, in an order fixed by ``seed`` and the epoch number.
+    """Every index once per epoch, in an order fixed by ``seed + epoch`` alone.
 
-    ``torch.utils.data.RandomSampler`` draws each epoch's order from a generator
-    whose state moves on every epoch, so a run restarted from a checkpoint sees a
-    different order unless that state was saved. Here the order depends on
-    nothing but ``seed + epoch``, which Lightning sets through :meth:`set_epoch`
-    before each epoch (as it does for ``DistributedSampler``). It subclasses
-    ``RandomSampler`` so that Lightning recognises it as shuffling and replaces it
-    with a ``DistributedSampler`` (also ordered by seed and epoch) when it runs
-    several processes. Its order is ``DistributedSampler``'s with one replica, so
-    runs on one and on several processes read the same permutation per epoch.
+    ``RandomSampler``'s generator state moves on every epoch, so a run restarted from a checkpoint would see another
+    order unless that state was saved. Lightning sets the epoch through :meth:`set_epoch`, as for
+    ``DistributedSampler``. Subclassing ``RandomSampler`` makes Lightning treat it as shuffling and swap in a
+    ``DistributedSampler`` under several processes; the order is that sampler's with one replica, so every world size
+    reads the same permutation per epoch.
 
     Args:
         data_source: the dataset (only its length is used).
-        seed: seed of the shuffle; the same seed gives the same order per epoch.
-            ``None``: the ``seed_everything`` seed (``PL_GLOBAL_SEED``, 0 when unset),
-            the seed Lightning gives the ``DistributedSampler`` that replaces this one.
+        seed: ``None``: the ``seed_everything`` seed (``PL_GLOBAL_SEED``, 0 when unset), the seed Lightning gives the
+            ``DistributedSampler`` that replaces this one.
     """
 
     def __init__(self, data_source: Sized, seed: int | None = None) -> None:

@@ -1,12 +1,8 @@
 """ResumableDataLoader: a DataLoader that continues a restarted epoch where the checkpoint left it.
 
-Without a loader state Lightning 2.6 restarts a mid-epoch resume from the epoch's first batch (samples seen twice,
-others never). This loader saves its epoch, the batches handed out and, where the order is known
-(:mod:`.epoch_order`), how many positions of the epoch's global order all ranks have read; on resume it skips those
-by drawing indices without loading them, so the resume is exact at another world size or batch size too (or is
-refused in one line). Workers' base seeds come from the global seed and the epoch, so they match an uninterrupted
-run and starting an epoch leaves the global random state alone. Skipping goes through the private
-``DataLoader._index_sampler``; if an iterator stops reading it, resuming raises. ``docs/fault-tolerance.md``.
+Lightning alone restarts a mid-epoch resume from the epoch's first batch (samples seen twice, others never). This
+loader saves the positions of the epoch's global order read (:mod:`.epoch_order`) and skips them without loading, so
+a resume is exact at another world size or batch size too, or refused in one line. ``docs/fault-tolerance.md``.
 """
 
 from __future__ import annotations
@@ -33,10 +29,9 @@ class _Resume:
     """Where a resumed epoch starts on this rank.
 
     Attributes:
-        batches: the epoch's batches counted as done (this rank's batches, in this run's batch size).
+        batches: this rank's batches of the epoch counted as done, in this run's batch size.
         samples: positions of the epoch's global order read so far, or ``None`` when not counted.
-        skip_items: sampler items this rank skips before batching the rest, or ``None`` to skip
-            ``batches`` whole batches of the index sampler.
+        skip_items: sampler items to skip before batching the rest; ``None``: skip ``batches`` whole batches.
     """
 
     batches: int
@@ -68,11 +63,10 @@ class _SkipFirst(Iterable):
 
 
 class ResumableDataLoader(DataLoader):
-    """``torch.utils.data.DataLoader`` whose position inside an epoch is saved in Lightning checkpoints.
+    """``DataLoader`` whose position inside an epoch is saved in Lightning checkpoints.
 
-    Takes exactly the arguments of ``DataLoader`` (so Lightning can rebuild it
-    with a ``DistributedSampler``). Map-style datasets only: an iterable dataset
-    has no sampler to skip through.
+    Takes exactly ``DataLoader``'s arguments, so Lightning can rebuild it with a ``DistributedSampler``. Map-style
+    datasets only: an iterable dataset has no sampler to skip through.
     """
 
     _epoch: int | None = None  # the sampler's epoch of the current iteration
@@ -82,13 +76,14 @@ class ResumableDataLoader(DataLoader):
     _resume_next: _Resume | None = None  # what the next index iteration skips
     _count_taken: bool = False  # a trainer asked for the resumed batch count (and sets its own to it)
 
+    # DataLoader's iterators read this private property for each batch's indices; should a torch version stop
+    # reading it, __iter__ raises rather than resume at the wrong position.
     @property
-    def _index_sampler(self) -> Iterable:  # read by DataLoader's iterators for the indices of each batch
+    def _index_sampler(self) -> Iterable:
         return _SkipFirst(super()._index_sampler, self)
 
     def _sampler_epoch(self) -> int | None:
-        batch_sampler = self.batch_sampler
-        for sampler in (self.sampler, getattr(batch_sampler, "sampler", None)):
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
             if isinstance(getattr(sampler, "epoch", None), int):
                 return sampler.epoch
         return None
@@ -97,9 +92,6 @@ class ResumableDataLoader(DataLoader):
         return share.order is not None and self.batch_size is not None
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[Any]:
         # A generator: nothing runs until the first batch is requested, after Lightning has set the epoch.
         epoch = self._sampler_epoch()
         pending, self._pending = self._pending, None
@@ -117,9 +109,7 @@ class ResumableDataLoader(DataLoader):
         self._epoch, self._batches, self._samples = epoch, resume.batches, resume.samples
         self._resume_next, self._count_taken = resume, False
         for batch in self._epoch_iterator(epoch):
-            if self._resume_next is not None:
-                # The iterator drew its indices without going through _index_sampler (a torch change):
-                # fail loudly rather than resume at the wrong position.
+            if self._resume_next is not None:  # the iterator drew its indices without _index_sampler
                 raise RuntimeError(
                     "ResumableDataLoader: this torch's DataLoader bypasses _index_sampler; cannot resume mid-epoch."
                 )
@@ -130,6 +120,7 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def _epoch_iterator(self, epoch: int | None) -> Iterator[Any]:
+        # Workers' base seed from the global seed and the epoch, as in an uninterrupted run.
         if self.generator is not None:
             return super().__iter__()
         with torch.random.fork_rng(devices=[]):  # the global CPU generator is as it was afterwards
@@ -188,15 +179,13 @@ class ResumableDataLoader(DataLoader):
         )
 
     def resume_batch_count(self, epoch: int) -> int | None:
-        """Batches of ``epoch`` a trainer must count as done when this loader resumes it.
+        """Batches of ``epoch`` a trainer must count as done when this loader resumes it (``None``: no state applies).
 
-        ``None`` when no loaded state applies to ``epoch``. After a change of
-        world size or batch size this differs from the count in the checkpoint's
-        loop state; the caller takes on setting its count to it (without a caller,
-        such a resume is refused, since Lightning would end the epoch at the wrong batch).
+        After a change of world size or batch size this differs from the checkpoint's loop state; the caller sets its
+        count to it (without a caller such a resume is refused: Lightning would end the epoch at the wrong batch).
 
         Raises:
-            ValueError: the resume cannot find its place (see the module docstring).
+            ValueError: the resume cannot find its place.
         """
         if self._pending is None or self._pending["epoch"] != epoch:
             return None
@@ -204,11 +193,10 @@ class ResumableDataLoader(DataLoader):
         return self._plan(self._pending).batches
 
     def state_dict(self) -> dict[str, Any]:
-        """The position in the epoch: ``{"epoch", "batches", "samples", "world_size", "batch_size", "order"}``.
+        """The position in the epoch (:data:`STATE_KEYS`).
 
-        ``batches``: this rank's batches done; ``samples``: positions of the epoch's
-        global order read by all ranks together (``None`` when the order is unknown);
-        ``order``: the permutation (see :class:`.epoch_order.EpochShare`).
+        ``batches``: this rank's batches done; ``samples``: positions of the epoch's global order read by all ranks
+        together (``None`` when the order is unknown); ``order``: the permutation, as in ``EpochShare``.
         """
         if self._pending is not None:
             return dict(self._pending)
@@ -223,11 +211,7 @@ class ResumableDataLoader(DataLoader):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Skip what ``state_dict`` says was read when the saved epoch starts again.
-
-        Raises:
-            ValueError: the state is not one :meth:`state_dict` wrote.
-        """
+        """Skip what ``state_dict`` says was read when its epoch starts again (``ValueError``: not a saved state)."""
         if sorted(state_dict) != sorted(STATE_KEYS):
             raise ValueError(f"ResumableDataLoader: expected a state with keys {STATE_KEYS}, got {sorted(state_dict)}.")
         self._pending = dict(state_dict)

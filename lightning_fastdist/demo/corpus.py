@@ -1,10 +1,7 @@
-"""The demo corpus: source text that every Python installation carries.
+"""The demo corpus: the source files of a fixed list of pure-Python standard-library modules.
 
-Nothing is downloaded and nothing is copied into this package: the corpus is
-read, at run time, from the source files of a fixed list of pure-Python
-standard-library modules. The bytes depend only on the Python version, so a
-run is deterministic on a given installation. A language model trained on it
-learns to write Python-looking text, which makes a readable demo.
+Nothing is downloaded or copied into this package; the bytes depend only on the Python version, so a run is
+deterministic on a given installation, and a model trained on them writes Python-looking text (a readable demo).
 """
 
 from __future__ import annotations
@@ -31,26 +28,19 @@ MINIMUM_CORPUS_BYTES = 200_000
 
 def stdlib_source_paths() -> list[Path]:
     """Paths of the source files of :data:`STDLIB_MODULES` that this installation has."""
-    paths = []
-    for name in STDLIB_MODULES:
-        spec = importlib.util.find_spec(name)
-        origin = spec.origin if spec is not None else None
-        if origin and origin.endswith(".py") and Path(origin).is_file():
-            paths.append(Path(origin))
-    return paths
+    origins = [getattr(importlib.util.find_spec(name), "origin", None) for name in STDLIB_MODULES]
+    return [Path(origin) for origin in origins if origin and origin.endswith(".py") and Path(origin).is_file()]
 
 
 def load_corpus(path: str | None = None) -> bytes:
     """Return the training text as bytes.
 
     Args:
-        path: a UTF-8 (or any byte) text file to use instead of the standard
-            library sources. ``None`` reads the standard library sources.
+        path: a text file (any bytes) to use instead of the standard library sources.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        RuntimeError: this Python ships no readable standard library sources
-            (an embedded or byte-code-only build); pass ``path`` instead.
+        RuntimeError: this Python ships no readable standard library sources (an embedded or byte-code-only build).
     """
     if path is not None:
         file = Path(path).expanduser()

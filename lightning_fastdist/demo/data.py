@@ -14,13 +14,11 @@ from lightning_fastdist.demo.corpus import load_corpus
 class ByteWindows(Dataset):
     """Non-overlapping windows of a byte tensor, each as ``(input, target)`` shifted by one.
 
-    Window ``i`` covers bytes ``[i * block_size, (i + 1) * block_size + 1)``, so
-    every byte is predicted exactly once per epoch and a sample's index fixes
-    its content, which keeps the dataset deterministic and sampler-friendly.
+    Window ``i`` covers bytes ``[i * block_size, (i + 1) * block_size + 1)``: every byte is predicted once per epoch
+    and an index fixes its sample's content, which keeps the dataset deterministic and sampler-friendly.
 
     Args:
         data: 1-D ``uint8`` tensor of token ids.
-        block_size: sequence length of each sample.
     """
 
     def __init__(self, data: Tensor, block_size: int) -> None:
@@ -41,18 +39,12 @@ class ByteWindows(Dataset):
 
 
 class TextDataModule(LightningDataModule):
-    """Byte-level next-token data over text that needs no download.
+    """Byte-level next-token data over text that needs no download (``lightning_fastdist.demo.corpus``).
 
-    The corpus (the standard library's own source files by default, see
-    :mod:`lightning_fastdist.demo.corpus`) is split by position: the first
-    ``1 - val_fraction`` of the bytes train, the rest validate; ``test`` and
-    ``predict`` use the validation bytes. Under several processes Lightning
-    gives each rank a disjoint shard through ``DistributedSampler``.
-
-    The training order depends only on ``seed`` and the epoch, and the training
-    loader is a :class:`~lightning_fastdist.data.ResumableDataLoader`: a run
-    resumed from a mid-epoch checkpoint continues with exactly the batches the
-    uninterrupted run would have seen next.
+    The first ``1 - val_fraction`` of the corpus bytes train, the rest validate (``test`` and ``predict`` too); under
+    several processes Lightning shards them through ``DistributedSampler``. The training order depends only on
+    ``seed`` and the epoch, and its loader is a ``ResumableDataLoader``, so a run resumed from a mid-epoch checkpoint
+    continues with exactly the batches the uninterrupted run would have seen next.
 
     Args:
         batch_size: sequences per batch on each process.
@@ -60,10 +52,9 @@ class TextDataModule(LightningDataModule):
         num_workers: DataLoader worker processes per rank (0 loads in the main process).
         val_fraction: share of the corpus held out for validation, in (0, 0.5].
         corpus_path: a text file to train on instead of the standard library sources.
-        seed: seed of the training shuffle order on one process; ``None``: the
-            ``seed_everything`` seed, which Lightning's ``DistributedSampler`` shuffles with
-            under several processes, so that one order serves every world size (and a
-            checkpoint resumes at another world size).
+        seed: seed of the training shuffle on one process; ``None``: the ``seed_everything`` seed, which Lightning's
+            ``DistributedSampler`` shuffles with under several processes, so one order serves every world size (and
+            a checkpoint resumes at another world size).
     """
 
     def __init__(

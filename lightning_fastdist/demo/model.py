@@ -1,10 +1,7 @@
 """TinyGPT: a small decoder-only transformer as a LightningModule.
 
-The model is deliberately plain so that a reader can hold it in their head and
-so that strategies can find its structure: the transformer layers are
-instances of one :class:`Block` class kept in ``TinyGPT.blocks``, a
-``torch.nn.ModuleList``. FSDP, activation checkpointing and per-block compile
-all act on those blocks.
+Deliberately plain, so that a reader can hold it in their head and strategies can find its structure: FSDP,
+activation checkpointing and per-block compile act on the ``Block`` instances in the ``ModuleList`` ``TinyGPT.blocks``.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees only earlier positions.
 
     Args:
-        n_embd: width of the residual stream.
-        n_head: number of attention heads; must divide ``n_embd``.
-        dropout: dropout probability on the attention weights and the output projection.
+        n_head: must divide ``n_embd``.
+        dropout: probability, on the attention weights and the output projection.
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
@@ -47,12 +43,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The position-wise feed-forward layer: widen 4x, GELU, project back.
-
-    Args:
-        n_embd: width of the residual stream.
-        dropout: dropout probability on the output.
-    """
+    """The position-wise feed-forward layer: widen 4x, GELU, project back, dropout."""
 
     def __init__(self, n_embd: int, dropout: float) -> None:
         super().__init__()
@@ -65,13 +56,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``.
-
-    Args:
-        n_embd: width of the residual stream.
-        n_head: number of attention heads; must divide ``n_embd``.
-        dropout: dropout probability inside attention and MLP.
-    """
+    """One pre-norm transformer layer: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
@@ -86,12 +71,9 @@ class Block(nn.Module):
 
 
 class LinearWarmup:
-    """Learning-rate factor for ``LambdaLR``: ``(step + 1) / warmup_steps`` until it reaches 1.
+    """Learning-rate factor for ``LambdaLR``: ``(step + 1) / warmup_steps`` until it reaches 1 (at once for 0).
 
     A class rather than a lambda so that the scheduler's state is checkpointable.
-
-    Args:
-        warmup_steps: number of steps to reach the full rate; 0 means full rate at once.
     """
 
     def __init__(self, warmup_steps: int) -> None:
@@ -108,21 +90,15 @@ class TinyGPT(LightningModule):
     per validation run, and ``test_loss``/``test_ppl`` when tested.
 
     Args:
-        vocab_size: number of token ids; 256 covers every byte, which is what
-            :class:`~lightning_fastdist.demo.TextDataModule` produces.
+        vocab_size: 256 covers every byte, which is what ``TextDataModule`` produces.
         block_size: the longest sequence the model accepts (positions embedded).
-        n_layer: number of transformer blocks.
         n_head: attention heads per block; must divide ``n_embd``.
         n_embd: width of the residual stream.
-        dropout: dropout probability inside the blocks and after the embeddings.
-        learning_rate: AdamW learning rate.
-        weight_decay: AdamW weight decay, applied to matrices only (not to
-            biases, norms or embeddings of positions).
-        betas: AdamW momentum coefficients.
-        warmup_steps: optimizer steps over which the learning rate rises
-            linearly from ``learning_rate / warmup_steps`` to ``learning_rate``
-            (0 disables warm-up); it keeps the first steps from spiking.
-        max_new_tokens: how many bytes ``predict_step`` generates after each prompt.
+        dropout: probability inside the blocks and after the embeddings.
+        weight_decay: AdamW's, applied to matrices only (not to biases, norms or position embeddings).
+        warmup_steps: optimizer steps over which the learning rate rises linearly from ``learning_rate /
+            warmup_steps`` to ``learning_rate`` (0 disables warm-up); it keeps the first steps from spiking.
+        max_new_tokens: bytes ``predict_step`` generates after each prompt.
     """
 
     def __init__(
@@ -223,8 +199,7 @@ class TinyGPT(LightningModule):
     def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
         """Append ``max_new_tokens`` greedily chosen tokens to ``idx`` (context cropped to ``block_size``)."""
         for _ in range(max_new_tokens):
-            context = idx[:, -self.hparams.block_size :]
-            next_token = self(context)[:, -1].argmax(dim=-1, keepdim=True)
+            next_token = self(idx[:, -self.hparams.block_size :])[:, -1].argmax(dim=-1, keepdim=True)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
 
@@ -252,12 +227,10 @@ class TinyGPT(LightningModule):
     def flops_per_token(self) -> float:
         """Training FLOPs (forward + backward) per token at full ``block_size``.
 
-        ``6 * N`` for the matrix multiplies with the weights (2 forward, 4
-        backward per weight per token; ``N`` counts the tied embedding/head
-        matrix once because the head is a real matmul, and leaves out position
-        embeddings, which are a lookup) plus ``12 * n_layer * n_embd * block_size``
-        for the attention score and value matmuls (the PaLM paper's appendix B
-        estimate, also used by nanoGPT's MFU).
+        ``6 * N`` for the weight matmuls (2 forward, 4 backward per weight per token; ``N`` counts the tied
+        embedding/head once, as the head is a real matmul, and leaves out position embeddings, a lookup) plus
+        ``12 * n_layer * n_embd * block_size`` for the attention score and value matmuls (PaLM's appendix B
+        estimate, as in nanoGPT's MFU).
         """
         hp = self.hparams
         matmul_params = self.num_parameters(include_position_embedding=False)

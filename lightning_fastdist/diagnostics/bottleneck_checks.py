@@ -46,12 +46,8 @@ def check_data_wait(fraction: float, mean_wait_s: float, suggested_workers: int)
         "   # or let the tuner pick and rebuild the loaders:\n"
         "trainer:\n  callbacks:\n    - class_path: lightning_fastdist.DataLoaderTuner\n      init_args: {mode: auto}"
     )
-    return _row(
-        "data wait",
-        f"{fraction:.1%} of the loop ({mean_wait_s * 1e3:.1f} ms per batch)",
-        fraction > DATA_WAIT_WARN,
-        fix,
-    )
+    measured = f"{fraction:.1%} of the loop ({mean_wait_s * 1e3:.1f} ms per batch)"
+    return _row("data wait", measured, fraction > DATA_WAIT_WARN, fix)
 
 
 def check_host_syncs(median_per_step: float, top_origin: str | None) -> CheckRow:
@@ -95,18 +91,14 @@ def check_comm_rounds(rounds: int | None, optimizer_steps: int) -> CheckRow:
         "trainer:\n  accumulate_grad_batches: 4\n"
         "# with manual optimization, wrap non-final backwards in `with self.trainer.strategy.block_backward_sync():`"
     )
-    return _row(
-        "gradient sync rounds",
-        f"{per_step:.2f} per optimizer step ({rounds} rounds / {optimizer_steps} steps)",
-        per_step > 1.0,
-        fix,
-    )
+    measured = f"{per_step:.2f} per optimizer step ({rounds} rounds / {optimizer_steps} steps)"
+    return _row("gradient sync rounds", measured, per_step > 1.0, fix)
 
 
 def check_comm_time(comm_s: float | None, step_s: float, why_unmeasured: str = "", sharded: bool = False) -> CheckRow:
     """Time to re-send one optimizer step's collectives, without overlap, against the step time.
 
-    ``sharded``: the traffic is FSDP's (parameter all-gathers), which changes the fix.
+    ``sharded``: the traffic is FSDP's parameter all-gathers, which need another fix.
     """
     if comm_s is None:
         return CheckRow("communication", f"not measured: {why_unmeasured}", "N/A")
@@ -122,12 +114,8 @@ def check_comm_time(comm_s: float | None, step_s: float, why_unmeasured: str = "
             "trainer:\n  strategy:\n    class_path: lightning_fastdist.FastDDPStrategy\n"
             "    init_args:\n      comm_hook: bf16        # half the bytes; powersgd sends 10-30x fewer"
         )
-    return _row(
-        "communication",
-        f"{comm_s * 1e3:.1f} ms per step if not overlapped ({share:.0%} of a step)",
-        share > COMM_WARN,
-        fix,
-    )
+    measured = f"{comm_s * 1e3:.1f} ms per step if not overlapped ({share:.0%} of a step)"
+    return _row("communication", measured, share > COMM_WARN, fix)
 
 
 def check_optimizer_time(optimizer_s: float, loop_s: float) -> CheckRow:

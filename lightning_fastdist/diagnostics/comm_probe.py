@@ -1,8 +1,7 @@
 """Time one optimizer step's communication by sending the same bytes, in the same number of calls, again.
 
-DDP and FSDP overlap their collectives with compute, so their cost cannot be read off the step time.
-:func:`time_collectives` launches, per collective, the step's calls together at the step's mean size, waits for
-all, and keeps the fastest of ``repeats`` runs. Every rank of the group must call it at the same point.
+DDP and FSDP overlap their collectives with compute, so their cost cannot be read off the step time. Every rank of
+the group must call :func:`time_collectives` at the same point.
 """
 
 from __future__ import annotations
@@ -43,16 +42,14 @@ def time_collectives(
 ) -> float:
     """Seconds to run one step's ``step_traffic`` on ``device`` without overlap (fastest of ``repeats``).
 
-    The calls of one collective all use one buffer of their mean size, so the probe needs
-    the memory of one call per collective, not of the whole step (the contents are not used).
+    Each collective's calls are launched together and all use one buffer of their mean size, so the probe needs the
+    memory of one call per collective, not of the whole step (the contents are not used).
 
     Args:
-        step_traffic: calls and bytes per collective name in one optimizer step (see
-            :class:`~lightning_fastdist.parallel.comm.accounting.CommStats`).
-        device: where the buffers live (the training device: NCCL needs CUDA tensors).
-        repeats: runs to take the fastest of.
-        group: the process group; ``None`` is the default group. (HSDP runs its collectives
-            in smaller groups, so timing them on the whole world gives an upper bound.)
+        step_traffic: calls and bytes per collective name in one optimizer step (``CommStats``).
+        device: the training device (NCCL needs CUDA tensors).
+        group: ``None``: the default group. HSDP runs its collectives in smaller groups, so timing them on the whole
+            world gives an upper bound.
     """
     world = dist.get_world_size(group)
     plan = [

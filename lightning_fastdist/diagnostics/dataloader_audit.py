@@ -1,9 +1,7 @@
-"""Check a ``torch.utils.data.DataLoader``'s settings against the machine and propose better ones.
+"""Check a ``DataLoader``'s settings against the rank's share of the CPU cores and propose better ones.
 
-Each finding names the setting, the value found, the value proposed and why; the rules (``num_workers``,
-``pin_memory``, ``persistent_workers``, ``prefetch_factor`` against the rank's share of the CPU cores) are in the
-functions below and tabled in ``docs/bottlenecks.md``. Iterable datasets are only reported for ``num_workers``:
-extra workers would each yield the whole stream unless the dataset splits itself.
+The rules are tabled in ``docs/bottlenecks.md``. Iterable datasets are only reported for ``num_workers``: extra
+workers would each yield the whole stream unless the dataset splits itself.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ class DataLoaderFinding:
     Attributes:
         loader: which loader (``"train"``, ``"val"``, ...).
         setting: the DataLoader argument.
-        found: its current value.
         proposed: the value to use, or ``None`` when only a report is possible.
-        reason: why, in one sentence.
     """
 
     loader: str
@@ -50,8 +46,7 @@ def audit_dataloader(loader: DataLoader, name: str, accelerator: str, cores_per_
     """Findings for ``loader`` (empty when its settings are sound).
 
     Args:
-        loader: the DataLoader to check.
-        name: how findings refer to it (``"train"``, ``"val"``).
+        name: how findings refer to ``loader`` (``"train"``, ``"val"``).
         accelerator: the device type the batches go to (``"cuda"``, ``"cpu"``, ...).
         cores_per_rank: CPU cores available to this rank (the node's cores / processes on the node).
     """
@@ -92,7 +87,7 @@ def audit_dataloader(loader: DataLoader, name: str, accelerator: str, cores_per_
 
 
 def tuned_settings(loader: DataLoader, findings: list[DataLoaderFinding]) -> dict:
-    """The loader's ``num_workers``/``pin_memory``/``persistent_workers``/``prefetch_factor`` with the findings applied.
+    """The loader's :data:`TUNED_SETTINGS` with the findings applied.
 
     Consistent for DataLoader's checks: without workers, ``persistent_workers`` is off and ``prefetch_factor`` unset.
     """

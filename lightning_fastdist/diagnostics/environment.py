@@ -1,9 +1,7 @@
 """What this machine offers for distributed training: versions, GPUs, interconnect, CPU cores, backends.
 
-Everything is read locally and nothing fails: what cannot be detected is
-reported as ``None`` (unknown) rather than guessed. NVLink is read from
-``nvidia-smi topo -m`` and InfiniBand from ``/sys/class/infiniband``; both are
-``None`` where the tool or the directory is missing.
+Everything is read locally and nothing fails: what cannot be detected (NVLink without ``nvidia-smi``, InfiniBand
+without ``/sys/class/infiniband``) is reported as ``None`` (unknown) rather than guessed.
 """
 
 from __future__ import annotations
@@ -25,14 +23,7 @@ NVIDIA_SMI_TIMEOUT_S = 10
 
 @dataclass(frozen=True)
 class GPU:
-    """One visible GPU.
-
-    Attributes:
-        index: CUDA device index.
-        name: as ``torch.cuda.get_device_name`` reports it.
-        memory_bytes: total device memory.
-        bf16: whether it computes in bfloat16.
-    """
+    """One visible GPU (``name`` as ``torch.cuda.get_device_name`` reports it)."""
 
     index: int
     name: str
@@ -45,17 +36,12 @@ class Environment:
     """A snapshot of the machine.
 
     Attributes:
-        torch_version: ``torch.__version__``.
-        lightning_version: the installed ``lightning`` distribution's version, or ``None``.
         cuda_version: the CUDA version torch was built with, or ``None`` (CPU build).
-        nccl_version: NCCL's version as ``"major.minor.patch"``, or ``None``.
-        gpus: the visible GPUs.
-        nvlink: ``True``/``False`` from ``nvidia-smi topo -m``; ``None`` if it could not be read.
-        infiniband_devices: names under ``/sys/class/infiniband`` (empty if none; ``None`` if the directory is missing).
+        nccl_version: ``"major.minor.patch"``.
+        nvlink: from ``nvidia-smi topo -m``.
+        infiniband_devices: names under ``/sys/class/infiniband`` (``None`` if the directory is missing).
         cpu_cores: cores this process may run on.
-        host_memory_bytes: physical memory of the machine, or ``None``.
         backends: the torch.distributed backends available (``nccl``, ``gloo``, ``mpi``, ``ucc``).
-        cpu_bf16_autocast: whether bfloat16 autocast runs on the CPU.
     """
 
     torch_version: str
@@ -95,12 +81,9 @@ def _nccl_version() -> str | None:
 def _gpus() -> list[GPU]:
     if not torch.cuda.is_available():
         return []
-    gpus = []
-    for index in range(torch.cuda.device_count()):
-        properties = torch.cuda.get_device_properties(index)
-        bf16 = properties.major >= 8  # Ampere and newer compute in bf16
-        gpus.append(GPU(index=index, name=properties.name, memory_bytes=properties.total_memory, bf16=bf16))
-    return gpus
+    properties = [torch.cuda.get_device_properties(index) for index in range(torch.cuda.device_count())]
+    # Ampere (compute capability 8) and newer compute in bf16.
+    return [GPU(index=i, name=p.name, memory_bytes=p.total_memory, bf16=p.major >= 8) for i, p in enumerate(properties)]
 
 
 def _nvlink() -> bool | None:
@@ -112,15 +95,11 @@ def _nvlink() -> bool | None:
         topology = subprocess.run([tool, "topo", "-m"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if topology.returncode != 0:
-        return None
-    return re.search(r"\bNV\d+\b", topology.stdout) is not None
+    return re.search(r"\bNV\d+\b", topology.stdout) is not None if topology.returncode == 0 else None
 
 
 def _infiniband_devices() -> list[str] | None:
-    if not INFINIBAND_DIR.is_dir():
-        return None
-    return sorted(entry.name for entry in INFINIBAND_DIR.iterdir())
+    return sorted(entry.name for entry in INFINIBAND_DIR.iterdir()) if INFINIBAND_DIR.is_dir() else None
 
 
 def cpu_cores() -> int:

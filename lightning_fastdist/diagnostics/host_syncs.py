@@ -4,14 +4,9 @@ A host sync is any point where Python waits for the accelerator: a value read (`
 ``bool()``, ``.tolist()``), a value-sized op (``nonzero``), a blocking host/device copy, an explicit
 ``synchronize()``. With ``device="cuda"`` only tensors on a non-CPU device count. With ``device="cpu"`` every
 tensor stands in for an accelerator one, except what torch keeps on the host in a GPU run too (unfused optimizers'
-``step`` counters, ``torch.utils.data``'s reads, tensors made with the literal ``device="cpu"``). Usage::
-
-    with count_host_syncs() as syncs:
-        trainer.fit(model, data)
-    print(syncs.count, syncs.report())
-
-A callback may enter the counter in one hook and leave it in a later one, and may set
-:attr:`HostSyncCounter.label` so that each recorded event carries it. ``docs/sync-free.md`` says more.
+``step`` counters, ``torch.utils.data``'s reads, tensors made with the literal ``device="cpu"``). A callback may
+enter the counter in one hook and leave it in a later one, and may set ``HostSyncCounter.label`` so that each recorded
+event carries it. ``docs/sync-free.md`` shows its use.
 """
 
 from __future__ import annotations
@@ -62,11 +57,10 @@ class HostSync:
     """One recorded device-to-host synchronisation.
 
     Attributes:
-        op: what synchronised, e.g. ``"aten._local_scalar_dense"``, ``"Tensor.tolist"``,
-            ``"torch.cuda.synchronize"``.
+        op: what synchronised, e.g. ``"aten._local_scalar_dense"``, ``"Tensor.tolist"``, ``"torch.cuda.synchronize"``.
         origin: the innermost calling frame outside torch, as ``"path:line in function"``.
         stack: calling frames outside torch, innermost first.
-        label: the counter's :attr:`HostSyncCounter.label` when it happened.
+        label: the counter's ``label`` when it happened.
     """
 
     op: str
@@ -127,8 +121,7 @@ class _DispatchCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func in _VALUE_READS or func in _VALUE_SIZED:
-            tensor = args[0]
-            if self.counter._counts_reads_of(tensor):
+            if self.counter._counts_reads_of(args[0]):
                 self.counter._record(str(func.overloadpacket).replace("aten::", "aten."))
         elif func in _COPIES and self.counter.device == "cuda":
             source = args[1] if func is torch.ops.aten.copy_.default else args[0]
@@ -159,13 +152,7 @@ class _FunctionCounter(TorchFunctionMode):
 
 
 class HostSyncCounter:
-    """Context manager that records host syncs; create it with :func:`count_host_syncs`.
-
-    Args:
-        device: ``"cuda"`` or ``"cpu"``: which reads count (see the module docstring).
-            ``None`` picks ``"cuda"`` when CUDA is available, else ``"cpu"``.
-        stack_depth: how many calling frames (outside torch) to keep per event.
-    """
+    """Context manager that records host syncs; made and documented by :func:`count_host_syncs`."""
 
     def __init__(self, device: str | None = None, stack_depth: int = 8) -> None:
         if device is None:
@@ -196,10 +183,8 @@ class HostSyncCounter:
 
     def report(self, top: int = 10) -> str:
         """A short table of the ``top`` most frequent sync sources."""
-        lines = [f"{self.count} host sync(s)"]
-        for (op, origin), number in self.counts_by_origin().most_common(top):
-            lines.append(f"{number:6d}  {op:32s} {origin}")
-        return "\n".join(lines)
+        rows = [f"{number:6d}  {op:32s} {origin}" for (op, origin), number in self.counts_by_origin().most_common(top)]
+        return "\n".join([f"{self.count} host sync(s)", *rows])
 
     def reset(self) -> None:
         """Forget the events recorded so far."""
@@ -255,7 +240,7 @@ def count_host_syncs(device: str | None = None, stack_depth: int = 8) -> HostSyn
     Args:
         device: ``"cuda"`` or ``"cpu"``: which reads count (the module docstring says which); ``None``: ``"cuda"`` if
             available, else ``"cpu"``.
-        stack_depth: calling frames outside torch kept per event (for :meth:`HostSyncCounter.report`).
+        stack_depth: calling frames outside torch kept per event.
 
     Raises:
         ValueError: ``device`` is not ``"cpu"``, ``"cuda"`` or ``None``, or ``stack_depth < 1``.

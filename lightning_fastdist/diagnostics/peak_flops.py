@@ -1,12 +1,8 @@
 """Peak dense matrix-multiply throughput of common GPUs, for model FLOPs utilisation (MFU).
 
-Figures are dense (no 2:4 sparsity) tensor-core peaks per GPU, in FLOP/s, from
-NVIDIA's product datasheets: H100 and H200 (SXM, PCIe, NVL), A100 (SXM4/PCIe
-tensor-core table), L40S, L4, A10, V100, T4, and the Ada GeForce whitepaper for
-the RTX 4090 (fp16/bf16 with fp32 accumulate). Datasheets print sparse
-figures with an asterisk; those are halved here. "fp32" is the non-tensor-core
-peak (what a matmul gets with ``torch.get_float32_matmul_precision() ==
-"highest"``, the default); "tf32" applies when that setting is "high" or "medium".
+Dense tensor-core peaks from NVIDIA's datasheets (their sparse figures, marked with an asterisk, halved) and, for the
+RTX 4090, the Ada whitepaper (fp16/bf16 with fp32 accumulate). "fp32" is the non-tensor-core peak, what a matmul gets
+at ``torch.get_float32_matmul_precision() == "highest"`` (the default); "tf32" applies at "high" or "medium".
 """
 
 from __future__ import annotations
@@ -50,7 +46,6 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
 
     Args:
         device_name: as ``torch.cuda.get_device_name()`` reports it, e.g. ``"NVIDIA H100 80GB HBM3"``.
-        dtype: one of :data:`MATMUL_DTYPES`.
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`MATMUL_DTYPES`.

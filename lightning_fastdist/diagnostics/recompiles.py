@@ -1,9 +1,8 @@
 """Watch ``torch.compile`` recompiles and report each cause once, with the fix that matches it.
 
 A recompile silently costs a full compile, and after ``torch._dynamo.config.recompile_limit`` of them a function
-falls back to eager. :class:`RecompileWatcher` switches on torch's ``recompiles`` log artifact (unless the user
-configures ``TORCH_LOGS``), counts the records, names the cause of each failed guard (:func:`explain_guard`) and
-passes one line per function and cause to ``report`` instead of letting torch print every occurrence.
+falls back to eager. Torch would print every occurrence; :class:`RecompileWatcher` reports one line per function and
+cause instead.
 """
 
 from __future__ import annotations
@@ -126,8 +125,7 @@ class RecompileWatcher:
     """Count recompiles while started; report each function's distinct cause once. Picklable (a strategy keeps one).
 
     Args:
-        report: called with a one-line message the first time a function recompiles for
-            a cause (for example ``rank_zero_warn``).
+        report: gets a one-line message the first time a function recompiles for a cause (e.g. ``rank_zero_warn``).
     """
 
     def __init__(self, report: Callable[[str], None]) -> None:
@@ -141,7 +139,6 @@ class RecompileWatcher:
 
     @property
     def count(self) -> int:
-        """Recompiles seen so far."""
         return sum(self.reasons.values())
 
     def start(self) -> None:
@@ -157,7 +154,6 @@ class RecompileWatcher:
         logger.addHandler(self._handler)
 
     def stop(self) -> None:
-        """Detach from torch's recompile log."""
         if self._handler is None:
             return
         logger = logging.getLogger(RECOMPILES_LOGGER)
@@ -172,9 +168,8 @@ class RecompileWatcher:
         function, guard = summary.split(": ", 1)
         cause = explain_guard(guard)
         places = sum(len(found) for found in self.call_sites.values())
-        explained_by_places = places > 0 and _PLACE_GUARDS.search(guard) is not None
         # Each place may need a graph of its own (and its first block another, e.g. T5's relative position bias).
-        if explained_by_places and self._recompiles_of(function) <= 2 * places:
+        if places > 0 and _PLACE_GUARDS.search(guard) and self._recompiles_of(function) <= 2 * places:
             cause = call_site_cause(self.call_sites)
         if (function, cause) in self._reported:
             return
