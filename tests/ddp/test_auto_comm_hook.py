@@ -40,6 +40,15 @@ def test_powersgd_pays_only_for_models_whose_matrices_compress():
     assert compression_ratio(vectors, rank=2) == 1.0  # nothing to factor: PowerSGD would only cost
 
 
+def test_the_compression_ratio_counts_a_scalar_parameter_as_sent_whole():
+    # CLIP's logit_scale and learned temperatures are 0-dim parameters; an empty matrix has no rows.
+    model = torch.nn.Linear(64, 64, bias=False)
+    model.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    model.empty = torch.nn.Parameter(torch.empty(0, 8))
+    factored = 2 * (64 + 64)
+    assert compression_ratio(model, rank=2) == (64 * 64 + 1) / (factored + 1)
+
+
 def test_a_decision_reads_as_one_line_and_a_saved_level_comes_back_with_powersgd_ready():
     decision = Decision(step=23, level_from="none", level_to="bf16", exposed_share=0.42, step_s=0.31)
     assert decision.line(AutoPolicy()) == (

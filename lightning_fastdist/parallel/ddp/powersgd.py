@@ -178,7 +178,10 @@ def compression_ratio(module: nn.Module, rank: int) -> float:
         if parameter.requires_grad:
             columns = _factor_columns(parameter, rank)
             total += parameter.numel()
-            sent += columns * (parameter.shape[0] + parameter.numel() // parameter.shape[0]) or parameter.numel()
+            if columns:  # P and Q; a scalar or an empty matrix is sent as it is
+                sent += columns * (parameter.shape[0] + parameter.numel() // parameter.shape[0])
+            else:
+                sent += parameter.numel()
     return total / sent if sent else 1.0
 
 
