@@ -1,7 +1,6 @@
 """Count what a strategy's collectives send, without touching the device.
 
-Every engine's counting collectives pass each tensor they hand to a collective through :meth:`CommStats.record`;
-the count uses only metadata (``numel() * element_size()``), so no device-to-host sync. The bytes recorded are the
+The count uses only metadata (``numel() * element_size()``), so no device-to-host sync. The bytes recorded are the
 collective's full-size tensor: what is all-reduced, the gathered result of an all-gather, the input of a
 reduce-scatter (what each rank sends on a ring: ``docs/doctor.md``).
 """
@@ -32,7 +31,7 @@ class Traffic:
 
 
 def metric_name(collective: str) -> str:
-    """The name a collective's bytes per optimizer step are logged under, e.g. ``comm/allreduce_bytes_per_step``."""
+    """The name a collective's bytes per optimizer step are logged under."""
     return f"comm/{collective}_bytes_per_step"
 
 
@@ -41,10 +40,9 @@ class CommStats:
     """Running totals of this rank's gradient and parameter communication.
 
     Attributes:
-        rounds: completed gradient synchronisations (backward passes that sent
-            gradients; one per optimizer step when accumulation skips the others).
-        totals: :class:`Traffic` per collective name since creation.
-        last_step: :class:`Traffic` per collective name of the most recent finished optimizer step.
+        rounds: completed gradient synchronisations (one per optimizer step when accumulation skips the others).
+        totals: traffic per collective name since creation.
+        last_step: traffic per collective name of the most recent finished optimizer step.
     """
 
     rounds: int = 0
@@ -59,21 +57,18 @@ class CommStats:
         self._pending[collective] = self._pending.get(collective, Traffic()) + call
 
     def finish_round(self) -> None:
-        """Mark the end of one gradient synchronisation."""
         self.rounds += 1
 
     def end_step(self) -> None:
-        """Close the traffic of one optimizer step into :attr:`last_step`."""
+        """Close the traffic of one optimizer step into ``last_step``."""
         self.last_step, self._pending = self._pending, {}
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of every collective since creation."""
         return sum(traffic.bytes for traffic in self.totals.values())
 
     @property
     def last_step_bytes(self) -> int:
-        """Bytes of every collective in the most recent finished optimizer step."""
         return sum(traffic.bytes for traffic in self.last_step.values())
 
     def gradient_bytes_so_far(self) -> int:

@@ -1,17 +1,8 @@
 """Exposed communication: how long each optimizer step waits for communication its compute did not hide.
 
-Measured, per engine, where the waiting happens (the sources that justify each choice are cited where it is made):
-
-- DDP (:class:`BackwardTail`): from the accumulation of the last parameter gradient to the end of DDP's
-  ``finalize_backward`` (inside ``backward()``), on backward passes that synchronise gradients. DDP
-  all-reduces each bucket as it fills, under the rest of the backward, and waits for every bucket before
-  ``backward()`` returns; what is left after the last gradient is the part the backward did not hide.
-- FSDP2 and DeepSpeed (:func:`timed_collective`, called by their counting wrappers): every blocking
-  collective call and every ``wait()`` on an asynchronous one.
-
-:class:`ExposedCommClock` adds these intervals up per optimizer step. On CPU a mark is the thread's
-``time.perf_counter()``; on CUDA it is an event recorded on the current stream, so an interval is how long
-the stream stalled, and the events are read only when a value is asked for: no host sync on ordinary steps.
+DDP waits from its last gradient to the end of ``finalize_backward`` (``BackwardTail``); FSDP2 and DeepSpeed wait in
+blocking collectives and in ``wait()`` on asynchronous ones (``timed_collective``). On CUDA the marks are events on
+the current stream, read only when a value is asked for, so ordinary steps need no host sync.
 """
 
 from __future__ import annotations
@@ -44,13 +35,8 @@ class ExposedCommClock:
     """Intervals of waiting for communication, closed per optimizer step like ``CommStats.end_step``.
 
     Args:
-        device: the training device: ``cuda`` marks with events on the current stream, anything else with
-            ``now()``.
-        now: the CPU clock, in seconds (a test gives one that only moves when it says, so that what is counted
-            does not depend on how busy the machine is).
-
-    Attributes:
-        steps: optimizer steps closed so far.
+        device: ``cuda`` marks with events on the current stream, anything else with ``now()``.
+        now: the CPU clock, in seconds (tests pass a manual one so counts don't depend on machine load).
     """
 
     def __init__(self, device: torch.device | str = "cpu", now: Callable[[], float] = time.perf_counter) -> None:
@@ -67,7 +53,7 @@ class ExposedCommClock:
         self._unread: list[Interval] = []  # CUDA intervals not yet in _total_s
 
     def mark(self, reuse: Mark | None = None) -> Mark:
-        """Now: a :attr:`now` reading, or a CUDA event recorded on the current stream (``reuse`` re-recorded)."""
+        """A ``now()`` reading, or a CUDA event recorded on the current stream (``reuse`` re-recorded)."""
         if not self.on_cuda:
             return self.now()
         event = reuse if isinstance(reuse, torch.cuda.Event) else torch.cuda.Event(enable_timing=True)
@@ -92,15 +78,12 @@ class ExposedCommClock:
     @contextmanager
     def blocked(self) -> Iterator[None]:
         """Count the time the body takes as waiting for communication (where it stalls the compute)."""
-        if not self.on_compute_stream():
-            yield
-            return
-        start = self.mark()
+        start = self.mark() if self.on_compute_stream() else None
         yield
-        self.add(start)
+        if start is not None:
+            self.add(start)
 
     def end_step(self) -> None:
-        """Close the intervals of one optimizer step into :attr:`last_step_s`."""
         self._last_step, self._step = self._step, []
         self.steps += 1
         unread, self._unread = self._unread, []
@@ -117,7 +100,6 @@ class ExposedCommClock:
 
     @property
     def last_step_waits(self) -> int:
-        """How many intervals the most recent closed step had (e.g. one per synchronising DDP backward)."""
         return len(self._last_step)
 
     @property
@@ -131,27 +113,19 @@ class ExposedCommClock:
 class BackwardTail:
     """DDP's exposed communication: from the last gradient's accumulation to the end of each synchronising backward.
 
-    DDP's reducer all-reduces a bucket as soon as its gradients are in (``Reducer::mark_variable_ready`` ->
-    ``mark_bucket_ready``: buckets launched in order, each through the comm hook), and once the last bucket
-    is launched it queues an autograd final callback, ``finalize_backward``, that waits for every bucket's
-    future (torch/csrc/distributed/c10d/reducer.cpp). A ``register_post_accumulate_grad_hook`` runs inside
-    ``AccumulateGrad`` once a parameter's gradient is in, before the reducer's post-hook on that node. From
-    the last such hook to the end of ``finalize_backward`` the training thread (on CUDA, the stream) only
-    launches the buckets not yet launched, waits, and copies results back: communication the backward did
-    not hide.
+    DDP's reducer launches each bucket as its gradients come in and queues ``finalize_backward``, which waits for
+    every bucket (torch/csrc/distributed/c10d/reducer.cpp). A post-accumulate-grad hook runs once a parameter's
+    gradient is in, before the reducer's hook, so from the last such hook to the end of ``finalize_backward`` the
+    thread only launches the remaining buckets, waits and copies back: communication the backward did not hide.
 
-    The end is marked inside autograd, not after ``backward()`` returns, so nothing run after it (Lightning's
-    ``on_after_backward`` callbacks) counts: the first hook of a backward queues a final callback, which runs
-    once the graph is done and queues a second one; the engine runs callbacks queued by callbacks after the
-    ones already queued (``GraphTask::exec_post_processing``, torch/csrc/autograd/engine.cpp), so the second
-    runs after DDP's ``finalize_backward``, on the caller's streams (the engine's ``MultiStreamGuard`` there).
+    The end is marked inside autograd so that Lightning's ``on_after_backward`` does not count: the first hook
+    queues a final callback that queues a second one, and the engine runs callbacks queued by callbacks after those
+    already queued (``GraphTask::exec_post_processing``), so the second runs after ``finalize_backward``.
 
     Args:
-        module: the module DDP wraps; each trainable parameter gets a hook (one ``perf_counter`` call, or an
-            event record on CUDA, per parameter per backward).
-        clock: where the intervals go.
-        syncing: whether the backward running now all-reduces; for DDP its ``require_backward_grad_sync``,
-            which ``no_sync()`` turns off on accumulation micro-batches (they send nothing and add nothing).
+        module: the module DDP wraps; each trainable parameter gets a hook (one clock mark per backward).
+        syncing: whether the backward running now all-reduces (DDP's ``require_backward_grad_sync``, off under
+            ``no_sync()``: accumulation micro-batches add nothing).
     """
 
     def __init__(self, module: nn.Module, clock: ExposedCommClock, syncing: Callable[[], bool]) -> None:
@@ -179,7 +153,6 @@ class BackwardTail:
         self._in_backward = False
 
     def remove(self) -> None:
-        """Take the hooks off the parameters."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -197,7 +170,7 @@ def watch_ddp(ddp: nn.Module, clock: ExposedCommClock) -> BackwardTail:
 class TimedWork(dist.Work):
     """An asynchronous collective's ``Work`` whose ``wait()`` counts as waiting for communication.
 
-    A ``dist.Work`` subclass, so callers that check the type (FSDP2 waits only on a ``Work``) still wait on it.
+    A ``dist.Work`` subclass because FSDP2 waits only on a ``Work``.
     """
 
     def __init__(self, work: Any, clock: ExposedCommClock) -> None:
@@ -228,6 +201,6 @@ def timed_collective(clock: ExposedCommClock | None, call: Callable[[], Any], as
         return call()
     if asynchronous:
         work = call()
-        return TimedWork(work, clock) if work is not None else None
+        return None if work is None else TimedWork(work, clock)
     with clock.blocked():
         return call()

@@ -1,9 +1,7 @@
-"""Activation checkpointing per block: trade recomputation in backward for activation memory.
+"""Activation checkpointing per block, for every strategy, applied before sharding or wrapping.
 
-One implementation for every strategy, before sharding or wrapping. torch's composable, hook-based
-``checkpoint(module)`` keeps the model's structure (parameter names, ``state_dict`` keys, attribute access), so
-checkpoints move freely between runs with and without it. The modes (``"none"``, ``"full"``, ``"selective"``, every
-``n``-th block) are described in :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`.
+torch's hook-based ``checkpoint(module)`` keeps parameter names and ``state_dict`` keys, so checkpoints move freely
+between runs with and without it. The modes are described in ``ParallelPlan``.
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = get_args(CheckpointingMode)
 # The modes by the recomputation they add to backward, least first: full recomputes whole blocks.
 LEAST_RECOMPUTE_FIRST = tuple(sorted(ACTIVATION_CHECKPOINTING_MODES, key=lambda mode: mode == "full"))
 
-# Ops whose outputs selective checkpointing keeps: they cost O(n^3)-like compute
-# to redo while the ops left out (norms, GELU, adds, dropout) are memory-bound and cheap.
+# Ops whose outputs selective checkpointing keeps: costly to redo, while the rest (norms, GELU, adds, dropout) are
+# memory-bound and cheap.
 _EXPENSIVE_OP_NAMES = (
     "mm",
     "addmm",
@@ -44,8 +42,7 @@ EXPENSIVE_OPS = frozenset(
 
 def validate_activation_checkpointing(mode: str | int) -> str | int:
     """Return ``mode`` if it is a valid activation-checkpointing mode, else raise one clear ``ValueError``."""
-    valid_int = isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1
-    if mode in ACTIVATION_CHECKPOINTING_MODES or valid_int:
+    if mode in ACTIVATION_CHECKPOINTING_MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1):
         return mode
     raise ValueError(
         f"activation_checkpointing: got {mode!r}; use one of {', '.join(map(repr, ACTIVATION_CHECKPOINTING_MODES))} "
@@ -60,22 +57,10 @@ def _keep_expensive_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def apply_activation_checkpointing(
     model: nn.Module, mode: str | int, block_classes: Sequence[type[nn.Module]]
 ) -> list[nn.Module]:
-    """Checkpoint the blocks of ``model`` in place; call it before sharding, compiling or DDP-wrapping.
+    """Checkpoint the outermost blocks of ``model`` in place, before sharding, compiling or DDP-wrapping.
 
-    Args:
-        model: the model; it is changed in place (hooks are added to its blocks).
-        mode: ``"none"``, ``"full"``, ``"selective"`` or an integer ``n >= 1``
-            (see the module docstring).
-        block_classes: the block classes (see
-            :func:`lightning_fastdist.parallel.plan.blocks.resolve_blocks`);
-            a block nested inside another block is not checkpointed twice.
-
-    Returns:
-        The block modules that were checkpointed, in module order.
-
-    Raises:
-        ValueError: an unknown ``mode``, a mode other than ``"none"`` with no block in ``model``, or an
-            integer ``mode`` larger than the number of blocks (nothing would be checkpointed).
+    Returns the checkpointed blocks in module order. Raises ``ValueError`` for an unknown ``mode``, for a mode other
+    than ``"none"`` with no block in ``model``, and for an integer ``mode`` above the number of blocks.
     """
     validate_activation_checkpointing(mode)
     if mode == "none":

@@ -1,11 +1,7 @@
 """Find the blocks of a model: the units that FSDP shards, activation checkpointing wraps and compile compiles.
 
-A "block" is a module class whose instances form the layers of a model: a
-transformer layer, a residual stage's block. Every strategy resolves its
-``blocks`` option here, with :func:`resolve_blocks`: either class names
-(strings, so that a YAML file can name them) or ``"auto"``
-(:func:`find_blocks`). :func:`describe_blocks` gives the one line a strategy
-logs at setup, e.g. ``blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)``.
+A block is a module class whose instances form the model's layers (a transformer layer). Every strategy resolves its
+``blocks`` option here, from class names (strings, so a YAML file can name them) or ``"auto"``.
 """
 
 from __future__ import annotations
@@ -71,7 +67,7 @@ def find_blocks(model: nn.Module) -> list[type[nn.Module]]:
 def _stacks(
     model: nn.Module, candidates: set[type[nn.Module]], ancestors: dict[int, list[nn.Module]]
 ) -> set[type[nn.Module]]:
-    """The candidate classes that enclose one of the model's outermost layer lists (see :func:`find_blocks`)."""
+    """The candidate classes that enclose one of the model's outermost layer lists (the stacks of ``find_blocks``)."""
 
     def is_layer_list(module: nn.Module) -> bool:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -87,7 +83,6 @@ def _stacks(
 
 
 def qualified_name(cls: type) -> str:
-    """``package.module.ClassName`` of a class."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -102,15 +97,9 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[str], option: str = 
     """Turn ``"auto"`` or class names into the module classes of ``model`` they denote.
 
     Args:
-        model: the model to search.
-        blocks: ``"auto"`` (see :func:`find_blocks`), or class names, each either
-            bare (``"Block"``) or qualified (``"my_pkg.model.Block"``); naming a
-            leaf class such as ``"Linear"`` is allowed.
+        blocks: ``"auto"``, or class names, bare (``"Block"``) or qualified (``"my_pkg.model.Block"``); a leaf class
+            such as ``"Linear"`` is allowed.
         option: the user-facing option that ``blocks`` came from, named in the error.
-
-    Raises:
-        ValueError: ``blocks`` is neither, or a name matches no module class in
-            ``model``; the message lists the classes the model does contain.
     """
     check_blocks_value(blocks, option)
     if blocks == "auto":
@@ -136,7 +125,7 @@ def block_modules(model: nn.Module, block_classes: Sequence[type[nn.Module]]) ->
 
 
 def outermost_block_modules(model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> list[nn.Module]:
-    """Like :func:`block_modules`, leaving out blocks nested inside another block."""
+    """Like ``block_modules``, leaving out blocks nested inside another block."""
     blocks = block_modules(model, block_classes)
     nested = {id(inner) for block in blocks for inner in block.modules() if inner is not block}
     return [block for block in blocks if id(block) not in nested]
@@ -176,11 +165,7 @@ def root_module_names(model: nn.Module, block_classes: Sequence[type[nn.Module]]
 
 
 def describe_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str:
-    """One line: each block class and its count, then the root's modules.
-
-    ``blocks: GPT2Block x 2 (+ root: wte, wpe, ln_f, lm_head)``, or, without
-    blocks, ``blocks: none in MLPStack (root: net.0, net.2, net.4)``.
-    """
+    """The line a strategy logs at setup: each block class and its count, then the root's modules."""
     roots = root_module_names(model, block_classes)
     shown = ", ".join(roots[:ROOT_NAMES_SHOWN]) + (", ..." if len(roots) > ROOT_NAMES_SHOWN else "")
     instances = block_modules(model, block_classes)

@@ -1,11 +1,8 @@
-"""``torch.compile`` applied to the right region: each repeated block (default) or the model's forward.
+"""``torch.compile`` applied to each repeated block (default) or to the model's forward.
 
-Per-block ("regional") compilation traces one block and reuses that graph for every identical block, so compile
-time does not grow with depth, and FSDP's and checkpointing's hooks run in eager code around each compiled
-``forward``. Only ``forward`` is compiled, so hooks, parameter names and ``state_dict`` keys are unchanged. Order:
-``docs/plan.md``. CUDA graphs are refused when the strategy is built: a replayed graph uses fixed addresses, which
-move here (one graph shared by every block, checkpointing's second replay, FSDP's re-allocated weights); use
-``mode="max-autotune-no-cudagraphs"`` or the default (``docs/compile.md``).
+Per-block compilation reuses one block's graph for every identical block, so compile time does not grow with depth,
+and FSDP's and checkpointing's hooks stay eager around each compiled ``forward``. CUDA graphs are refused: a replayed
+graph uses fixed addresses, which move here (shared graphs, checkpointing's replay, FSDP's re-allocated weights).
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ def compile_backends() -> list[str]:
 
 
 def offered_backends() -> list[str]:
-    """The backends named in an error: torch's user-facing ones and ``eager``/``aot_eager``, without test-only
-    backends (``non_leaf_compile_error_TESTING_ONLY``, ``dynamo_minifier_backend``, ...) or CUDA graphs."""
+    """The backends named in an error: torch's user-facing ones and the debugging ones, without test-only backends
+    or CUDA graphs."""
     import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling
 
     offered = set(torch._dynamo.list_backends()) | {"inductor"} | set(DEBUG_BACKENDS_OFFERED)
@@ -59,12 +56,7 @@ def normalize_compile_config(compile: bool | Mapping[str, Any] | None) -> dict[s
     """Check a strategy's ``compile`` option; return ``torch.compile`` keyword arguments, or ``None`` for off.
 
     Args:
-        compile: ``False``/``None`` (off), ``True`` (torch's defaults: inductor), or a
-            mapping with any of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
-
-    Raises:
-        ValueError: an unknown key, backend or mode, ``mode`` together with ``options``, or a setting that
-            records CUDA graphs (module docstring).
+        compile: ``False``/``None`` (off), ``True`` (torch's defaults), or a mapping of ``COMPILE_OPTIONS``.
     """
     if compile is None or compile is False:
         return None
@@ -116,20 +108,9 @@ def validate_compile_scope(scope: str) -> str:
 def apply_compile(
     model: nn.Module, config: Mapping[str, Any], scope: str, block_classes: Sequence[type[nn.Module]]
 ) -> list[nn.Module]:
-    """Compile the ``forward`` of each block of ``model`` (scope ``"blocks"``) or of ``model`` itself.
+    """Compile, in place, the ``forward`` of each outermost block (scope ``"blocks"``) or of ``model`` itself.
 
-    Args:
-        model: changed in place.
-        config: ``torch.compile`` keyword arguments (see :func:`normalize_compile_config`).
-        scope: ``"blocks"`` or ``"model"``.
-        block_classes: the block classes for scope ``"blocks"`` (see
-            :func:`lightning_fastdist.parallel.plan.blocks.resolve_blocks`).
-
-    Returns:
-        The modules whose ``forward`` is now compiled ("compiled regions").
-
-    Raises:
-        ValueError: scope ``"blocks"`` and no block found in ``model``.
+    Returns the modules whose ``forward`` is now compiled ("compiled regions").
     """
     validate_compile_scope(scope)
     if scope == "model":

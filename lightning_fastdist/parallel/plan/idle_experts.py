@@ -1,14 +1,8 @@
 """Zero gradients for experts that sat idle in a step, so that every rank reduces the same gradients.
 
-In a mixture-of-experts layer with one module per expert, an expert no token of this rank reached gets no
-gradient, and which differ between ranks; FSDP2 then reduce-scatters buffers of different sizes (gloo aborts).
-:class:`IdleExperts` adds to such a layer's output a zero that depends on the idle experts' parameters, so its
-backward gives each of them a zero gradient before the unit's reduce-scatter. After an optimizer step's last
-backward one small all-reduce of which experts ran drops the gradients of experts no rank called, as DDP's
-``find_unused_parameters`` leaves them (FastFSDPStrategy; FastDeepSpeedStrategy's flat partitions cannot).
-Which layers: a ``ModuleList``/``ModuleDict`` of two or more modules of one class that own parameters, inside a
-unit and not units themselves; hooks sit on the experts and on the module that calls them. ``docs/models.md``,
-"Mixture of experts".
+An expert no token of this rank reached gets no gradient, which differs between ranks, so FSDP2 would reduce-scatter
+buffers of different sizes (gloo aborts). Adding to the layer's output a zero tied to the idle experts' parameters
+gives each a zero gradient. Experts: a ``ModuleList``/``ModuleDict`` of 2+ same-class modules owning parameters.
 """
 
 from __future__ import annotations
@@ -41,8 +35,8 @@ class _ZeroGradientTie(torch.autograd.Function):
 
 
 def expert_containers(unit: nn.Module, units: Sequence[nn.Module] = ()) -> list[nn.Module]:
-    """The containers of experts inside ``unit`` (see the module docstring), leaving out the parts of the other
-    ``units`` nested in it, and lists whose modules are units themselves (a stack's layers)."""
+    """The containers of experts inside ``unit``, leaving out the other ``units`` nested in it and lists whose
+    modules are units themselves (a stack's layers)."""
     inside = {id(m) for m in unit.modules()}
     nested_units = [other for other in units if other is not unit and id(other) in inside]
     excluded = {id(m) for other in nested_units for m in other.modules()}
@@ -59,22 +53,13 @@ def expert_containers(unit: nn.Module, units: Sequence[nn.Module] = ()) -> list[
     return found
 
 
-def _calls_its_children(container: nn.Module) -> bool:
-    """Whether ``container`` has a ``forward`` of its own (a plain ``ModuleList``/``ModuleDict`` has none)."""
-    return type(container).forward is not nn.Module.forward
-
-
 class IdleExperts:
     """The expert containers inside a model's units, hooked to give their idle experts zero gradients.
 
-    Build it before ``fully_shard`` (the ties must run before FSDP's own post-forward hook of a unit
-    that calls its experts itself, while the parameters are still the gathered ones). After each
-    optimizer step's last backward, :meth:`drop_gradients_of_experts_idle_everywhere` matches DDP's
-    ``find_unused_parameters``: an expert that no rank called keeps no gradient, so the optimizer
-    leaves it as it is (AdamW would otherwise move it by its momentum and weight decay).
+    Build it before ``fully_shard``: the ties must run before FSDP's post-forward hook of a unit that calls its
+    experts itself, while the parameters are still gathered.
 
     Args:
-        model: the model (FSDP's root unit).
         units: the modules that become FSDP units, ``model`` among them.
     """
 
@@ -83,9 +68,10 @@ class IdleExperts:
         self.trackers: list[_IdleExpertTracker] = []
         for unit in units:
             for container in expert_containers(unit, units):
-                caller = container if _calls_its_children(container) else parents[id(container)]
-                tracker = _IdleExpertTracker(caller, list(container.children()), type(container).__name__)
-                self.trackers.append(tracker)
+                # A plain ModuleList/ModuleDict has no forward: its parent calls the experts.
+                own_forward = type(container).forward is not nn.Module.forward
+                caller = container if own_forward else parents[id(container)]
+                self.trackers.append(_IdleExpertTracker(caller, list(container.children()), type(container).__name__))
 
     def describe(self) -> str:
         """``"2 SwitchTransformersExperts of 16 experts each"``: what was found, for a log line or an error."""
@@ -99,8 +85,9 @@ class IdleExperts:
         )
 
     def drop_gradients_of_experts_idle_everywhere(self, group: dist.ProcessGroup | None = None) -> int:
-        """Collective over ``group`` (a CPU group: gloo): which experts some rank called since the last call; every
-        other expert's parameters lose their gradient. Returns how many experts that was."""
+        """Collective over ``group`` (a CPU group: gloo): drop the gradients of experts no rank called since the last
+        call, as DDP's ``find_unused_parameters`` does, so AdamW's momentum and weight decay leave them alone.
+        Returns how many experts that was."""
         experts = [expert for tracker in self.trackers for expert in tracker.experts]
         called = torch.tensor(
             [any(id(expert) in tracker.called_this_step for tracker in self.trackers) for expert in experts],

@@ -1,13 +1,8 @@
 """HuggingFace's KV cache, turned off for training whose blocks are checkpointed or compiled one by one.
 
-A HuggingFace decoder whose ``config.use_cache`` is on (the default) builds a KV
-cache in every forward, training included, and hands it to each layer, which
-appends its keys and values to it. A checkpointed layer appends them a second
-time when backward recomputes it (inductor's backward then fails on mismatched
-strides), and a layer compiled on its own meets the cache in a new state in
-every layer: one recompile per layer, and eager code once torch's recompile
-limit is reached. Training never reads the cache; ``generate()`` follows the
-model's ``generation_config``, which this leaves alone.
+With ``config.use_cache`` on, every forward builds a cache each layer appends to: a checkpointed layer appends twice
+(inductor's backward fails on the strides) and a per-layer compile recompiles per layer. Training never reads the
+cache, and ``generate()`` follows ``generation_config``, which this leaves alone.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from torch import nn
 def turn_off_kv_cache(model: nn.Module) -> list[str]:
     """Set ``config.use_cache = False`` wherever a module of ``model`` has a config with it on.
 
-    Returns:
-        The names of the modules whose config changed (a config shared by several modules counts once).
+    Returns the names of the modules whose config changed (a config shared by several modules counts once).
     """
     changed: list[str] = []
     seen: set[int] = set()

@@ -1,11 +1,8 @@
 """The plan every strategy applies to a model: its blocks, their activation checkpointing, compile, then a wrapper.
 
-:class:`ParallelPlan` holds the options all strategies share and is the one place they are described; a strategy
-builds one from its arguments (it checks itself once, there) and, when Lightning hands it the model, calls
-:meth:`ParallelPlan.apply` with its wrapper: FSDP's ``fully_shard`` per block, DDP's ``DistributedDataParallel``
-or nothing (DeepSpeed's engine wraps the model after Lightning's ``_setup_model``). The order (blocks, KV cache,
-checkpointing, compile, wrapper) and why each step comes where it does: ``docs/plan.md`` and
-:meth:`ParallelPlan.apply`.
+``ParallelPlan`` holds the options all strategies share, checked once, and is the one place they are described. The
+wrapper is FSDP's ``fully_shard`` per block, DDP's ``DistributedDataParallel`` or nothing (DeepSpeed wraps later);
+why the steps come in this order: ``docs/plan.md``.
 """
 
 from __future__ import annotations
@@ -51,8 +48,8 @@ class PreparedBlocks:
         checkpointed: the blocks under activation checkpointing, in module order.
         selective: whether that checkpointing is ``"selective"`` (FSDP then casts their inputs itself).
         compiled: the modules whose ``forward`` is compiled ("compiled regions").
-        compiled_call_sites: for each compiled block class that runs at two or more places in the model
-            (T5's encoder and decoder), those places (:func:`~lightning_fastdist.parallel.plan.blocks.call_sites`).
+        compiled_call_sites: for each compiled block class that runs at two or more places in the model (T5's
+            encoder and decoder), those places.
     """
 
     block_classes: tuple[type[nn.Module], ...] = ()
@@ -99,7 +96,6 @@ class ParallelPlan:
 
     @property
     def compiles_blocks(self) -> bool:
-        """Each block's forward is compiled (``compile`` on, ``compile_scope="blocks"``)."""
         return self.compile_config is not None and self.compile_scope == "blocks"
 
     def apply(
@@ -114,7 +110,6 @@ class ParallelPlan:
         """Apply the plan to ``model`` in place, in docs/plan.md's order; return ``wrap``'s result and the blocks.
 
         Args:
-            model: the model (a LightningModule or any ``nn.Module``).
             wrap: the wrapper, called last with the model and what the plan did to its blocks.
             wrapper_uses_blocks: the wrapper makes each block a unit of its own (FSDP): resolve the blocks even
                 when neither checkpointing nor compile needs them, and say which share a parameter outside them.
@@ -130,11 +125,9 @@ class ParallelPlan:
             log(line if block_classes else line + without_blocks)
         self._without_kv_cache(model, log)
         checkpointed = apply_activation_checkpointing(model, self.activation_checkpointing, block_classes)
-        compiled = (
-            apply_compile(model, self.compile_config, self.compile_scope, block_classes)
-            if self.compile_config is not None
-            else []
-        )
+        compiled: list[nn.Module] = []
+        if self.compile_config is not None:
+            compiled = apply_compile(model, self.compile_config, self.compile_scope, block_classes)
         prepared = PreparedBlocks(
             tuple(block_classes),
             tuple(checkpointed),

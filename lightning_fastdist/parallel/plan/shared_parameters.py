@@ -1,9 +1,7 @@
 """Blocks that share a parameter with the rest of the model, and so cannot be FSDP units of their own.
 
-FSDP manages each parameter in exactly one unit; a parameter registered inside a block and outside it (a tied
-embedding, one weight reused by two layers) would belong to two, which ``fully_shard`` refuses. Such a block is not
-made a unit: its parameters belong to the next enclosing unit (a block, or the root), and the plan's blocks line
-names it and one shared parameter.
+A parameter registered inside a block and outside it (a tied embedding) would belong to two units, which
+``fully_shard`` refuses, so such a block stays in its enclosing unit and the plan's blocks line names it.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ class SharedParameter:
     """A block that shares a parameter with a module outside it.
 
     Attributes:
-        block: the block (an instance).
         inside: the parameter's name under the block, as the model names it (``"blocks.0.embed.weight"``).
         outside: another name of the same parameter, outside the block (``"wte.weight"``).
     """
@@ -32,8 +29,7 @@ class SharedParameter:
 def blocks_sharing_parameters(model: nn.Module, blocks: Sequence[nn.Module]) -> list[SharedParameter]:
     """For each of ``blocks`` (submodules of ``model``) that shares a parameter with a module outside it, one example.
 
-    Registrations count, not calls: a parameter that a block's forward reads from another module
-    without holding it is not seen.
+    Registrations count, not calls: a parameter that a block's forward reads from another module is not seen.
     """
     names_of: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
@@ -51,9 +47,7 @@ def blocks_sharing_parameters(model: nn.Module, blocks: Sequence[nn.Module]) -> 
 
 
 def describe_kept_blocks(shared: Sequence[SharedParameter]) -> str:
-    """The blocks line's note on blocks kept in their enclosing unit, e.g.
-    ``; kept in the enclosing unit (a parameter shared with it): Block x 2 ('blocks.0.emb.weight' is 'wte.weight')``.
-    """
+    """The blocks line's note on blocks kept in their enclosing unit (one example parameter per class)."""
     if not shared:
         return ""
     first_of_class: dict[type[nn.Module], SharedParameter] = {}

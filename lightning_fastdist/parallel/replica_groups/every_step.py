@@ -1,20 +1,10 @@
 """One node's side of training every step across nodes that are torchft replica groups.
 
-Inside a node the strategy averages gradients as it always does (DDP); across nodes the node's local rank 0 runs
-torchft's ``Manager`` with an asynchronous quorum, torchft's protocol for synchronous training:
-
-1. At the start of a step (:meth:`EveryStepRun.start_step`) the quorum starts in torchft's thread, overlapping
-   the forward and backward passes.
-2. After the backward (:meth:`EveryStepRun.average`) the node's gradients, flattened, are averaged over the nodes
-   of that quorum, and ``should_commit`` says whether every all-reduce of the step succeeded.
-3. The step is applied where it committed. Where it did not (a node was lost during the all-reduce) no weight
-   moves on this node; the next step's quorum is formed without the lost node.
-
-A node whose torchft step is behind the quorum's heals in that quorum: a live node sends it the weights, the
-optimizer's state and the training position (:mod:`.rejoin`), it sends zeros into that step's all-reduce (torchft
-counts it out) and steps with the others' average, so that its weights equal theirs after that step. A node
-restarted with the job's command is one (:meth:`EveryStepRun.__init__`); a node that missed a commit the others made
-is another. torchft's public API, and one private name: the state a healing node received, read before its step.
+Inside a node gradients are averaged as usual (DDP); across nodes local rank 0 runs torchft's ``Manager`` with an
+asynchronous quorum that overlaps the forward and backward. The step is applied only where ``should_commit`` says
+every all-reduce succeeded. A node behind the quorum (restarted, or one that missed a commit) heals in it: a live node
+sends it its state (``rejoin``), it sends zeros into that step's all-reduce and steps with the others' average.
+One private torchft name is read: the state a healing node received, before its step.
 """
 
 from __future__ import annotations
@@ -35,13 +25,7 @@ from lightning_fastdist.parallel.replica_groups.group import (
     equalize_weights,
     new_manager,
 )
-from lightning_fastdist.parallel.replica_groups.rejoin import (
-    NODE_STATE_KEY,
-    CountedTransport,
-    NodeState,
-    Rejoined,
-    load_optimizer_snapshot,
-)
+from lightning_fastdist.parallel.replica_groups.rejoin import NODE_STATE_KEY, CountedTransport, NodeState, Rejoined
 
 ACROSS_NODES = "replica_allreduce"  # logged as comm/replica_allreduce_bytes_per_step
 OPTION = "replica_groups"
@@ -51,18 +35,14 @@ class EveryStepRun:
     """torchft's ``Manager`` for the process that talks across nodes for its node (its local rank 0).
 
     Args:
-        model: the model as trained; its weights are made equal across nodes (node 0's), and sent to a node that
-            heals.
-        optimizer: the optimizer the strategy steps; its state is sent to a node that heals.
-        group: this rank's :class:`~lightning_fastdist.parallel.replica_groups.group.ReplicaGroup`.
+        model: its weights are made equal across nodes (node 0's), and sent to a node that heals, as is the
+            optimizer's state.
         timeout: for torchft's collectives and quorums.
-        stats: the strategy's byte counts; the all-reduces across nodes are recorded as :data:`ACROSS_NODES`.
-        clock: the strategy's exposed-communication clock; waiting for them counts.
+        stats: the all-reduces across nodes are recorded as ``ACROSS_NODES``.
         report: called with the lines saying which nodes left or came back, and which steps were not applied.
 
     Attributes:
-        position: the training position after the latest step (the strategy sets it): what a node that rejoins
-            receives.
+        position: the training position after the latest step (the strategy sets it), sent to a node that rejoins.
         rejoined: how this node joined the running job, where it did.
         skipped: the steps that did not commit on this node.
     """
@@ -100,9 +80,9 @@ class EveryStepRun:
             self._register.training_started()
 
     def _rejoin(self) -> None:
-        """Join nodes that are training: wait for the quorum of their next step, in which torchft gives this node a
-        live node's state; take the weights and optimizer state now (the training position is the strategy's to
-        set: :attr:`rejoined`). That quorum is this node's first step's."""
+        """Join nodes that are training: wait for the quorum of their next step (this node's first), in which torchft
+        gives this node a live node's state; take the weights and optimizer state now (the strategy sets the
+        training position from ``rejoined``)."""
         self.start_step()
         self.manager.wait_quorum()
         pending = self.manager._pending_state_dict  # applied by torchft only at should_commit, after the forward
@@ -113,7 +93,7 @@ class EveryStepRun:
                 "this node again."
             )
         received = pending["user"][NODE_STATE_KEY]
-        self._apply(received)
+        self._node_state.restore(received)
         self.steps = received["schedule"]["steps"]
         self.rejoined = Rejoined(
             source=self.membership.recovery_source or "?",
@@ -131,10 +111,6 @@ class EveryStepRun:
                 "node that heals out of that step), it trains on from the next."
             )
 
-    def _apply(self, received: dict[str, Any]) -> None:
-        self._node_state.restore_weights(received["weights"])
-        load_optimizer_snapshot(self._node_state.optimizer, received["optimizer"])
-
     def start_step(self) -> None:
         """Start the quorum of the next optimizer step, once (call at each batch's start: under gradient
         accumulation the first batch of the step starts it)."""
@@ -143,10 +119,9 @@ class EveryStepRun:
             self._quorum_started = True
 
     def average(self, flats: Sequence[torch.Tensor], first_node: Sequence[torch.Tensor] = ()) -> bool:
-        """Average ``flats`` (this node's gradients, flattened) over the nodes of this step's quorum, in place, give
-        ``first_node`` (the model's buffers, flattened) the values of the quorum's first node (as DDP broadcasts rank
-        0's), and return whether the step commits (every node's all-reduce succeeded and the quorum holds
-        ``min_nodes``). Where this node healed at this step, its weights and optimizer state are now the live node's."""
+        """Average ``flats`` (this node's gradients, flattened) over this step's quorum in place, give ``first_node``
+        (the model's buffers, flattened) the quorum's first node's values (as DDP broadcasts rank 0's), and return
+        whether the step commits (every all-reduce succeeded and the quorum holds ``min_nodes``)."""
         self.start_step()
         works = [self._all_reduce(flat, torch.distributed.ReduceOp.AVG) for flat in flats]
         if first_node and self.manager.participating_rank() != 0:
@@ -160,7 +135,7 @@ class EveryStepRun:
         self.steps += 1
         received, self._node_state.received = self._node_state.received, None
         if received is not None:  # again on a restarted node's first step: the same state, its weights unchanged since
-            self._apply(received)
+            self._node_state.restore(received)
         if not committed:
             self.skipped.append(self.steps)
             if self._report is not None:
@@ -171,9 +146,9 @@ class EveryStepRun:
         return committed
 
     def reduce(self, tensor: torch.Tensor, op: torch.distributed.ReduceOp.RedOpType) -> torch.Tensor:
-        """``tensor`` reduced with ``op`` over the nodes of the latest quorum, in place (a node that heals at this step
-        sends zeros, and an average does not count it). Between two steps that is the quorum of the step just
-        taken: the next step's may bring in a node that did not take it, and so did not make the same reduction."""
+        """``tensor`` reduced with ``op`` over the nodes of the latest quorum, in place (a healing node sends zeros, and
+        an average does not count it). Between two steps that is the quorum of the step just taken: the next step's
+        may bring in a node that did not take it."""
         self.manager.allreduce(tensor, reduce_op=op).wait()
         return tensor
 
@@ -191,7 +166,7 @@ class EveryStepRun:
         return TimedWork(work, self._clock) if self._clock is not None else work
 
     def close(self) -> None:
-        """Stop this process's torchft servers, and say in the register that the nodes no longer train (so that a
-        node that starts now starts a fit of its own)."""
+        """Stop this process's torchft servers and mark the nodes as no longer training in the register, so that a
+        node that starts now starts a fit of its own."""
         self.manager.shutdown(wait=False)
         self._register.close(self.membership.quorum_nodes)

@@ -1,11 +1,8 @@
-"""A node's gradients (and buffers) as the few flat tensors that cross the link, and back: this process's shard of
-each, where FSDP shards them.
+"""A node's gradients (and buffers) as the few flat tensors that cross the link, and back (this process's shards).
 
-One flat tensor per dtype, kept from step to step (a fresh one costs its memory pages every step: 4-5 ms of the
-6 ms a 3.2M-parameter model took to flatten on one CPU thread, against 1 ms into a kept one). A gradient's flat
-tensor ends with one more element per parameter: 1 where this node has a gradient for it, 0 where not. Averaged over
-the nodes, a parameter none of them has a gradient for keeps none (as DDP leaves one that no rank used), and one some
-nodes lack counts as zero there (as DDP's buckets hold it).
+One flat tensor per dtype, kept from step to step: a fresh one costs its memory pages every step. A gradient's flat
+tensor ends with a has-a-gradient mark per parameter, so that, as in DDP, a parameter no node has a gradient for
+keeps none and one some nodes lack counts as zero there.
 """
 
 from __future__ import annotations
@@ -18,21 +15,18 @@ from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 
 class FlatTensors:
-    """``tensors`` (a model's buffers) copied into one flat tensor per dtype by :meth:`gather`, and back by
-    :meth:`scatter`."""
+    """``tensors`` (a model's buffers) copied into one flat tensor per dtype by ``gather``, and back by ``scatter``."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.groups = _by_dtype(tensors)
         self.flats = _empty_flats(self.groups, extra=0)
 
     def gather(self) -> list[torch.Tensor]:
-        """The flat tensors, holding the tensors' values now."""
         for (_, members), flat in zip(self.groups, self.flats, strict=True):
             torch.cat([local_part(tensor.detach()).reshape(-1) for tensor in members], out=flat)
         return self.flats
 
     def scatter(self) -> None:
-        """Copy the flat tensors' values back into the tensors."""
         with torch.no_grad():
             for (_, members), flat in zip(self.groups, self.flats, strict=True):
                 offset = 0
@@ -42,15 +36,14 @@ class FlatTensors:
 
 
 class FlatGradients:
-    """The gradients of ``parameters`` (one flat tensor per dtype, each followed by the parameters' has-a-gradient
-    marks), gathered after the backward by :meth:`gather` and set back once averaged by :meth:`scatter`."""
+    """The gradients of ``parameters``, gathered after the backward by ``gather`` and set back once averaged by
+    ``scatter``."""
 
     def __init__(self, parameters: Sequence[torch.Tensor]) -> None:
         self.groups = _by_dtype(parameters)
         self.flats = _empty_flats(self.groups, extra=1)
 
     def gather(self) -> list[torch.Tensor]:
-        """The flat tensors, holding this node's gradients now."""
         for (dtype, members), flat in zip(self.groups, self.flats, strict=True):
             parts = [local_part(p.grad).reshape(-1) if p.grad is not None else _zeros_of(p) for p in members]
             marks = torch.tensor([float(p.grad is not None) for p in members], dtype=dtype, device=flat.device)
@@ -58,9 +51,8 @@ class FlatGradients:
         return self.flats
 
     def scatter(self, apply: bool) -> None:
-        """Set the gradients from the (averaged) flat tensors: a parameter no node had a gradient for keeps none.
-        Without ``apply`` every gradient becomes ``None``: the optimizer step leaves the weights and the optimizer's
-        state as they are."""
+        """Set the gradients from the (averaged) flat tensors. Without ``apply`` every gradient becomes ``None``, so
+        the optimizer step leaves the weights and the optimizer's state as they are."""
         for (_, members), flat in zip(self.groups, self.flats, strict=True):
             marks = flat[-len(members) :].tolist() if apply else [0.0] * len(members)
             offset = 0

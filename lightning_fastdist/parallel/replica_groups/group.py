@@ -1,13 +1,6 @@
-"""What every form of training across torchft replica groups shares: where a node stands, the lighthouse, the
-``Manager`` of a process that talks across nodes, node 0's store where the nodes meet, and who each quorum holds.
-
-torchft (PyTorch's fault-tolerance library) is built for replica groups: each group is a torch.distributed world of
-its own (here: one node), and a ``Manager`` per rank forms a quorum of the groups through a lighthouse server and
-all-reduces across them on a process group it reconfigures per quorum. What is ours: the lighthouse started by
-global rank 0 and stopped with the job (no extra command), every node waiting for the others before the first quorum,
-the weights made equal across nodes before the first step, one line when a node leaves the quorum or comes back, and
-a restarted node told apart from one of the job's own. torchft's public API, and one private name: the manager's
-client (to read which nodes each quorum holds).
+"""What every form of training across torchft replica groups (one per node) shares: where a node stands, the
+lighthouse, the ``Manager`` of a process that talks across nodes, node 0's store where the nodes meet, and who each
+quorum holds. One private torchft name is used: the manager's client, to read which nodes each quorum holds.
 """
 
 from __future__ import annotations
@@ -36,20 +29,18 @@ TORCHFT_LOG_LEVEL = "warn"
 
 
 def torchft_available() -> bool:
-    """Whether ``torchft`` can be imported (without importing it)."""
     return importlib.util.find_spec("torchft") is not None
 
 
 def is_first_node(quorum_nodes: tuple[str, ...], node_rank: int) -> bool:
-    """Whether node ``node_rank`` is the first node of the latest quorum (``quorum_nodes``, sorted; node 0 before any):
-    the one that speaks for the job, which may not be node 0 once node 0 was lost (with a coordinator)."""
+    """Whether node ``node_rank`` is the first node of the latest quorum (node 0 before any): the one that speaks for
+    the job, which may not be node 0 once node 0 was lost (with a coordinator)."""
     return (quorum_nodes[0] if quorum_nodes else "node0") == f"node{node_rank}"
 
 
 def import_torchft(owner: str) -> ModuleType:
     """``import torchft``, or an ``ImportError`` naming ``owner`` and the install command. Imported here first, its
-    Rust side logs at :data:`TORCHFT_LOG_LEVEL` unless ``RUST_LOG`` says otherwise (the environment is left as it
-    was)."""
+    Rust side logs at ``TORCHFT_LOG_LEVEL`` unless ``RUST_LOG`` says otherwise (the environment is left as it was)."""
     if not torchft_available():
         raise ImportError(f"{owner} needs torchft, which is not installed: {INSTALL_HINT}")
     if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
@@ -67,22 +58,16 @@ def import_torchft(owner: str) -> ModuleType:
 class ReplicaGroup:
     """Where one node stands in the job, and where its torchft servers are.
 
-    A node is one of torchft's replica groups. Where its ranks hold the same weights (DDP) one process talks
-    across nodes for the node, its local rank 0: a replica group of one. Where each rank holds a shard (FSDP)
-    every rank talks, with the ranks holding the same shard on the other nodes: a replica group of the node's ranks.
+    With the same weights on every rank (DDP) local rank 0 talks across nodes for the node: a replica group of one.
+    With a shard per rank (FSDP) every rank talks with the ranks holding the same shard on the other nodes.
 
     Attributes:
-        node_rank: this node's index; ``num_nodes`` in all.
-        local_rank: this process's rank inside its node.
-        sharded: whether each rank of the node holds its own shard of the weights (every rank talks across nodes).
-        ranks_per_node: the node's processes.
         min_nodes: the fewest nodes a quorum may hold (fewer than ``num_nodes``: the job survives a lost node).
         store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
             across nodes rendezvous in the store of one node.
         store_port: the port of the store of this node's ``Manager`` (the fit's own).
-        lighthouse: ``http://HOST:PORT`` of the lighthouse.
         first_store: ``(host, port)`` of the register's store (node 0's, or a coordinator's), where the nodes meet.
-        fit: which fit of the job this is (1, 2, ...: :meth:`FitRegister.count_fit`); 0 before a fit.
+        fit: which fit of the job this is (1, 2, ...: ``FitRegister.count_fit``); 0 before a fit.
     """
 
     node_rank: int
@@ -123,10 +108,8 @@ def coordinator_at(address: str) -> tuple[str, tuple[str, int]]:
 def start_lighthouse(port: int, min_nodes: int, owner: str) -> Any:
     """Start torchft's lighthouse in this process, on every interface at ``port``; ``shutdown()`` stops it.
 
-    A quorum holds every group that heartbeats (one whose heartbeat stops for 5 s is left out), and at least
-    ``min_nodes``: once ``min_nodes`` asked, the lighthouse waits up to :data:`LEFT_OUT_AFTER` for the other
-    heartbeating groups (torchft's default, 100 ms, would split nodes a few milliseconds apart into different
-    quorums)."""
+    Once ``min_nodes`` asked, the lighthouse waits up to ``LEFT_OUT_AFTER`` for the other heartbeating groups
+    (torchft's default, 100 ms, would split nodes a few milliseconds apart into different quorums)."""
     import_torchft(owner)
     from torchft.coordination import LighthouseServer
 
@@ -199,15 +182,13 @@ class FitRegister:
 
     @classmethod
     def count_fit(cls) -> int:
-        """Count a fit starting in this process (call on every rank of the job, each fit): which fit of the job it is.
-        Every process of the job runs the same fits in turn."""
+        """Count a fit starting in this process (call on every rank, each fit): which fit of the job it is."""
         cls.fits_in_this_process += 1
         return cls.fits_in_this_process
 
     def _wait_for_every_node(self) -> None:
-        """Return once every process of this fit that talks across nodes got here: the first quorum then holds every
-        node (a quorum may hold fewer than all once ``min_nodes`` allows it, and a node that came late would miss the
-        weights made equal). Counted per fit: fits of one job may differ in how many processes talk (DDP, FSDP)."""
+        """Return once every process of this fit that talks across nodes got here, so the first quorum holds every node
+        (a late node would miss the weights made equal). Counted per fit: fits may differ in how many processes talk."""
         arrived = self.store.add(f"outer_sync/arrived/{self.fit}", 1)
         if arrived == self.group.num_nodes * self.group.members:
             self.store.set(f"outer_sync/everyone/{self.fit}", "")
@@ -220,7 +201,7 @@ class FitRegister:
 
     def close(self, quorum_nodes: tuple[str, ...]) -> None:
         """The nodes no longer train, so a node that starts now starts a fit of its own: said by the first node of
-        the latest quorum (:func:`is_first_node`)."""
+        the latest quorum."""
         if is_first_node(quorum_nodes, self.group.node_rank) and self.group.local_rank == 0:
             self.store.delete_key(TRAINING_KEY)
 
@@ -229,20 +210,12 @@ class Membership:
     """Who each quorum holds, and one line when nodes left it or came back (reported once per node).
 
     Args:
-        option: the option the lines name (``outer_sync``).
-        num_nodes: the job's nodes.
         steps: returns the optimizer steps taken so far (the step the lines name).
         meeting: where a node that heartbeats but does not come in time was expected (``the sync``).
-        report: called with each line (``None``: not said here).
     """
 
     def __init__(
-        self,
-        option: str,
-        num_nodes: int,
-        steps: Callable[[], int],
-        meeting: str,
-        report: Callable[[str], None] | None,
+        self, option: str, num_nodes: int, steps: Callable[[], int], meeting: str, report: Callable[[str], None] | None
     ) -> None:
         self.option = option
         self.num_nodes = num_nodes
@@ -255,7 +228,6 @@ class Membership:
         self._replicas: tuple[str, ...] = ()  # the latest quorum's torchft replica ids (a restarted node has a new one)
 
     def watch(self, manager: Any) -> None:
-        """Read every quorum ``manager`` receives."""
         manager._client = _QuorumMembers(manager._client, self.note)
 
     def note(self, replicas: tuple[str, ...], source: str | None) -> None:

@@ -1,11 +1,8 @@
 """A node restarted while the others train on (``min_nodes``) takes its state from a live node, not from disk.
 
-torchft heals a replica group whose step is behind the quorum's: at that quorum a node that is up to date sends
-what the state-dict functions registered with its ``Manager`` return, over torchft's checkpoint transport (HTTP),
-and the node behind loads it. torchft's ``DiLoCo`` registers each fragment's global copy and outer optimizer;
-:class:`NodeState` registers the rest of what a node needs to go on as its peers do: its weights as trained since
-the last outer step, the inner optimizer's state, where DiLoCo's schedule stands and the training position (read and
-set by the strategy: this layer knows nothing of Lightning).
+At the quorum that heals it, an up-to-date node sends what the state-dict functions registered with its torchft
+``Manager`` return, over HTTP. DiLoCo registers the fragments' global copies and outer optimizers; ``NodeState`` the
+rest: weights, inner optimizer, schedule and the training position (the strategy's: this layer knows no Lightning).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ class Rejoined:
         step: the optimizer steps the job had taken (the node trains on from the next).
         received_bytes: what torchft's transport received: the tensors of every registered state.
         position: the training position the strategy read on the source node.
-        inner_optimizer: the inner optimizer's state as the source held it (see :func:`optimizer_snapshot`).
+        inner_optimizer: the inner optimizer's state as the source held it (an ``optimizer_snapshot``).
     """
 
     source: str
@@ -46,12 +43,11 @@ class Rejoined:
 
 class NodeState:
     """The weights, inner optimizer, schedule and training position of a node, as torchft sends them to a node that
-    rejoins (:meth:`snapshot` on the sender, :meth:`receive` on the node behind).
+    rejoins (``snapshot`` on the sender, ``receive`` on the node behind).
 
     Args:
-        model: the model as trained, between two steps; ``optimizer``: the inner optimizer.
         schedule: returns where DiLoCo's schedule stands (``{"steps", "local_step"}``).
-        position: returns the training position (the strategy's; ``None`` where nobody reads it).
+        position: returns the training position (``None`` where nobody reads it).
     """
 
     def __init__(
@@ -83,19 +79,20 @@ class NodeState:
         }
 
     def receive(self, state: dict[str, Any]) -> None:
-        """Keep a received :meth:`snapshot` (applied by the run once the quorum that healed this node is over)."""
+        """Keep a received snapshot (applied by the run once the quorum that healed this node is over)."""
         self.received = state
 
-    def restore_weights(self, weights: list[torch.Tensor]) -> None:
-        """Copy a snapshot's weights into the model (this process's shards where sharded)."""
+    def restore(self, received: dict[str, Any]) -> None:
+        """Copy a snapshot's weights (this process's shards where sharded) and optimizer state into the node."""
         with torch.no_grad():
-            for parameter, saved in zip(self.parameters, weights, strict=True):
+            for parameter, saved in zip(self.parameters, received["weights"], strict=True):
                 local_part(parameter).copy_(saved)
+        load_optimizer_snapshot(self.optimizer, received["optimizer"])
 
 
 def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every tensor copied, a DTensor as its local shard (a DTensor's mesh does not
-    travel); :func:`load_optimizer_snapshot` puts it back."""
+    travel)."""
     state = optimizer.state_dict()
     copied: dict[Any, dict[str, Any]] = {}
     for index, values in state["state"].items():
@@ -107,13 +104,13 @@ def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def load_optimizer_snapshot(optimizer: torch.optim.Optimizer, snapshot: dict[str, Any]) -> None:
-    """Load :func:`optimizer_snapshot`'s state into ``optimizer``: a tensor shaped as its parameter's shard becomes a
+    """Load ``optimizer_snapshot``'s state into ``optimizer``: a tensor shaped as its parameter's shard becomes a
     DTensor placed as that parameter is (a sharded optimizer keeps DTensor state)."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    state: dict[Any, dict[str, Any]] = {}
-    for index, values in snapshot["state"].items():
-        parameter = parameters[int(index)]
-        state[index] = {name: _placed_as(parameter, value) for name, value in values.items()}
+    state = {
+        index: {name: _placed_as(parameters[int(index)], value) for name, value in values.items()}
+        for index, values in snapshot["state"].items()
+    }
     optimizer.load_state_dict({"state": state, "param_groups": snapshot["param_groups"]})
 
 

@@ -1,7 +1,7 @@
 """The fragments Streaming DiLoCo synchronises at staggered steps: consecutive blocks, plus the rest.
 
-A fragment is an ``nn.Module`` that holds references to some of the model's parameters (the same tensor objects:
-nothing is copied), as torchft's ``DiLoCo`` takes fragments as modules.
+A fragment is an ``nn.Module`` holding some of the model's parameters (the same tensors, not copies), as torchft's
+``DiLoCo`` takes fragments as modules.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from torch import nn
 
 def split_into_fragments(model: nn.Module, blocks: Sequence[nn.Module], count: int) -> list[nn.Module]:
     """``count`` fragments of ``model``'s trainable parameters: ``blocks`` split into ``count`` runs of consecutive
-    blocks, the parameters outside every block (embeddings, the head, final norms) joining the first fragment.
-
-    Raises:
-        ValueError: ``count`` does not divide the number of blocks (with one line naming both).
-    """
+    blocks, the parameters outside every block (embeddings, the head, final norms) joining the first fragment."""
     if count == 1:
         return [_holder(list(_trainable(model)))]
     if not blocks or len(blocks) % count:

@@ -1,10 +1,8 @@
 """The options of the outer synchronisation across nodes, described and checked once.
 
-Inside a node the strategy averages gradients every step as it always does; across nodes each node trains on its
-own for :attr:`OuterSync.every` optimizer steps, then the nodes average how far they moved (the pseudo-gradient,
-``global - local``) and an outer Nesterov SGD applies it to the global weights (DiLoCo, Douillard et al. 2023).
-Streaming DiLoCo (Douillard et al. 2025) splits the model into :attr:`OuterSync.fragments` fragments synchronised at
-staggered steps, each all-reduce overlapping :attr:`OuterSync.delay` steps of compute.
+Each node trains on its own for ``every`` steps, then the nodes average how far they moved (the pseudo-gradient) and
+an outer Nesterov SGD applies it (DiLoCo, Douillard et al. 2023). Streaming DiLoCo (2025) syncs ``fragments`` pieces
+at staggered steps, each all-reduce overlapping ``delay`` steps of compute.
 """
 
 from __future__ import annotations
@@ -31,18 +29,16 @@ class OuterSync:
             made of consecutive blocks (it must divide the number of blocks); 1 is DiLoCo, all at once.
         delay: optimizer steps an outer all-reduce overlaps before the step that applies it waits for it
             (Streaming DiLoCo's tau; 0 waits at once; less than ``every / fragments``).
-        lr: the outer SGD's learning rate (> 0); DiLoCo's 0.7. With ``momentum=0`` and ``lr=1`` the outer step
-            is plain parameter averaging (local SGD).
+        lr: the outer SGD's learning rate (> 0); DiLoCo's 0.7. ``momentum=0`` and ``lr=1`` is plain averaging.
         momentum: the outer SGD's momentum in [0, 1); DiLoCo's 0.9.
         nesterov: Nesterov momentum, as DiLoCo does (needs ``momentum > 0``).
         dtype: what the pseudo-gradient crosses the link in: ``"bf16"`` (half the bytes) or ``"fp32"``; it is
             applied in the parameters' dtype either way.
         mix: after a fragment's sync, its weights become ``lerp(global, local, mix)``; 0 takes the new global
             weights (what the steps during ``delay`` did to that fragment is dropped), 0.5 keeps half of it.
-        min_nodes: the fewest nodes the job trains on: with fewer than all, a node lost after the start (killed,
-            preempted, its link down) leaves the others training on at their next sync instead of ending the job,
-            and started again with the same command it joins them (``docs/fault-tolerance.md``). ``None`` (the
-            default): every node, so a lost node ends the job.
+        min_nodes: the fewest nodes the job trains on: with fewer than all, a node lost after the start leaves the
+            others training on at their next sync, and started again it joins them. ``None``: every node, so a lost
+            node ends the job.
     """
 
     every: int = 100
@@ -84,19 +80,19 @@ class OuterSync:
 
     @classmethod
     def of(cls, value: OuterSync | Mapping[str, Any] | None) -> OuterSync | None:
-        """``value`` as settings: an :class:`OuterSync`, a mapping of its fields (a recipe's), or ``None``."""
+        """``value`` as settings: an ``OuterSync``, a mapping of its fields (a recipe's), or ``None``."""
         if value is None or isinstance(value, OuterSync):
             return value
+        accepted = [f.name for f in fields(cls)]
         if not isinstance(value, Mapping):
-            raise ValueError(f"outer_sync must be a mapping of {[f.name for f in fields(cls)]}, not {value!r}.")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+            raise ValueError(f"outer_sync must be a mapping of {accepted}, not {value!r}.")
+        unknown = sorted(set(value) - set(accepted))
         if unknown:
-            raise ValueError(f"outer_sync has no option {unknown[0]!r}: accepted are {[f.name for f in fields(cls)]}.")
+            raise ValueError(f"outer_sync has no option {unknown[0]!r}: accepted are {accepted}.")
         return cls(**value)
 
     @property
     def steps_between_fragments(self) -> int:
-        """Optimizer steps from one fragment's sync to the next fragment's."""
         return self.every // self.fragments
 
     def in_flight(self, optimizer_steps: int) -> bool:
@@ -114,12 +110,8 @@ class OuterSync:
         ]
 
 
-# The forms bench and tune compare (planning.setup.Setup.outer_sync), short enough that bench's steps see several
-# syncs, and plain parameter averaging across nodes (outer lr 1, no momentum): at these small `every` DiLoCo's outer
-# Nesterov (lr 0.7, momentum 0.9, tuned for every=500) lagged exact DDP's held-out loss by 16% after 100 steps of
-# cpu_smoke. Streaming sends a quarter of the model every 3 steps, each all-reduce overlapping 1 step: the whole
-# model every 12 steps (DiLoCo's: every 10, all at once). After 1000 steps both were within 3% of exact DDP's
-# held-out loss in two seeds, where streaming every 8 was 3.4% off (docs/semi-sync.md).
+# The forms bench and tune compare, short enough that bench's steps see several syncs, with plain parameter averaging
+# (outer lr 1, no momentum): DiLoCo's outer Nesterov is tuned for a far larger `every` (docs/semi-sync.md).
 OUTER_SYNC_FORMS: dict[OuterSyncForm, dict[str, Any]] = {
     "diloco": {"every": 10, "fragments": 1, "delay": 0, "lr": 1.0, "momentum": 0.0, "nesterov": False},
     "streaming-diloco": {"every": 12, "fragments": 4, "delay": 1, "lr": 1.0, "momentum": 0.0, "nesterov": False},

@@ -1,16 +1,9 @@
 """One node's side of the outer synchronisation, on torchft: its ``Manager`` and its ``DiLoCo``.
 
-Each node is a torchft replica group (:mod:`~lightning_fastdist.parallel.replica_groups.group`: the lighthouse, node
-0's store, who each quorum holds), whose ranks keep averaging gradients every step. ``DiLoCo`` hooks the inner
-optimizer's ``step``: every ``every / fragments`` steps it starts the quorum and the all-reduce of one fragment's
-pseudo-gradient, and ``delay`` steps later applies the outer step.
-
-What is ours: the pseudo-gradient sent in bf16, its bytes and waiting counted in the strategy's ``comm/*`` metrics,
-and a node restarted while the others train joining them
-(:mod:`~lightning_fastdist.parallel.replica_groups.rejoin`). torchft's public API, and these private names: each
-fragment's global copy (for evaluation), DiLoCo's position in the schedule (for exact resume and rejoining), the
-fragment it syncs next and its two halves of a sync (for rejoining: the node that joins does what the others do
-after the quorum that brought it in).
+``DiLoCo`` hooks the inner optimizer's ``step``: every ``every / fragments`` steps it starts one fragment's
+pseudo-gradient all-reduce and applies the outer step ``delay`` steps later. Ours: the pseudo-gradient sent in bf16
+and counted in ``comm/*``, and rejoining. Private torchft names are read for evaluation (fragments' global copies),
+exact resume and rejoining (the schedule's position, the next fragment and its two halves of a sync).
 """
 
 from __future__ import annotations
@@ -33,35 +26,23 @@ from lightning_fastdist.parallel.replica_groups.group import (
     import_torchft,
     new_manager,
 )
-from lightning_fastdist.parallel.replica_groups.rejoin import (
-    NODE_STATE_KEY,
-    CountedTransport,
-    NodeState,
-    Rejoined,
-    load_optimizer_snapshot,
-)
+from lightning_fastdist.parallel.replica_groups.rejoin import NODE_STATE_KEY, CountedTransport, NodeState, Rejoined
 from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 
 OUTER_ALL_REDUCE = "outer_allreduce"  # logged as comm/outer_allreduce_bytes_per_step
 
 
 class OuterSyncRun:
-    """torchft's ``Manager`` and ``DiLoCo`` for a process that talks across nodes
-    (:attr:`ReplicaGroup.talks_across_nodes`), with the inner optimizer's ``step`` hooked while open.
+    """torchft's ``Manager`` and ``DiLoCo`` for a process that talks across nodes, with the inner optimizer's
+    ``step`` hooked while open.
 
     Args:
-        settings: the outer synchronisation's options.
         model: the model as trained (wrapped or not); its trainable parameters are made equal across nodes.
-        fragments: the fragments (:func:`~lightning_fastdist.parallel.semi_sync.fragments.split_into_fragments`).
-        inner_optimizer: the optimizer the strategy steps every step.
-        group: this rank's :class:`ReplicaGroup`.
         timeout: for torchft's collectives and quorums.
-        stats: the strategy's byte counts; the outer all-reduces are recorded as :data:`OUTER_ALL_REDUCE`.
-        clock: the strategy's exposed-communication clock; waiting for an outer all-reduce counts.
-        report: called with the one line saying which nodes left or joined the quorum, and at which step (``None``:
-            not said here).
-        position: returns the training position a node that rejoins receives (``None`` by default); where this
-            node rejoined, :attr:`rejoined` holds the one it received.
+        stats: the outer all-reduces are recorded as ``OUTER_ALL_REDUCE``.
+        report: called with the line saying which nodes left or joined the quorum, and at which step.
+        position: returns the training position a node that rejoins receives; where this node rejoined,
+            ``rejoined`` holds the one it received.
     """
 
     def __init__(
@@ -119,13 +100,12 @@ class OuterSyncRun:
             self._rejoin()
 
     def _schedule(self) -> dict[str, int]:
-        """Where the schedule stands, as a node that rejoins takes it (read in the optimizer step's hook)."""
         return {"steps": self.steps, "local_step": self.diloco._local_step}
 
     def _rejoin(self) -> None:
         """Join nodes that have been training: at their next fragment's quorum torchft gives this node a live node's
-        state (:mod:`.rejoin`), and it then does what they do after that quorum (start the fragment's all-reduce,
-        and apply it where the schedule has no delay), so that it takes their next step with them."""
+        state, and it then does what they do after that quorum (start the fragment's all-reduce, and apply it where
+        the schedule has no delay), so that it takes their next step with them."""
         self.manager.start_quorum()  # returns once the others came to a quorum, this node healed
         received = self._node_state.received
         if received is None:
@@ -135,11 +115,9 @@ class OuterSyncRun:
                 " restart the whole job, or start this node again once they applied one."
             )
         self._node_state.received = None
-        self._node_state.restore_weights(received["weights"])
-        load_optimizer_snapshot(self._node_state.optimizer, received["optimizer"])
-        schedule = received["schedule"]
-        self.steps = schedule["steps"]
-        self.diloco._local_step = schedule["local_step"]
+        self._node_state.restore(received)
+        self.steps = received["schedule"]["steps"]
+        self.diloco._local_step = received["schedule"]["local_step"]
         self.fragment_due = self.diloco._current_fragment()
         fragment = self.diloco._fragments[self.fragment_due]
         fragment.prepare_sync()
@@ -175,7 +153,7 @@ class OuterSyncRun:
         return {"outer_optimizers": outer, "manager": self.manager.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizer_steps: int) -> None:
-        """Put back :meth:`state_dict`'s state, after ``optimizer_steps`` inner steps of the run that saved it (the
+        """Put back ``state_dict``'s state, after ``optimizer_steps`` inner steps of the run that saved it (the
         outer optimizers' where it holds them: a sharded node keeps theirs in its own shards)."""
         for optimizer, saved in zip(self.outer_optimizers, state.get("outer_optimizers", ())):
             optimizer.load_state_dict(saved)
@@ -186,8 +164,8 @@ class OuterSyncRun:
 
     def wait_for_saves(self, step: int) -> list[str]:
         """Wait until this process's counterpart on every node of the latest quorum wrote its state of the checkpoint
-        of ``step``, counted in node 0's store; return the nodes that did not within :data:`LEFT_OUT_AFTER` (they
-        left the job since). A node that joined at that quorum has no state to write: it is not waited for (a
+        of ``step``, counted in node 0's store; return the nodes that did not within ``LEFT_OUT_AFTER`` (they left the
+        job since). A node that joined at that quorum has no state to write: it is not waited for (a
         collective across the nodes would pair with its next one instead)."""
         membership, store = self.membership, self._register.store
         saving = [node for node in membership.quorum_nodes if membership.joined.get(node) != self.steps]
@@ -203,12 +181,11 @@ class OuterSyncRun:
 
     @property
     def syncs(self) -> int:
-        """Outer steps applied so far (torchft's committed steps)."""
         return self.manager.current_step()
 
     def close(self) -> None:
-        """Unhook the inner optimizer, stop this rank's torchft servers, and say in the register that the nodes no
-        longer train (so that a node that starts now starts a fit of its own)."""
+        """Unhook the inner optimizer, stop this rank's torchft servers and mark the nodes as no longer training in the
+        register, so that a node that starts now starts a fit of its own."""
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
