@@ -46,6 +46,12 @@ from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
 from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
+from lightning_fastdist.strategies.across_nodes import (
+    across_nodes_job,
+    resume_ranks,
+    start_across_nodes,
+    training_ranks_of,
+)
 from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_hook_checkpoint import (
     remember_location,
@@ -64,7 +70,6 @@ from lightning_fastdist.strategies.job import (
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
@@ -201,8 +206,8 @@ class FastDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
-        if self._across_nodes is not None:
-            self._across_nodes.check_launch(self.num_nodes)
+        if across_nodes_job(self) is not None:
+            across_nodes_job(self).check_launch(self.num_nodes)
 
     def check_names(self, module: LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
@@ -222,8 +227,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        if self._across_nodes is not None:
-            self._across_nodes.nodes.join(self, self._get_process_group_backend(), self.timeout)
+        if across_nodes_job(self) is not None:
+            across_nodes_job(self).nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         super().setup_distributed()  # finds the group initialised and keeps it
 
@@ -260,47 +265,13 @@ class FastDDPStrategy(DDPStrategy):
     @property
     def training_ranks(self) -> int:
         """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
-        across = self._across_nodes
-        return across.training_ranks(self.world_size) if across is not None else self.world_size
-
-    @property
-    def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
-        """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
-        return self.outer_sync or self.replica_groups
-
-    @property
-    def _resume_ranks(self) -> tuple[int, int]:
-        """This rank and the ranks whose random states a checkpoint keeps: the node's under a world per node."""
-        if self._across_nodes is not None:
-            return self.local_rank, self.num_processes
-        return self.global_rank, self.world_size
+        return training_ranks_of(self)
 
     @override
     def on_train_start(self) -> None:
         self._comm_log.new_fit()
         super().on_train_start()
-        if self.outer_sync is not None:  # after Lightning restored a checkpoint's state: this node's own on top
-            self.outer_sync.start(
-                self.model,
-                self.lightning_module,
-                self.plan.blocks,
-                self.optimizers,
-                self.timeout,
-                self._resume,
-                stats=self.comm_stats,
-                clock=self.exposed_comm,
-            )
-        assert self.lightning_module is not None
-        if self.replica_groups is not None:  # after Lightning restored a checkpoint's state
-            self.replica_groups.start(
-                self.model,
-                self.lightning_module,
-                self.optimizers,
-                self.timeout,
-                stats=self.comm_stats,
-                clock=self.exposed_comm,
-            )
-        align_resumed_batch_count(self.lightning_module.trainer)
+        start_across_nodes(self)
 
     @override
     def on_validation_start(self) -> None:
@@ -362,7 +333,7 @@ class FastDDPStrategy(DDPStrategy):
         """Training data is shared out over every rank of every node; with a world per node evaluation data over the
         node's ranks only, so that every node evaluates all of it and gets the same metrics (Lightning's reductions
         and EarlyStopping's decision are within a node)."""
-        if self._across_nodes is not None and self.lightning_module is not None:
+        if across_nodes_job(self) is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return super().distributed_sampler_kwargs
@@ -386,7 +357,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if self._across_nodes is None:
+        if across_nodes_job(self) is None:
             return super().reduce_boolean_decision(decision, all)
         return decide_across_nodes(self.replica_groups, self.lightning_module, decision, all, self.root_device)
 
@@ -402,7 +373,7 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         refuse_non_finite(self, checkpoint, filepath)
-        self._resume.add_to(checkpoint, *self._resume_ranks)
+        self._resume.add_to(checkpoint, *resume_ranks(self))
         if self.outer_sync is not None:  # each node writes its own state
             trainer = self.lightning_module.trainer
             stopping = trainer.received_sigterm  # set by our preemption handler before it saves
@@ -433,7 +404,7 @@ class FastDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(self._load_noting_location, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=False)
-        self._resume.take_from(checkpoint, *self._resume_ranks)  # under outer_sync node 0's; this node's at start
+        self._resume.take_from(checkpoint, *resume_ranks(self))  # under outer_sync node 0's; this node's at start
         if self.outer_sync is not None and self.lightning_module.trainer.training:
             self.outer_sync.load(checkpoint, checkpoint_path)
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
@@ -468,8 +439,8 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
-        if self._across_nodes is not None:
-            self._across_nodes.teardown()
+        if across_nodes_job(self) is not None:
+            across_nodes_job(self).teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

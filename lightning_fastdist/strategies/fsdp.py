@@ -60,6 +60,12 @@ from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
 from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.semi_sync.settings import OuterSync
 from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
+from lightning_fastdist.strategies.across_nodes import (
+    across_nodes_job,
+    resume_ranks,
+    start_across_nodes,
+    training_ranks_of,
+)
 from lightning_fastdist.strategies.blocks_option import blocks_option
 from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
 from lightning_fastdist.strategies.exact_resume import ResumeState
@@ -71,7 +77,6 @@ from lightning_fastdist.strategies.job import (
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
 from lightning_fastdist.strategies.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.registry import register_once
@@ -194,8 +199,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
-        if self._across_nodes is not None:
-            self._across_nodes.check_launch(self.num_nodes)
+        if across_nodes_job(self) is not None:
+            across_nodes_job(self).check_launch(self.num_nodes)
 
     def check_names(self, module: pl.LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block or ``keep_fp32`` class name that ``module`` lacks, before any
@@ -217,8 +222,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         check_names_before_joining(self._launcher, self, self.check_names)
         self.set_world_ranks()
-        if self._across_nodes is not None:  # torch.distributed's world is the node: FSDP shards inside it
-            self._across_nodes.nodes.join(self, self._get_process_group_backend(), self.timeout)
+        if across_nodes_job(self) is not None:  # torch.distributed's world is the node: FSDP shards inside it
+            across_nodes_job(self).nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         self._setup_distributed()  # Lightning's: finds the group initialised and keeps it
         self._device_mesh = self.fsdp.mesh(self.root_device.type, dist.get_world_size())
@@ -235,7 +240,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank is a data-parallel replica, whatever the sharding; with a world per node evaluation data is
         shared out over the node's ranks only, as FastDDPStrategy does."""
-        if self._across_nodes is not None and self.lightning_module is not None:
+        if across_nodes_job(self) is not None and self.lightning_module is not None:
             if not self.lightning_module.trainer.training:
                 return {"num_replicas": self.num_processes, "rank": self.local_rank}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
@@ -321,47 +326,13 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @property
     def training_ranks(self) -> int:
         """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
-        across = self._across_nodes
-        return across.training_ranks(self.world_size) if across is not None else self.world_size
-
-    @property
-    def _across_nodes(self) -> OuterSyncJob | ReplicaGroupsJob | None:
-        """The job of the form of training across nodes that this strategy runs, if any (a world per node each)."""
-        return self.outer_sync or self.replica_groups
-
-    @property
-    def _resume_ranks(self) -> tuple[int, int]:
-        """This rank and the ranks whose random states a checkpoint keeps: the node's under a world per node."""
-        if self._across_nodes is not None:
-            return self.local_rank, self.num_processes
-        return self.global_rank, self.world_size
+        return training_ranks_of(self)
 
     @override
     def on_train_start(self) -> None:
         self._comm_log.new_fit()
         super().on_train_start()
-        if self.outer_sync is not None:  # after Lightning restored a checkpoint's state: this node's own on top
-            self.outer_sync.start(
-                self.model,
-                self.lightning_module,
-                self.plan.blocks,
-                self.optimizers,
-                self.timeout,
-                self._resume,
-                stats=self.comm_stats,
-                clock=self.exposed_comm,
-            )
-        assert self.lightning_module is not None
-        if self.replica_groups is not None:  # after Lightning restored a checkpoint's state
-            self.replica_groups.start(
-                self.model,
-                self.lightning_module,
-                self.optimizers,
-                self.timeout,
-                stats=self.comm_stats,
-                clock=self.exposed_comm,
-            )
-        align_resumed_batch_count(self.lightning_module.trainer)
+        start_across_nodes(self)
 
     @override
     def on_validation_start(self) -> None:
@@ -448,7 +419,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         refuse_non_finite(self, checkpoint, filepath)
         path = Path(self.broadcast(filepath))
-        self._resume.add_to(checkpoint, *self._resume_ranks)
+        self._resume.add_to(checkpoint, *resume_ranks(self))
         if self.outer_sync is not None:  # each node writes its own state; node 0 the checkpoint the nodes share
             reshard_everywhere(self.model)
             trainer = self.lightning_module.trainer
@@ -487,7 +458,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.barrier()
         load = functools.partial(self._load_under_module_names, weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
-        self._resume.take_from(checkpoint, *self._resume_ranks)  # under outer_sync node 0's; this node's at start
+        self._resume.take_from(checkpoint, *resume_ranks(self))  # under outer_sync node 0's; this node's at start
         if self.outer_sync is not None and self.lightning_module.trainer.training:
             self.outer_sync.load(checkpoint, checkpoint_path)
         return checkpoint
@@ -514,7 +485,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if self._across_nodes is None:
+        if across_nodes_job(self) is None:
             return super().reduce_boolean_decision(decision, all)
         return decide_across_nodes(self.replica_groups, self.lightning_module, decision, all, self.root_device)
 
@@ -555,8 +526,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.recompiles.stop()
         self._checkpoint_writer.wait()
-        if self._across_nodes is not None:
-            self._across_nodes.teardown()
+        if across_nodes_job(self) is not None:
+            across_nodes_job(self).teardown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
