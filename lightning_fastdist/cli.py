@@ -1,11 +1,7 @@
-"""The ``lightning-fastdist`` command: LightningCLI with the demo workload as default.
+"""The ``lightning-fastdist`` command: LightningCLI whose model and data default to the demo workload.
 
-``lightning-fastdist fit|validate|test|predict`` accept every LightningCLI flag; without ``--model``/``--data``
-they train :class:`~lightning_fastdist.demo.TinyGPT` on :class:`~lightning_fastdist.demo.TextDataModule`.
-``--config`` also takes a packaged recipe's name; other subcommands (:data:`EXTRA_COMMANDS`) live in
-:mod:`lightning_fastdist.commands`. Mistakes end with exit status 2 and one message on stderr. The working
-directory is importable (as with ``python -m``), and ``LIGHTNING_FASTDIST_QUIET=1`` hides Lightning's
-informational lines. ``docs/getting-started.md`` has the rest.
+``--config`` also takes a packaged recipe's name; the other subcommands live in ``commands/``. Mistakes end with
+exit status 2 and one message on stderr, so a user sees the mistake rather than a usage dump or a traceback.
 """
 
 from __future__ import annotations
@@ -103,9 +99,8 @@ class FastDistCLI(LightningCLI):
             raise UsageError(condense_parser_error(str(error))) from None
 
     def instantiate_classes(self) -> None:
-        # Constructor arguments are validated by the classes themselves: ours raise ValueError,
-        # Lightning's Trainer also TypeError (``devices: two``) and MisconfigurationException.
-        # Report those like parser errors rather than as a traceback.
+        # The classes validate their own arguments (ValueError; the Trainer also TypeError for ``devices: two``
+        # and MisconfigurationException): report those like parser errors, not as a traceback.
         try:
             super().instantiate_classes()
             check_names = getattr(self.trainer.strategy, "check_names", None)
@@ -115,9 +110,8 @@ class FastDistCLI(LightningCLI):
             raise UsageError(condense_parser_error(str(error))) from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        # Lightning switches to its Rich progress bar and model summary whenever the rich package is
-        # installed (transformers brings it along), which would change this CLI's output with the
-        # environment: the plain ones stay unless the recipe chose a progress bar or summary itself.
+        # Lightning switches to Rich's progress bar and summary whenever rich is installed (transformers brings it),
+        # so the output would depend on the environment: keep the plain ones unless the recipe chose its own.
         configured = config.get("callbacks") or []
         chosen = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
@@ -127,21 +121,14 @@ class FastDistCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads a --ckpt_path file for its hyperparameters before anything else: a damaged file
-        # gets the same one-line explanation the strategies give, and a damaged last*.ckpt is left to the
-        # strategy, which resumes from the newest checkpoint that loads instead.
+        # LightningCLI reads --ckpt_path for hyperparameters first: a damaged file gets the strategies' one-line
+        # explanation, except a damaged last*.ckpt, which the strategy replaces by the newest one that loads.
         try:
             super()._parse_ckpt_path()
         except Exception as error:  # noqa: BLE001 - whatever torch.load raised, the file is the problem
             path = Path(self.config[self.config.subcommand].get("ckpt_path"))
             if not is_last_checkpoint(path):
                 raise UnusableCheckpointError(describe_unloadable(path, error)) from None
-
-
-def _import_from_working_directory() -> None:
-    """Make modules in the working directory importable, as ``python -m`` does (the launched ranks run this too)."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
 
 
 class _DropTip(logging.Filter):
@@ -152,9 +139,8 @@ class _DropTip(logging.Filter):
 
 
 def _silence_known_noise(resuming: bool) -> None:
-    """Hide output that says nothing about the user's run; with :data:`QUIET_VARIABLE` also Lightning's info lines."""
-    # Lightning 2.6 calls a pytree API that torch 2.13 deprecates, once per rank
-    # (lightning/pytorch/utilities/_pytree.py).
+    """Hide output that says nothing about the user's run; with ``QUIET_VARIABLE`` also Lightning's info lines."""
+    # Lightning calls a pytree API that newer torch deprecates, once per rank.
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
@@ -173,21 +159,11 @@ def _say(line: str, stream: Any = None) -> None:
     print(f"{PROGRAM}: {line}", file=stream or sys.stdout, flush=True)
 
 
-def _report(cli: LightningCLI, subcommand: str) -> None:
-    """Rank 0: the final numbers (after fit) and where the metrics, config and checkpoints went."""
-    if not cli.trainer.is_global_zero:
-        return
-    if subcommand == "fit":
-        _say(final_numbers(cli.trainer))
-    _say(where_things_went(cli.trainer, fitted=subcommand == "fit"))
-
-
 def _close_process_group(wait_for_peers: bool) -> None:
-    """Close the process group Lightning leaves open after fit/validate/test/predict.
+    """Close the process group Lightning leaves open.
 
-    A gloo group still alive at interpreter exit can abort the process ("terminate called
-    without an active exception"), and so can one rank tearing its connections down while
-    another is still using them: after a normal run, all ranks meet at a barrier first.
+    A gloo group alive at interpreter exit can abort the process ("terminate called without an active exception"),
+    and so can one rank tearing its connections down while another still uses them: hence the barrier after a run.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
@@ -197,15 +173,11 @@ def _close_process_group(wait_for_peers: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the command line.
-
-    Args:
-        argv: the arguments after the program name; ``None`` reads ``sys.argv``.
-            (Lightning's process launcher re-runs ``sys.argv`` on the other
-            ranks, so when reading it the rewritten arguments are written back.)
-    """
+    """Run the command line on ``argv`` (``None``: ``sys.argv``, into which the rewritten arguments are written
+    back, because Lightning's launcher re-runs ``sys.argv`` on the other ranks)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    _import_from_working_directory()
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as with ``python -m``, on every launched rank too
+        sys.path.insert(0, os.getcwd())
     if not args or args[0] in ("-h", "--help"):
         print(HELP, end="")
         raise SystemExit(0 if args else 2)
@@ -236,13 +208,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             save_config_callback=OwnConfigSaver,
         )
         _close_process_group(wait_for_peers=True)
-        _report(cli, subcommand)
+        if cli.trainer.is_global_zero:
+            if subcommand == "fit":
+                _say(final_numbers(cli.trainer))
+            _say(where_things_went(cli.trainer, fitted=subcommand == "fit"))
     except UsageError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
         raise SystemExit(2) from None
     except EXPLAINED_FAILURES as error:
-        # Their message says what happened and what to do; a traceback would only bury it.
+        # The message says what happened and what to do; a traceback would bury it.
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

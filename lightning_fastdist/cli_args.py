@@ -1,10 +1,6 @@
-"""What ``lightning-fastdist`` does to its arguments before LightningCLI parses them.
-
-- Each ``--config`` value becomes the file it names, checked as YAML first (:func:`resolve_config_paths`).
-- A recipe's ``init_args`` for ``model``/``data`` apply only to the class it names: jsonargparse would carry them
-  over to a class given later, so :func:`drop_init_args_of_replaced_classes` inserts ``--data=null`` (or
-  ``--model=null``) before such a switch, and returns a note saying so.
-- ``--ckpt_path`` naming a YAML file is refused (:func:`check_ckpt_path`).
+"""What ``lightning-fastdist`` does to its arguments before LightningCLI parses them: ``--config`` values become
+checked recipe files, a recipe's ``model``/``data`` init_args are kept from a class given later (jsonargparse would
+carry them over), and a YAML file given as ``--ckpt_path`` is refused.
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def _options(argv: Sequence[str]) -> Iterator[tuple[int, str, str | None, int | None]]:
-    """``(index, flag, value, value_index)`` of every ``--flag value`` / ``--flag=value``.
-
-    ``value_index`` is ``None`` when the value is inline (``--flag=value``).
-    """
+    """``(index, flag, value, value_index)`` of every ``--flag value`` / ``--flag=value`` (``value_index`` is
+    ``None`` for the inline form)."""
     for i, arg in enumerate(argv):
         if not arg.startswith("-"):
             continue
@@ -63,17 +57,10 @@ def _class_path(value: object) -> str | None:
     return value if isinstance(value, str) and value not in ("null", "None") else None
 
 
-def _same_class(a: str, b: str) -> bool:
-    """``a`` and ``b`` name one class (a full import path and its short name count as the same)."""
-    return a == b or a.endswith("." + b) or b.endswith("." + a)
-
-
 def drop_init_args_of_replaced_classes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Keep a recipe's ``model``/``data`` init_args from reaching another class given after it.
-
-    ``argv`` must hold resolved ``--config`` paths. Returns the new arguments and
-    one note per class switch that dropped init_args.
-    """
+    """Keep a recipe's ``model``/``data`` init_args from reaching another class given after it, by inserting
+    ``--data=null`` (or ``--model=null``) before the switch. ``argv`` must hold resolved ``--config`` paths.
+    Returns the new arguments and one note per switch that dropped init_args."""
     result, notes = list(argv), []
     in_effect: dict[str, tuple[str, list[str]] | None] = {}  # option -> (class from a config, its init_args)
     inserted = 0
@@ -100,7 +87,8 @@ def drop_init_args_of_replaced_classes(argv: Sequence[str]) -> tuple[list[str], 
         if previous is None or new_class is None or previous[0] is None or not previous[1]:
             continue
         old_class, arguments = previous
-        if _same_class(old_class, new_class):
+        # A full import path and its short name name one class.
+        if old_class == new_class or old_class.endswith("." + new_class) or new_class.endswith("." + old_class):
             in_effect[option] = previous
             continue
         result.insert(i + inserted, f"--{option}=null")

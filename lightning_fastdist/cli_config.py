@@ -1,11 +1,8 @@
 """Save the resolved config of a ``lightning-fastdist`` run without ever replacing a file we did not write.
 
-LightningCLI saves ``config.yaml`` into the trainer's log folder, which is the
-working directory when there is no logger. Lightning then either refuses to
-start (a config is already there) or, with ``overwrite``, replaces whatever
-file is there. :class:`OwnConfigSaver` marks the files it writes with a first
-line (:data:`MARKER`) and replaces only those; another file is kept, the
-config is not saved, and one line on rank 0 says so.
+Without a logger LightningCLI saves ``config.yaml`` into the working directory and then either refuses to start
+(a config is there) or, with ``overwrite``, replaces whatever file is there. We mark our files with a first line
+(``MARKER``) and replace only those; another file is kept, the config is not saved, and rank 0 says so.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ MARKER = "# Resolved config of a lightning-fastdist run; the next run that saves
 
 
 def written_by_us(fs: AbstractFileSystem, path: str) -> bool:
-    """Whether the file at ``path`` starts with :data:`MARKER` (a config this module wrote)."""
+    """Whether the file at ``path`` starts with ``MARKER`` (a config this module wrote)."""
     if not fs.isfile(path):
         return False
     with fs.open(path, "rb") as file:
@@ -35,8 +32,8 @@ def written_by_us(fs: AbstractFileSystem, path: str) -> bool:
 class OwnConfigSaver(SaveConfigCallback):
     """Write the resolved config to ``<log_dir>/config.yaml`` (rank 0), replacing only a config it wrote itself.
 
-    After :meth:`setup`, :attr:`saved_to` is the file written, or ``None``
-    (then :attr:`not_saved_because` says why, if a file was in the way).
+    After ``setup``, ``saved_to`` is the file written, or ``None`` (then ``not_saved_because`` says why, if a file
+    was in the way).
     """
 
     def __init__(self, parser: LightningArgumentParser, config: Namespace, **kwargs: Any) -> None:

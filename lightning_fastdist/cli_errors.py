@@ -1,10 +1,8 @@
 """Turn command-line mistakes into one readable message instead of a usage dump.
 
-jsonargparse reports a bad value inside a subclass-typed option (``--model``,
-``--data``) as a nested explanation of every Union branch it tried. The user
-needs only the branch that names their mistake; :func:`condense_parser_error`
-keeps that and drops the rest. Lines it does not recognise are kept, so a
-future jsonargparse wording degrades to a longer message, never a lost one.
+jsonargparse explains a bad ``--model``/``--data`` value through every Union branch it tried; only the branch that
+names the mistake is kept. Unrecognised lines are kept too, so a new jsonargparse wording makes a longer message,
+never a lost one.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ _NOISE = (
     re.compile(r"^Given value type: "),
     re.compile(r"^Given value: (NestedArg|Namespace)\("),
     re.compile(r"^Expected a path but .* either not accessible or invalid$"),
-    # A class-typed option (trainer.strategy, trainer.plugins) also tries its plain-string and
-    # other-base-class branches.
+    # A class-typed option (trainer.strategy, trainer.plugins) also tries its plain-string and other-base branches.
     re.compile(r"^Expected a <class 'str'>$"),
     re.compile(r"^Given value: [\[{]"),
     re.compile(r"^Not a valid subclass of \w+$"),
@@ -45,13 +42,10 @@ def condense_parser_error(message: str) -> str:
     """
     key_match = _PARSER_KEY.match(message)
     body = message[key_match.end() :] if key_match else message
-    kept = []
+    condensed = ""
     for line in body.splitlines():
         text = line.strip().removeprefix("- ").strip()
         if text and not any(pattern.match(text) for pattern in _NOISE):
-            kept.append(text)
-    condensed = ""
-    for text in kept:
-        separator = "" if not condensed else (" " if condensed.endswith(":") else "; ")
-        condensed += separator + text
+            separator = "" if not condensed else (" " if condensed.endswith(":") else "; ")
+            condensed += separator + text
     return f"{key_match.group(1)}: {condensed}" if key_match else condensed

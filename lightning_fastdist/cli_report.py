@@ -35,10 +35,9 @@ def _checkpoints_location(trainer: Trainer) -> str:
 
 
 def _config_location(trainer: Trainer) -> str | None:
-    savers = [callback for callback in trainer.callbacks if isinstance(callback, OwnConfigSaver)]
-    if not savers:
+    saver = next((callback for callback in trainer.callbacks if isinstance(callback, OwnConfigSaver)), None)
+    if saver is None:
         return None
-    saver = savers[0]
     if saver.saved_to is not None:
         return f"config in {_shown(saver.saved_to)}"
     return "config not saved" + (f" ({saver.not_saved_because})" if saver.not_saved_because else "")

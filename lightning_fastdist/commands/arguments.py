@@ -1,10 +1,9 @@
-"""What the command lines of ``bench``, ``doctor`` and ``tune`` share: positive numbers, the recipe ``--config``
-names, the comma-separated ``--setups``, the steps a measured run needs, the device memory ``--gpu-memory`` plans
-for, and the arguments after ``--`` that go to every ``fit`` run."""
+"""The command-line pieces ``bench``, ``doctor`` and ``tune`` share, so that their flags mean the same in each."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
@@ -15,24 +14,23 @@ PASSTHROUGH_EPILOG = "Arguments after -- go to every `lightning-fastdist fit` ru
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """An argparse ``type``: an integer >= 1, or a number > 0."""
-    bound = "must be >= 1" if kind is int else "must be > 0"
+    """An argparse ``type``: an integer >= 1, or a finite number > 0 (NaN and infinity are refused too)."""
+    bound = "an integer >= 1" if kind is int else "a finite number > 0"
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{bound}, got {text}")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
         return value
 
     return parse
 
 
 def check_steps(parser: argparse.ArgumentParser, steps: int, warmup_steps: int) -> None:
-    """A measured run (:class:`~lightning_fastdist.commands.bench.probe.BenchProbe`) needs its warm-up, timed steps,
-    two steps that count host syncs and a last one."""
+    """A measured run (bench's probe) needs its warm-up, timed steps, two steps that count host syncs and a last one."""
     if steps < warmup_steps + 4:
         parser.error(
             f"--steps: must be >= {warmup_steps + 4} (warm-up, timed steps, 2 sync-counting, 1 last), got {steps}"

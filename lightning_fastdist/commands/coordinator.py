@@ -1,10 +1,9 @@
 """``lightning-fastdist coordinator``: torchft's lighthouse and the store where the nodes meet, in one process on a
 machine that outlives the nodes.
 
-A job whose nodes are torchft replica groups (``replica_groups``, or ``outer_sync`` with ``min_nodes``) otherwise
-keeps both in node 0, so that losing node 0 ends the job. Start one coordinator per job, give every node
-``LIGHTNING_FASTDIST_COORDINATOR=HOST:PORT`` (the line it prints), and stop it (Ctrl-C or SIGTERM) once the job
-ended: the register it keeps belongs to that job. ``docs/fault-tolerance.md`` ("Losing node 0").
+Without it, a job of torchft replica groups (``replica_groups``, or ``outer_sync`` with ``min_nodes``) keeps both in
+node 0, and losing node 0 ends the job. Use one per job and stop it once the job ended: its register belongs to that
+job. ``docs/fault-tolerance.md`` ("Losing node 0").
 """
 
 from __future__ import annotations

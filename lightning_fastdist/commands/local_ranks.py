@@ -1,11 +1,8 @@
 """Start every rank of a one-node run at once, with the variables ``torchrun`` sets.
 
-Left to itself, Lightning starts the other ranks of a ``devices: N`` run only once rank 0 has imported everything
-and built its Trainer: two start-ups one after the other (``docs/bench.md``). ``bench`` and ``tune`` train every
-setup in fresh processes, so they start all ranks together with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT`` set, and Lightning starts none itself. They share a fresh
-``LIGHTNING_FASTDIST_RUN_ID``, so our strategies refuse to mix them with another job's ranks on the same port
-(:mod:`~lightning_fastdist.parallel.faults.job_identity`).
+Lightning starts the other ranks only once rank 0 has imported everything and built its Trainer: two start-ups in a
+row for every setup ``bench`` and ``tune`` train. The ranks share a fresh run id, so our strategies refuse to mix
+them with another job's ranks on the same port.
 """
 
 from __future__ import annotations

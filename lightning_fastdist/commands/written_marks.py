@@ -11,7 +11,6 @@ import yaml
 
 
 def first_line_starts_with(path: Path, header: str) -> bool:
-    """Whether the file at ``path`` begins with ``header`` on its first line."""
     with path.open("rb") as file:
         return file.readline().decode(errors="replace").startswith(header)
 

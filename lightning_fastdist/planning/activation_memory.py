@@ -1,10 +1,7 @@
-"""Measure activation memory on any device, CPU included: bytes that a forward pass leaves alive for backward.
+"""Measure activation memory on any device, CPU included: the bytes a forward pass leaves alive for backward.
 
-Every tensor that an op creates inside :class:`ActivationMemory` is tracked
-through a weak reference to its storage. After the forward pass, the storages
-still alive are exactly those the autograd graph (or a checkpoint cache) holds
-for backward, plus the forward's outputs. No allocator statistics are needed,
-so the measurement works on CPU, where torch keeps none.
+Storages created under the mode are tracked by weak reference; those alive after the forward are what autograd (or a
+checkpoint cache) holds, plus the outputs. Needing no allocator statistics, it works on CPU, where torch keeps none.
 """
 
 from __future__ import annotations
@@ -40,9 +37,5 @@ class ActivationMemory(TorchDispatchMode):
 
     def live_bytes(self) -> int:
         """Bytes of the distinct storages created under this mode that are still alive."""
-        alive = {}
-        for ref in self._storages:
-            storage = ref()
-            if storage is not None:
-                alive[storage.data_ptr()] = storage.nbytes()
+        alive = {s.data_ptr(): s.nbytes() for s in (ref() for ref in self._storages) if s is not None}
         return sum(alive.values())

@@ -1,13 +1,8 @@
 """Pick a strategy, checkpointing, offload, precision and batch split for a model on given devices; write the recipe.
 
-The rule: walk :data:`PREFERENCE` (fastest first) and take the first configuration whose estimated peak
-(:mod:`~lightning_fastdist.planning.memory_model`) fits in ``(1 - HEADROOM)`` of one device's memory; if none fits,
-halve the micro-batch (accumulation keeps the global batch) and try again; at micro-batch 1 the most frugal
-configuration is recommended with a warning. Why that order and which engine for which row (FSDP2 unless only
-DeepSpeed's ZeRO-Offload fits): ``docs/doctor.md``. On one device sharding saves nothing, so only DDP,
-checkpointing and offload are considered. A recipe whose nodes are torchft replica groups (``replica_groups``) keeps
-them: only DDP and FSDP's ``zero2``/``zero3`` take the option, FSDP shards inside a node, and every rank keeps a copy
-of its gradients.
+The first row of :data:`PREFERENCE` (fastest first) whose estimated peak fits in ``(1 - HEADROOM)`` of a device wins;
+if none fits, the micro-batch is halved (accumulation keeps the global batch) down to 1, where the most frugal row is
+recommended with a warning. Why that order, and why FSDP2 unless only DeepSpeed's ZeRO-Offload fits: docs/doctor.md.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
     ("zero3", "full", True),
 )
 REPLICA_GROUPS_MODES = ("ddp", "zero2", "zero3")  # the setups whose strategies take replica_groups
-SINGLE_DEVICE_PREFERENCE = (
+SINGLE_DEVICE_PREFERENCE = (  # on one device sharding saves nothing
     ("ddp", "none", False),
     ("ddp", "full", False),
     ("ds-zero2", "full", True),
@@ -48,9 +43,7 @@ class Target:
         accelerator: ``"gpu"`` or ``"cpu"``.
         devices: devices (processes) per node.
         device_memory_bytes: memory of one device; on CPU, the host memory shared by the processes.
-        bf16: whether the devices compute in bfloat16.
         cpu_cores: CPU cores of the node, shared by its processes (sizes the data-loader workers).
-        nodes: number of nodes.
     """
 
     accelerator: str
@@ -70,10 +63,8 @@ class Recommendation:
     """What :func:`recommend` chose and why.
 
     Attributes:
-        estimate: the memory estimate of the chosen configuration (per device).
-        shape: the training shape it was estimated for (micro-batch and precision as chosen).
-        accumulate_grad_batches: micro-batches per optimizer step.
-        fits: whether the estimate fits in the usable memory.
+        estimate: the chosen configuration's, per device.
+        shape: what it was estimated for (micro-batch and precision as chosen).
         usable_bytes: device memory minus :data:`HEADROOM`.
         reasons: one line per decision.
         replica_groups: the recipe's, kept in the strategy (``None``: one world).
@@ -96,8 +87,7 @@ def choose_precision(target: Target) -> str:
 
 
 def workers_per_rank(cpu_cores: int, processes_per_node: int) -> int:
-    """Data-loader workers for one rank (the rule of
-    :func:`~lightning_fastdist.diagnostics.dataloader_audit.workers_for`)."""
+    """Data-loader workers for one rank, by ``workers_for``'s rule."""
     return workers_for(max(1, cpu_cores // max(1, processes_per_node)))
 
 
@@ -111,11 +101,9 @@ def recommend(
 
     Args:
         shape: the model and batch; its ``world_size`` and ``precision`` are replaced by the target's.
-        target: the devices.
-        global_batch: samples per optimizer step over all ranks; ``None`` means
-            ``micro_batch x world_size`` (no accumulation).
-        replica_groups: each node a torchft replica group (the recipe's option, kept; its nodes are checked by the
-            caller): DDP or FSDP sharded over one node's devices, each rank keeping a copy of its gradients.
+        global_batch: samples per optimizer step over all ranks; ``None``: ``micro_batch x world_size``.
+        replica_groups: the recipe's (nodes checked by the caller): each node a torchft replica group, so only DDP
+            and FSDP sharded over one node's devices, each rank keeping a copy of its gradients.
 
     Raises:
         ValueError: ``global_batch`` is not a positive multiple of ``micro_batch x world_size``.
@@ -123,8 +111,7 @@ def recommend(
     precision = choose_precision(target)
     shape = replace(shape, world_size=target.world_size, precision=precision)
     per_step = shape.micro_batch * target.world_size
-    if global_batch is None:
-        global_batch = per_step
+    global_batch = per_step if global_batch is None else global_batch
     if global_batch < 1 or global_batch % per_step:
         raise ValueError(
             f"global_batch must be a positive multiple of micro_batch x devices ({per_step}), got {global_batch}."
@@ -143,17 +130,13 @@ def recommend(
             f"so FSDP shards over one node's {target.devices} device(s), every rank keeps a copy of its gradients "
             "(counted), and DeepSpeed is not offered"
         )
+    kept_copy = replica_groups is not None
     micro_batch = shape.micro_batch
     while True:
         trial = replace(shape, micro_batch=micro_batch)
+        sharded = replace(trial, world_size=sharded_over)
         for mode, checkpointing, offload in preference:
-            estimate = estimate_memory(
-                replace(trial, world_size=sharded_over),
-                mode,
-                checkpointing,
-                cpu_offload=offload,
-                kept_gradient_copy=replica_groups is not None,
-            )
+            estimate = estimate_memory(sharded, mode, checkpointing, cpu_offload=offload, kept_gradient_copy=kept_copy)
             if estimate.total <= usable:
                 reasons.append(
                     f"{describe_setup(mode, checkpointing, offload)}: the fastest option whose estimated peak "
@@ -219,12 +202,8 @@ def build_recipe(
     """A LightningCLI config (as a dict) for ``lightning-fastdist fit``.
 
     Args:
-        recommendation: from :func:`recommend`.
-        target: the devices it was made for.
-        model_section: the ``model:`` entry (``class_path`` and ``init_args``).
-        data_section: the ``data:`` entry; its ``batch_size`` is set to the chosen micro-batch
-            and a ``num_workers`` argument, if present, to :func:`workers_per_rank`.
-        max_steps: ``trainer.max_steps``.
+        data_section: its ``batch_size`` is set to the chosen micro-batch and a ``num_workers``, if present, to
+            :func:`workers_per_rank`.
         log_dir: where the CSV logger, checkpoints and the bottleneck report go.
     """
     precision = recommendation.shape.precision
@@ -250,13 +229,8 @@ def build_recipe(
     if precision == "32-true":
         trainer["precision"] = precision
     else:
-        device = "cuda" if target.accelerator == "gpu" else "cpu"
-        trainer["plugins"] = [
-            {
-                "class_path": "lightning_fastdist.FastMixedPrecision",
-                "init_args": {"precision": precision, "device": device},
-            }
-        ]
+        plugin_args = {"precision": precision, "device": "cuda" if target.accelerator == "gpu" else "cpu"}
+        trainer["plugins"] = [{"class_path": "lightning_fastdist.FastMixedPrecision", "init_args": plugin_args}]
     if recommendation.replica_groups is not None:
         trainer["strategy"]["init_args"]["replica_groups"] = asdict(recommendation.replica_groups)
     set_strategy(trainer, trainer["strategy"])  # a DeepSpeed strategy takes the precision as trainer.precision

@@ -1,14 +1,9 @@
 """Estimate each device's communication per optimizer step under DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3.
 
-Counted the way the strategies count it (:mod:`lightning_fastdist.parallel.comm.accounting`): each collective's
-full-size tensor. ``docs/doctor.md`` ("The communication formula") has the table per mode. ``hsdp`` (``doctor
---simulate`` only) is ZeRO-3 within shard groups of ``G`` ranks, then each rank's gradient shard, ``g N / G``,
-all-reduced across the ``W / G`` replicas. Under ``outer_sync`` (``doctor --simulate`` only) DDP all-reduces (or
-FSDP's ZeRO-3 gathers and reduce-scatters) inside a node, and each process that talks across nodes sends its share
-of the pseudo-gradients it holds across nodes (:func:`outer_sync_sent_per_step`): DDP's local rank 0 all of them,
-every FSDP rank its shard's. FSDP's padding to a multiple of ``W`` is left out; a single device
-communicates nothing. The counts equal the strategies' counters on 2 CPU ranks (``tests/fsdp``, ``tests/ddp``,
-``tests/deepspeed``).
+Counted as the strategies' counters count it (each collective's full-size tensor); the table per mode is in
+docs/doctor.md ("The communication formula"). ``hsdp`` (``doctor --simulate`` only) is ZeRO-3 within shard groups of
+``G`` ranks plus each rank's gradient shard, ``g N / G``, all-reduced across the ``W / G`` replicas. FSDP's padding to
+a multiple of ``W`` is left out; a single device communicates nothing.
 """
 
 from __future__ import annotations
@@ -28,12 +23,8 @@ class CommEstimate:
 
     Attributes:
         mode: one of :data:`COMM_MODES`.
-        world_size: devices sharing the work.
-        allreduce: gradient all-reduce bytes.
-        allgather: weight all-gather bytes.
-        reduce_scatter: gradient reduce-scatter bytes.
-        shard_group: ranks that all-gather and reduce-scatter together under ``hsdp`` (its all-reduce
-            runs across the ``world_size / shard_group`` replicas); ``None``: every collective spans the world.
+        shard_group: ranks that all-gather and reduce-scatter together under ``hsdp`` (its all-reduce runs across the
+            ``world_size / shard_group`` replicas); ``None``: every collective spans the world.
     """
 
     mode: str
@@ -66,14 +57,9 @@ def root_parameters(shape: TrainingShape) -> int:
 
 
 def estimate_comm(shape: TrainingShape, mode: str, accumulation: int = 1) -> CommEstimate:
-    """Estimate one optimizer step's communication for ``shape`` under ``mode`` (see docs/doctor.md).
-
-    Args:
-        shape: the run (parameters, world size and precision; for ZeRO-3 also vocabulary, sequence length
-            and width, which size the root).
-        mode: one of :data:`~lightning_fastdist.planning.memory_model.MODES`.
-        accumulation: micro-batches per optimizer step (``accumulate_grad_batches``).
-    """
+    """Estimate one optimizer step's communication for ``shape`` under ``mode`` (one of ``MODES``), with
+    ``accumulation`` micro-batches per step; ZeRO-3 also reads the vocabulary, sequence length and width, which size
+    the root."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
     return comm_per_step(
@@ -94,11 +80,7 @@ def comm_per_step(
 
     Args:
         mode: one of :data:`COMM_MODES`.
-        world_size: ranks.
-        parameters: ``N``, the model's trainable parameters.
-        root_params: ``R``, those outside every block (FSDP's root unit).
-        precision: a Lightning precision name.
-        accumulation: micro-batches per optimizer step.
+        root_params: those outside every block (FSDP's root unit).
         shard_group: ranks per shard group, for ``hsdp`` only.
     """
     if mode not in COMM_MODES:
@@ -133,14 +115,7 @@ def comm_per_step(
 
 def outer_sync_sent_per_step(settings: OuterSync, parameters: int, nodes: int) -> int:
     """Bytes a process that talks across nodes sends there per optimizer step under ``outer_sync``, on average: the
-    pseudo-gradient of every parameter it holds once per ``every`` steps, in ``settings.dtype``, all-reduced on a ring
-    of the nodes (with the process holding the same parameters on each).
-
-    Args:
-        settings: the outer synchronisation's options.
-        parameters: the parameters it holds: ``N``, the model's trainable parameters, on DDP's local rank 0; its
-            shard of them on an FSDP rank.
-        nodes: the nodes (torchft's replica groups).
-    """
+    pseudo-gradient of the ``parameters`` it holds (all of them on DDP's local rank 0, its shard on an FSDP rank) once
+    per ``every`` steps, in ``settings.dtype``, all-reduced on a ring of the ``nodes`` (torchft's replica groups)."""
     pseudo_gradients = parameters * PSEUDO_GRADIENT_DTYPES[settings.dtype].itemsize
     return CommEstimate("ddp", nodes, allreduce=pseudo_gradients).sent_per_device // settings.every

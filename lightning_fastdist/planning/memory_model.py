@@ -1,8 +1,7 @@
 """Estimate training memory per GPU for DDP, FSDP2 ZeRO-2/3 and DeepSpeed ZeRO-1/2/3, with checkpointing and offload.
 
-A closed formula for GPT-like models (state bytes per parameter by precision and mode, gathered weights, activations
-in units of ``b s h`` per block); ``docs/doctor.md`` ("The memory formula") writes it out and says what it leaves
-out. ``tests/planning/test_memory_model.py`` checks it against measured per-rank bytes.
+A closed formula for GPT-like models: state bytes per parameter by precision and mode, gathered weights, activations
+in units of ``b s h`` per block. docs/doctor.md ("The memory formula") writes it out and says what it leaves out.
 """
 
 from __future__ import annotations
@@ -30,14 +29,12 @@ class TrainingShape:
     """What the estimate needs to know about a training run.
 
     Args:
-        parameters: number of trainable parameters (tied weights counted once).
-        layers: number of transformer blocks.
+        parameters: trainable parameters, tied weights counted once.
+        layers: transformer blocks.
         hidden: width of the residual stream.
-        seq_len: tokens per sample.
         micro_batch: samples per forward pass on each GPU.
-        world_size: number of GPUs (ranks) sharing the model.
-        vocab_size: size of the output vocabulary (logits are ``micro_batch x seq_len x vocab_size``).
-        precision: a Lightning precision setting, one of :data:`PRECISIONS`.
+        vocab_size: the output vocabulary (logits are ``micro_batch x seq_len x vocab_size``).
+        precision: one of :data:`PRECISIONS`.
     """
 
     parameters: int
@@ -67,14 +64,11 @@ class MemoryEstimate:
     Attributes:
         mode: one of :data:`MODES` (``zero2``/``zero3`` are FSDP2's, ``ds-zero*`` DeepSpeed's).
         activation_checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
-        cpu_offload: sharded state kept in host memory (FSDP), or DeepSpeed's optimizer (and at stage 3
-            its weight partitions).
-        weights: bytes of (sharded) weights on the GPU.
-        gradients: bytes of (sharded) gradients on the GPU, communication buckets and a kept copy included.
-        optimizer: bytes of AdamW state on the GPU.
-        gathered_weights: bytes of weights gathered for compute on top of the shards (and autocast's copy).
-        activations: bytes saved for backward at the peak of one micro-batch.
-        host_bytes: bytes kept in host memory instead (offload).
+        cpu_offload: sharded state in host memory (FSDP), or DeepSpeed's optimizer (and at stage 3 its weights).
+        gradients: communication buckets and a kept copy included.
+        gathered_weights: weights gathered for compute on top of the shards (and autocast's copy).
+        activations: saved for backward, at the peak of one micro-batch.
+        host_bytes: kept in host memory instead (offload).
     """
 
     mode: str
@@ -103,12 +97,8 @@ def _compute_bytes(precision: str) -> int:
 
 
 def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none") -> int:
-    """Bytes a forward pass of one micro-batch saves for backward, at the backward peak (see docs/doctor.md).
-
-    Args:
-        shape: the run.
-        activation_checkpointing: one of :data:`CHECKPOINTING`.
-    """
+    """Bytes a forward pass of one micro-batch saves for backward, at the backward peak (see docs/doctor.md);
+    ``activation_checkpointing`` is one of :data:`CHECKPOINTING`."""
     if activation_checkpointing not in CHECKPOINTING:
         raise ValueError(
             f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {activation_checkpointing!r}."
@@ -119,9 +109,8 @@ def activation_bytes(shape: TrainingShape, activation_checkpointing: str = "none
     residual_unit = 4 if shape.precision in ("bf16-mixed", "16-mixed") else unit
     per_layer = (2 * residual_unit + (UNITS_PER_LAYER - 2) * unit) * tokens_x_hidden
     selective = SELECTIVE_UNITS_PER_LAYER * unit * tokens_x_hidden
-    head = HEAD_UNITS * residual_unit * tokens_x_hidden + shape.micro_batch * shape.seq_len * shape.vocab_size * (
-        unit + 4
-    )
+    logits = shape.micro_batch * shape.seq_len * shape.vocab_size * (unit + 4)
+    head = HEAD_UNITS * residual_unit * tokens_x_hidden + logits
     if activation_checkpointing == "none":
         return shape.layers * per_layer + head
     block_inputs = shape.layers * residual_unit * tokens_x_hidden
@@ -142,15 +131,9 @@ class DeepSpeedState:
 
 
 def deepspeed_state(parameters: int, world_size: int, precision: str, stage: int, cpu_offload: bool) -> DeepSpeedState:
-    """DeepSpeed's weights, gradients (buckets included), optimizer state and gathered weights per GPU.
-
-    Args:
-        parameters: ``N``.
-        world_size: ``W``.
-        precision: a Lightning precision name (any 16-bit one keeps 2-byte weights).
-        stage: 1, 2 or 3.
-        cpu_offload: the optimizer (and at stage 3 the weight partitions) in host memory.
-    """
+    """DeepSpeed's weights, gradients (buckets included), optimizer state and gathered weights per GPU at ``stage`` 1,
+    2 or 3; any 16-bit ``precision`` keeps 2-byte weights; ``cpu_offload`` moves the optimizer (and at stage 3 the
+    weight partitions) to host memory."""
     n, ranks = parameters, world_size
     w = 4 if precision == "32-true" else 2
     weights = w * n if stage < 3 else -(-w * n // ranks)
@@ -183,14 +166,12 @@ def estimate_memory(
     """Estimate bytes per GPU for ``shape`` trained with ``mode`` (the formula: docs/doctor.md).
 
     Args:
-        shape: the run.
         mode: one of :data:`MODES`.
         activation_checkpointing: one of :data:`CHECKPOINTING`.
-        cpu_offload: keep sharded state in host memory (FSDP), or DeepSpeed's optimizer (and at
-            stage 3 its weight partitions); not with ``ddp``.
+        cpu_offload: keep sharded state in host memory (FSDP), or DeepSpeed's optimizer (and at stage 3 its weight
+            partitions); not with ``ddp``.
         gradient_as_bucket_view: DDP's gradients live in its communication buckets (no extra copy).
-        kept_gradient_copy: every rank keeps a flat copy of its (sharded) gradients between steps, where they live
-            (``replica_groups``: :mod:`~lightning_fastdist.parallel.replica_groups.gradients`).
+        kept_gradient_copy: every rank keeps a flat copy of its (sharded) gradients between steps (``replica_groups``).
 
     Raises:
         ValueError: an unknown ``mode``/``activation_checkpointing``, or ``cpu_offload`` with ``ddp``.

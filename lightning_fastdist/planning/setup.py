@@ -1,9 +1,8 @@
 """One vocabulary for a training setup: the engine, its sharding, activation checkpointing, offload and comm hook.
 
-A :class:`Setup` is written three ways, all derived here so that renaming a strategy option breaks every command at
-once, not one of them silently: its strategy section (:meth:`Setup.strategy_section`), its plan key
-(:attr:`Setup.plan_key`, e.g. ``("zero3", "full", False)``: the row of the memory model, the advisor and
-``doctor --simulate``), and its name in ``bench`` and ``tune`` (:attr:`Setup.name`, e.g. ``fsdp-zero3-ac``).
+A setup is written three ways, all derived here so that renaming a strategy option breaks every command at once,
+not one of them silently: its strategy section, its plan key (``("zero3", "full", False)``: the row of the memory
+model, the advisor and ``doctor --simulate``) and its name in ``bench`` and ``tune`` (``fsdp-zero3-ac``).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ class Setup:
         activation_checkpointing: ``none``, ``full``, ``selective`` (or every n-th block).
         offload: FSDP2's ``cpu_offload``; DeepSpeed's optimizer offload (and, at ZeRO-3, its parameters').
         comm_hook: DDP's gradient hook, or ``None`` for the strategy's default.
-        outer_sync: across nodes, ``"diloco"`` or ``"streaming-diloco"``
-            (:data:`~lightning_fastdist.parallel.semi_sync.settings.OUTER_SYNC_FORMS`), or ``None``: every step.
+        outer_sync: across nodes, ``"diloco"`` or ``"streaming-diloco"``, or ``None``: every step.
     """
 
     engine: Engine

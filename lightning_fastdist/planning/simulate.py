@@ -1,12 +1,9 @@
 """``doctor --simulate``: trace one training step of the recipe's own model as rank 0 of a world of N ranks.
 
-For each setup and activation checkpointing mode the model is built on the meta device, changed as the strategies
-change it (the :class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`, FSDP through
-:func:`~lightning_fastdist.parallel.fsdp.sharding.shard_model`), materialised as fake tensors and trained for two
-steps with its own ``training_step``; the second is measured by
-:func:`~lightning_fastdist.planning.step_memory.measure_step`. What each setup stands for (DDP's buckets,
-DeepSpeed's formula state, the offload rows, the ``outer_sync`` rows, a recipe with ``replica_groups``):
-``docs/doctor.md``, "--simulate".
+For each setup and checkpointing mode the model is built on the meta device, changed as the strategies change it,
+materialised as fake tensors and trained for two steps with its own ``training_step``; the second is measured. What
+each row stands for (DDP's buckets, DeepSpeed's formula state, offload, ``outer_sync``, ``replica_groups``):
+docs/doctor.md, "--simulate".
 """
 
 from __future__ import annotations
@@ -83,14 +80,12 @@ class SimulatedSetup:
     Attributes:
         setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp`` or ``ds-zero1/2/3``.
         activation_checkpointing: ``none``, ``full`` or ``selective``.
-        cpu_offload: state moved to host memory (derived rows).
-        memory: bytes per rank (under ``outer_sync``, of a rank that holds the outer state: on ``ddp`` each node's
-            local rank 0; on ``zero3``, sharded over one node's ranks, rank 0 of a node, whose shards are the largest).
+        memory: bytes per rank; under ``outer_sync``, of a rank that holds the outer state (on ``ddp`` each node's
+            local rank 0; on ``zero3``, sharded over one node's ranks, a node's rank 0, whose shards are the largest).
         comm_bytes_per_step: bytes each rank sends per optimizer step on a ring.
         method: ``traced``, ``formula state, traced activations`` (DeepSpeed), ``derived`` (offload,
             ``outer_sync``) or ``traced + kept gradient copy`` (``replica_groups``).
-        outer_sync: DiLoCo across nodes on top of ``ddp`` or ``zero3``: its options; ``None``: every step is
-            synchronous.
+        outer_sync: DiLoCo's options on top of ``ddp`` or ``zero3``; ``None``: every step is synchronous.
         outer_memory: what ``outer_sync`` adds (its device bytes are in ``memory`` already, its host bytes only here).
     """
 
@@ -105,14 +100,12 @@ class SimulatedSetup:
 
     @property
     def name(self) -> str:
-        """The setup as listed: :attr:`setup`, or with ``outer_sync`` bench's name of it (``ddp-diloco``,
-        ``fsdp-zero3-streaming-diloco``)."""
+        """:attr:`setup`, or under ``outer_sync`` bench's name (``ddp-diloco``, ``fsdp-zero3-streaming-diloco``)."""
         return self.setup if self.outer_sync is None else _outer_sync_name(self.setup, self.outer_sync)
 
     @property
     def plan_key(self) -> tuple[str, str, bool]:
-        """``(setup, activation_checkpointing, cpu_offload)``: the :attr:`Setup.plan_key
-        <lightning_fastdist.planning.setup.Setup.plan_key>` of the setup this row measured."""
+        """``(setup, activation_checkpointing, cpu_offload)``: the ``Setup.plan_key`` of the setup this row measured."""
         return self.setup, self.activation_checkpointing, self.cpu_offload
 
     def as_json(self, usable_bytes: int) -> dict[str, Any]:
@@ -133,17 +126,9 @@ class SimulatedSetup:
 
 @dataclass(frozen=True)
 class RecipeRun:
-    """What the simulation takes from a recipe.
-
-    Attributes:
-        model: the ``model:`` section (``class_path``, ``init_args``).
-        data: the ``data:`` section.
-        precision: Lightning precision name (``trainer.precision`` or a precision plugin's).
-        accumulation: ``trainer.accumulate_grad_batches``.
-        blocks: the strategy's ``blocks`` option (``"auto"`` unless the recipe names them).
-        outer_sync: the strategy's ``outer_sync`` option, if the recipe gives one.
-        replica_groups: the strategy's ``replica_groups`` option, if the recipe gives one.
-    """
+    """What the simulation takes from a recipe: its ``model:`` and ``data:`` sections, its precision (``trainer``'s or
+    a precision plugin's), ``accumulate_grad_batches`` and its strategy's ``blocks``, ``outer_sync`` and
+    ``replica_groups`` options."""
 
     model: dict
     data: dict
@@ -218,13 +203,11 @@ def measure_setup(
     it trains for real in the current process group: the reference a simulation is checked against.
 
     Args:
-        run: the recipe.
-        batch: one batch of its data (real tensors).
+        batch: one batch of the recipe's data (real tensors).
         setup: ``ddp``, ``zero2``, ``zero3``, ``hsdp``, or ``ds`` (the model in ``precision`` alone).
         checkpointing: ``none``, ``full`` or ``selective``.
         gpus_per_node: the shard group of ``hsdp``.
         precision: overrides the recipe's (DeepSpeed's activations run in its own dtype).
-        fake: simulate (fake tensors, fake world) or measure for real.
         ranks: FSDP shards over the world's first ``ranks`` (one node's, as under ``outer_sync``); ``None``: all.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 - private torch API
@@ -263,12 +246,7 @@ def measure_setup(
         step = _forward_backward(trained, module, batch, _autocast(precision))
         inputs = tuple(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
         memory = measure_step(
-            trained,
-            optimizer,
-            step,
-            inputs,
-            keep_gradients=setup == "ddp",
-            warm_up_on_zero_gradients=fake,
+            trained, optimizer, step, inputs, keep_gradients=setup == "ddp", warm_up_on_zero_gradients=fake
         )
     return TracedStep(memory, parameters, root_parameters)
 
@@ -301,7 +279,7 @@ def _forward_backward(
 
 
 def _offload_rows(rows: list[SimulatedSetup]) -> list[SimulatedSetup]:
-    """The advisor's offload setups, derived from traced rows (see the module docstring)."""
+    """The advisor's offload setups, derived from traced rows."""
     derived = []
     for row in rows:
         m = row.memory
@@ -321,13 +299,9 @@ class Simulation:
     """What :func:`simulate` found.
 
     Attributes:
-        world_size: ranks simulated.
-        gpus_per_node: ranks per node (the shard group of ``hsdp``).
-        parameters: the model's trainable parameters.
         rows: one per setup and checkpointing mode that traced (and the rows derived from them).
         not_traced: ``(setup, checkpointing, reason)`` for each that failed (it would fail in training too).
-        replica_groups: the recipe's ``replica_groups`` option, under which every row was simulated; ``None``: one
-            world.
+        replica_groups: the recipe's option, under which every row was simulated; ``None``: one world.
     """
 
     world_size: int
@@ -361,10 +335,8 @@ def _run_task(run: RecipeRun, batch: Any, task: _Task, *, gpus_per_node: int) ->
 
 
 def _run_tasks(run: RecipeRun, batch: Any, tasks: list[_Task], world_size: int, gpus_per_node: int, processes: int):
-    """Run the traces in this process and ``processes - 1`` spawned workers, each taking the next one when free.
-
-    This process traces from the start while the workers boot (a worker imports for seconds).
-    """
+    """Run the traces in this process and ``processes - 1`` spawned workers, each taking the next one when free; this
+    process traces from the start while the workers boot (a worker imports for seconds)."""
     trace = functools.partial(_run_task, run, batch, gpus_per_node=gpus_per_node)
     waiting = collections.deque(sorted(enumerate(tasks), key=lambda item: item[1][1] == "none"))  # recomputing first
     results: list[TracedStep | str | None] = [None] * len(tasks)
@@ -411,16 +383,12 @@ def simulate(
     """Trace every setup at ``world_size`` ranks (``gpus_per_node`` per node), one row per setup and mode.
 
     Args:
-        run: the recipe.
-        world_size: ranks to simulate.
-        gpus_per_node: ranks per node; ``hsdp`` and the ``outer_sync`` rows are simulated when the world spans more
-            than one node (``zero3``'s traced again, sharded over one node's ranks as it is under ``outer_sync``). A
-            recipe with ``replica_groups`` is simulated under that option alone (:func:`_replica_groups_simulation`).
-        checkpointing: the activation checkpointing modes to trace.
-        processes: processes sharing the traces, this one and spawned workers (each a fake world of its
-            own); ``None``: two (where the machine has two cores) from :data:`PARALLEL_FROM_PARAMETERS` on,
-            where a trace takes seconds, else this one alone (a worker's start-up costs more than a small
-            model's traces).
+        gpus_per_node: ``hsdp`` and the ``outer_sync`` rows are simulated when the world spans more than one node
+            (``zero3`` traced again, sharded over one node's ranks as under ``outer_sync``). A recipe with
+            ``replica_groups`` is simulated under that option alone.
+        processes: this one and spawned workers (each a fake world of its own); ``None``: two (where the machine has
+            two cores) from :data:`PARALLEL_FROM_PARAMETERS` on, where a trace takes seconds, else this one alone (a
+            worker's start-up costs more than a small model's traces).
 
     Raises:
         NotTraceable: torch lacks the tools, the recipe's model or data cannot be built, or no setup traced.
@@ -482,11 +450,10 @@ def _replica_groups_simulation(
     checkpointing: tuple[str, ...],
     processes: int,
 ) -> Simulation:
-    """Each node a torchft replica group: DDP, and FSDP ZeRO-2/3 sharded over one node's ranks, traced (the setups
-    whose strategies take ``replica_groups``). Each rank keeps a flat copy of its gradients from one step to the next
-    (:mod:`~lightning_fastdist.parallel.replica_groups.gradients`): it is added to the gradients and to the peak. What
-    a rank sends is its setup's traffic inside the node plus its gradients (its shard's under FSDP) all-reduced on a
-    ring of the nodes with the rank holding the same ones on each (the one mark per parameter left out)."""
+    """Each node a torchft replica group: DDP, and FSDP ZeRO-2/3 sharded over one node's ranks. Each rank keeps a flat
+    copy of its gradients from one step to the next, added to the gradients and the peak; it sends its setup's traffic
+    inside the node plus its gradients (its shard's under FSDP) all-reduced on a ring of the nodes (the one mark per
+    parameter left out)."""
     nodes = world_size // gpus_per_node
     if nodes < 2:
         raise NotTraceable(f"replica_groups needs 2 or more nodes; world {world_size} is one node of {gpus_per_node}")
@@ -537,12 +504,10 @@ def _outer_sync_rows(
     gpus_per_node: int,
     nodes: int,
 ) -> tuple[list[SimulatedSetup], list[tuple[str, str, str]]]:
-    """The ``ddp`` and the one-node ``zero3`` steps of ``bases`` (by checkpointing, or why one did not trace) again
-    with DiLoCo across the nodes, for each of :func:`_outer_sync_settings`, on a rank that holds torchft's state
-    (:mod:`~lightning_fastdist.planning.outer_sync_memory`): DDP's each node's local rank 0, with whole fragments;
-    FSDP's every rank, with its shard of each (rank 0's here, the largest). Each sends its setup's traffic inside
-    the node and the pseudo-gradients it holds across nodes. A ``not_traced`` entry for each form whose ``fragments``
-    the model's blocks cannot take, with the strategy's reason, and for each step that did not trace, with its own."""
+    """The ``ddp`` and one-node ``zero3`` steps of ``bases`` (by checkpointing, or why one did not trace) again with
+    DiLoCo across the nodes, for each ``outer_sync`` form, on a rank that holds torchft's state (FSDP's rank 0, whose
+    shards are the largest). ``not_traced`` entries: each form whose ``fragments`` the model's blocks cannot take,
+    and each step that did not trace."""
     module = _build(run, fake=True)  # on the meta device: its fragments, as the strategy splits them
     blocks = outermost_block_modules(module, resolve_blocks(module, run.blocks))
     dtype = _TRUE_DTYPES.get(run.precision, torch.float32)

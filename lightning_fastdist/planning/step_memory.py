@@ -1,10 +1,8 @@
 """Measure one training step's memory on one rank, with real tensors or fake ones (shapes, no memory).
 
-:func:`measure_step` runs a step once to create the optimizer state, then again under torch's memory tracker
-(``MemTracker``, or ``FSDPMemTracker`` for an FSDP2 model), which attributes every tensor to parameters, gradients,
-optimizer state, gathered parameters or activations; under :func:`fake_world` and ``FakeTensorMode`` the same
-function simulates rank 0 of a world of N. The trackers are private torch APIs: :func:`tracing_unavailable` says
-in one line why they cannot be used.
+torch's memory tracker (``MemTracker``, or ``FSDPMemTracker`` for an FSDP2 model) attributes every tensor to
+parameters, gradients, optimizer state, gathered parameters or activations; under :func:`fake_world` and
+``FakeTensorMode`` the same measurement simulates rank 0 of a world of N. The trackers are private torch APIs.
 """
 
 from __future__ import annotations
@@ -32,12 +30,10 @@ class StepMemory:
 
     Attributes:
         params: this rank's parameters (its shards under FSDP).
-        grads: its gradients after the backward (DDP's buckets, FSDP's sharded gradients).
-        optimizer: its optimizer state after the step.
-        gathered_peak: parameters gathered for compute (FSDP's unsharded weights and all-gather
-            buffers) at the peak.
-        activations_peak: everything else alive at the peak: activations saved for backward,
-            temporaries, inputs, unsharded gradients.
+        grads: after the backward (DDP's buckets, FSDP's sharded gradients).
+        gathered_peak: parameters gathered for compute (FSDP's unsharded weights and all-gather buffers) at the peak.
+        activations_peak: everything else alive at the peak: activations saved for backward, temporaries, inputs,
+            unsharded gradients.
         peak: the most bytes alive at once during the step.
     """
 
@@ -88,9 +84,8 @@ def fake_world(world_size: int) -> Generator[None, None, None]:
 def to_empty_keeping_ties(module: nn.Module, device: str | torch.device) -> None:
     """``module.to_empty(device=device)`` that keeps shared (tied) parameters shared.
 
-    Under ``FakeTensorMode``, ``Module.to_empty`` gives every module a new ``Parameter``, so a
-    tied embedding and head would become two weights (counted, and optimized, twice). FSDP2
-    modules keep their own ``to_empty``, which keeps ties.
+    Under ``FakeTensorMode``, ``Module.to_empty`` gives every module a new ``Parameter``, so a tied embedding and head
+    would become two weights (counted, and optimized, twice). FSDP2 modules have their own ``to_empty``, keeping ties.
     """
     replaced: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
@@ -124,10 +119,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 def _peak_only(tracker_class: type) -> type:
     """``tracker_class`` keeping only the peak of the whole rank (the per-module peaks are not read here).
 
-    torch's trackers update every active module's peak after every op; for a 7B model that is
-    most of a simulation's time. The override keeps the rank's peak and its categories, as the
-    original does for them (torch 2.13's ``MemTracker._update_peak_stats``), and lets the device
-    queries (``prim.device``, which allocate nothing) pass without tracking.
+    torch's trackers update every active module's peak after every op, most of a large model's simulation time. The
+    override keeps the rank's peak and its categories as ``MemTracker._update_peak_stats`` does, and lets device
+    queries (``prim.device``, which allocate nothing) pass untracked.
     """
 
     class PeakOnly(tracker_class):
@@ -172,15 +166,13 @@ def measure_step(
 
     Args:
         model: the model as trained (an FSDP2 root, a DDP wrapper or a plain module).
-        optimizer: its optimizer; ``None``: measure one forward and backward alone (when another
-            optimizer will run, as DeepSpeed's does: the peak is then the forward's and backward's).
-        forward_backward: runs one forward and backward (the step's loss backpropagated).
+        optimizer: ``None``: measure one forward and backward alone (when another optimizer will run, as DeepSpeed's
+            does).
         inputs: the batch's tensors, tracked as inputs.
-        keep_gradients: gradients stay allocated between steps (DDP's gradients live in its
-            buckets, which ``zero_grad`` does not free); otherwise ``zero_grad`` frees them.
-        warm_up_on_zero_gradients: create the optimizer state with a step on zero gradients instead of
-            a forward and backward (half the time of a simulation; not for a real DDP, whose
-            gradients must be its bucket views).
+        keep_gradients: gradients stay allocated between steps (DDP's live in its buckets, which ``zero_grad`` does
+            not free).
+        warm_up_on_zero_gradients: create the optimizer state with a step on zero gradients instead of a forward and
+            backward (half a simulation's time; not for a real DDP, whose gradients must be its bucket views).
     """
     if optimizer is not None:
         if warm_up_on_zero_gradients:
@@ -201,14 +193,12 @@ def measure_step(
         optimizer.zero_grad(set_to_none=not keep_gradients)
     (by_category,) = tracker.get_tracker_snapshot("peak").values()
     peak = {getattr(category, "value", category): nbytes for category, nbytes in by_category.items()}
-    params = tensor_bytes(model.parameters())
-    optimizer_bytes = tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0
     gathered = sum(peak.get(category, 0) for category in GATHERED_CATEGORIES)
     state_at_peak = sum(peak.get(category, 0) for category in STATE_CATEGORIES)
     return StepMemory(
-        params=params,
+        params=tensor_bytes(model.parameters()),
         grads=grads,
-        optimizer=optimizer_bytes,
+        optimizer=tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0,
         gathered_peak=gathered,
         activations_peak=peak[TOTAL] - state_at_peak - gathered,
         peak=peak[TOTAL],

@@ -1,9 +1,5 @@
-"""Recipe YAML files for ``lightning-fastdist``, shipped inside the package.
-
-``lightning-fastdist fit --config cpu_smoke`` (or ``cpu_smoke.yaml``, or
-``recipes/cpu_smoke.yaml``) finds a packaged recipe from any directory; a path
-to an existing file always wins. :mod:`~lightning_fastdist.recipes.recipe` reads one.
-"""
+"""Recipe YAML files for ``lightning-fastdist``, shipped inside the package so that ``--config cpu_smoke`` works
+from any directory; a path to an existing file always wins."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ RECIPE_SUFFIX = ".yaml"
 
 
 def recipes_dir() -> Path:
-    """The directory holding the packaged recipe files."""
     return Path(str(resources.files(__name__)))
 
 
@@ -24,12 +19,8 @@ def available_recipes() -> list[str]:
 
 
 def find_recipe(reference: str) -> Path | None:
-    """Resolve a ``--config`` value to a file, or ``None`` if nothing matches.
-
-    Args:
-        reference: a path to an existing file, or a packaged recipe named as
-            ``NAME``, ``NAME.yaml`` or ``recipes/NAME.yaml``.
-    """
+    """The file a ``--config`` value names (an existing path, or a packaged recipe as ``NAME``, ``NAME.yaml`` or
+    ``recipes/NAME.yaml``), or ``None``."""
     given = Path(reference).expanduser()
     if given.is_file():
         return given

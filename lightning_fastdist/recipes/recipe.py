@@ -1,10 +1,7 @@
 """One reader for a recipe: find it, load its YAML, read what the commands plan with, build its model and data.
 
-``lightning-fastdist fit``'s checks before LightningCLI parses, ``bench``, ``doctor``
-(``--simulate`` too) and ``tune`` all read a recipe through :class:`Recipe`, so a
-recipe means the same thing to each of them. Its model and data are built as
-LightningCLI builds them (jsonargparse's subclass arguments and
-``instantiate``), its precision named with Lightning's own aliases.
+``fit``'s checks, ``bench``, ``doctor`` and ``tune`` all read recipes here, so a recipe means the same to each; its
+model and data are built as LightningCLI builds them, its precision named with Lightning's own aliases.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"
 DEFAULT_CLASSES = {"model": DEFAULT_MODEL, "data": DEFAULT_DATA}
 MIXED_PRECISION_PLUGIN = "lightning_fastdist.FastMixedPrecision"
-# Our strategies by engine (the names bench shows); :mod:`lightning_fastdist.planning.setup` writes their options.
+# Our strategies by engine (the names bench shows).
 STRATEGY_CLASSES = {
     "DDP": "lightning_fastdist.FastDDPStrategy",
     "FSDP2": "lightning_fastdist.FastFSDPStrategy",
@@ -54,17 +51,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key '{key}' (first at line {seen[key]})", key_node.start_mark
                 )
-            seen[key] = line
+            seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
 
 def _load(path: Path) -> dict:
-    """The mapping of options in the YAML file ``path``; :class:`RecipeError` naming the line if it is not one."""
+    """The mapping of options in the YAML file ``path``; ``RecipeError`` naming the line if it is not one."""
     try:
         content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
@@ -122,7 +118,7 @@ def _parser(kind: str) -> LightningArgumentParser:
 
 
 def build(kind: str, section: dict) -> Any:
-    """The ``model`` or ``data`` of a recipe section, built as LightningCLI builds it; :class:`RecipeError` if not."""
+    """The ``model`` or ``data`` of a recipe section, built as LightningCLI builds it; ``RecipeError`` if not."""
     parser = _parser(kind)
     try:
         config = parser.parse_object({kind: section})
@@ -136,20 +132,15 @@ def build(kind: str, section: dict) -> Any:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A recipe's options as written (``config``), and what the commands read from them.
-
-    Attributes:
-        config: the parsed YAML.
-        path: the file it came from.
-    """
+    """A recipe's options as written (``config``, from the file ``path``), and what the commands read from them."""
 
     config: dict
     path: Path | None = None
 
     @classmethod
     def read(cls, reference: str) -> Recipe:
-        """The recipe a ``--config`` value names (a path or a packaged name); :class:`RecipeNotFound` or
-        :class:`RecipeError` when there is none or it is not a mapping of options."""
+        """The recipe a ``--config`` value names (a path or a packaged name); ``RecipeNotFound`` or ``RecipeError``
+        when there is none or it is not a mapping of options."""
         path = find_recipe(reference)
         if path is None:
             raise RecipeNotFound(
@@ -209,8 +200,8 @@ class Recipe:
         return options.get("blocks") or options.get("shard_modules") or options.get("block_modules") or "auto"
 
     def with_strategy(self, strategy: dict) -> dict:
-        """A copy of the recipe training with ``strategy``: the user's other strategy options kept where the new
-        class takes them (``blocks``, ``timeout``, ...), in the recipe's precision (:func:`set_strategy`)."""
+        """A copy of the recipe training with ``strategy``, in the recipe's precision: the user's other strategy
+        options kept where the new class takes them (``blocks``, ``timeout``, ...)."""
         config = copy.deepcopy(self.config)
         strategy = copy.deepcopy(strategy)
         init_args = strategy.setdefault("init_args", {})

@@ -26,7 +26,7 @@ from tests.support.workloads import LossRecorder, distinct_batches, make_trainer
         ),
         (["--steps", "5"], "--steps: must be >= 6"),
         (["--warmup-steps", "10", "--steps", "12"], "--steps: must be >= 14"),
-        (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
+        (["--nodes", "0"], "--nodes: must be an integer >= 1, got '0'"),
         (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
     ],
 )

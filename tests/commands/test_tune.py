@@ -58,7 +58,8 @@ def write_recipe(path, accumulation: int = 1) -> dict:
     [
         (["--setups", "ddp,lightning-ddp"], "--setups: unknown lightning-ddp; known: ddp, ddp-auto, ddp-fp16,"),
         (["--steps", "5"], "--steps: must be >= 6"),
-        (["--budget-minutes", "0"], "--budget-minutes: must be > 0, got 0"),
+        (["--budget-minutes", "0"], "--budget-minutes: must be a finite number > 0, got '0'"),
+        (["--loss-tolerance", "nan"], "--loss-tolerance: must be a finite number > 0, got 'nan'"),
         (["--config", "nope.yaml"], "--config: recipe file 'nope.yaml' not found"),
         (["--output", "users.yaml"], "--output: users.yaml exists and was not written by tune, so it is kept"),
         (["--json", "users.yaml"], "--json: users.yaml exists and was not written by tune, so it is kept"),

@@ -1,10 +1,8 @@
 """What a Lightning user writes today for FSDP2, as the ``lightning-fsdp2`` baseline of ``bench`` runs it.
 
-Lightning's ``ModelParallelStrategy`` shards nothing by itself: the LightningModule
-calls ``fully_shard`` in ``configure_model``, each block first and the module last,
-as Lightning's documentation shows. :class:`HandShardedTinyGPT` is the demo model
-with exactly that hook and nothing else (no mixed-precision policy, no prefetch
-tuning), so the baseline row measures Lightning's strategy unchanged.
+``ModelParallelStrategy`` shards nothing itself: the module calls ``fully_shard`` in ``configure_model``, each block
+first, as Lightning's documentation shows. Nothing more (no mixed-precision policy, no prefetch tuning), so the
+baseline row measures Lightning's strategy unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from lightning_fastdist.demo import TinyGPT
 
 
 class HandShardedTinyGPT(TinyGPT):
-    """:class:`~lightning_fastdist.demo.TinyGPT` with the ``configure_model`` a user writes for FSDP2 in Lightning."""
+    """The demo model with the ``configure_model`` a user writes for FSDP2 in Lightning."""
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]

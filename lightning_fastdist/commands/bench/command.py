@@ -1,18 +1,12 @@
 """``lightning-fastdist bench``: train one model under several setups, side by side.
 
-Each setup (our DDP with and without compression or compile, FSDP2 ZeRO-2/3 with
-and without activation checkpointing, DeepSpeed ZeRO-1/2/3 with and without
-offload, and Lightning's own DDP, FSDP2 and DeepSpeed strategies as baselines)
-trains the same recipe for ``--steps`` steps in fresh processes (a one-node run's
-ranks started together, :mod:`~lightning_fastdist.commands.local_ranks`), measured by
-:class:`~lightning_fastdist.commands.bench.probe.BenchProbe`. The command
-prints a table as rows finish (each row's throughput also as a ratio to its
-engine's Lightning baseline, when that ran first), then how far apart the final
-losses of the exact setups are, and writes ``bench.json`` and ``bench.png``
-(tokens/s and peak memory per setup, coloured by engine) into ``--output``, with
-each setup's log, overlay recipe and resolved config; nothing else is written.
-Every setup trains with :class:`~lightning_fastdist.SyncFreeLogging`, the stack
-our recipes use.
+Each setup (our DDP with and without compression or compile, FSDP2 ZeRO-2/3 with and without activation
+checkpointing, DeepSpeed ZeRO-1/2/3 with and without offload, and Lightning's own DDP, FSDP2 and DeepSpeed
+strategies as baselines) trains the same recipe for --steps steps in fresh processes, with SyncFreeLogging as our
+recipes do. The command prints a table as rows finish (throughput also as a ratio to the engine's Lightning
+baseline, when that ran first), then how far apart the exact setups' final losses are, and writes bench.json and
+bench.png (tokens/s and peak memory per setup, coloured by engine) into --output, with each setup's log, overlay
+recipe and resolved config; nothing else is written.
 """
 
 from __future__ import annotations
@@ -102,8 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def world_size(args: argparse.Namespace) -> int | None:
-    """Ranks per run: ``--devices`` (else the recipe's ``trainer.devices``) x ``--nodes`` (else its
-    ``trainer.num_nodes``), or ``None``."""
+    """Ranks per run: ``--devices`` x ``--nodes`` (each defaulting to the recipe's), or ``None``."""
     devices = args.devices or args.recipe.trainer.get("devices")
     try:
         return int(devices) * int(node_count(args))
@@ -150,7 +143,7 @@ def run_setup(
     setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: Sequence[str] = ()
 ) -> dict:
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
-    ``fit`` (e.g. ``--trainer.accumulate_grad_batches 2``); return its measurements, or why it did not run."""
+    ``fit``; return its measurements, or why it did not run."""
     row = {"setup": setup.name, "engine": setup.engine}
     nodes = node_count(args)
     unavailable = setup.unavailable(args.recipe.config, world_size(args), nodes if isinstance(nodes, int) else 1)
@@ -178,8 +171,8 @@ def run_setup(
 
 
 def _run_training(command: list[str], args: argparse.Namespace, log: IO) -> int:
-    """Run one setup's training; its exit status. Without a launcher, a one-node run's ranks start together
-    (:mod:`~lightning_fastdist.commands.local_ranks`); otherwise the launcher or Lightning starts them."""
+    """Run one setup's training; its exit status. Without a launcher, a one-node run's ranks start together;
+    otherwise the launcher or Lightning starts them."""
     ranks = world_size(args)
     if not args.launcher and ranks and ranks > 1 and node_count(args) == 1:
         return run_local_ranks(command, ranks, log)
@@ -188,9 +181,7 @@ def _run_training(command: list[str], args: argparse.Namespace, log: IO) -> int:
 
 def throughput(row: dict) -> float | None:
     """Tokens per second, or samples per second for a model that does not read tokens."""
-    if "step_time_s" not in row:
-        return None
-    return row["tokens_per_s"] or row["samples_per_s"]
+    return (row["tokens_per_s"] or row["samples_per_s"]) if "step_time_s" in row else None
 
 
 def add_baseline_ratio(row: dict, rows: list[dict], setup: BenchSetup) -> None:

@@ -1,14 +1,9 @@
 """BenchProbe: the callback ``lightning-fastdist bench`` adds to every setup it trains.
 
-Per rank, with no per-step device sync: step time over a window after warm-up (one sync at each end), samples and
-tokens per second, peak memory, collective bytes per step averaged over the same window (an outer sync crosses
-on some steps only), exposed communication over the same window, host syncs per step (counted after the window:
-counting slows dispatch), the last loss and ``tail_loss``; then, after the last step and outside the timed window,
-one validation on held-out data (``held_out_loss``, on the global weights under ``outer_sync``). Rank 0 writes them
-as JSON; ``docs/bench.md`` says what each column is. Lightning's own strategies time and count nothing, so the probe
-attaches ours (clock-reading gradient hooks on ``DDPStrategy``'s module, the counting collectives on
-``ModelParallelStrategy``'s FSDP2 units, the counting backend on ``DeepSpeedStrategy``) without changing what they
-compute.
+It measures without a per-step device sync: speed, bytes and exposed communication over a timed window after
+warm-up, host syncs after the window (counting slows dispatch), and held-out loss once after the last step, outside
+the window. Rank 0 writes the numbers as JSON (``docs/bench.md``). Lightning's own strategies time and count nothing,
+so the probe attaches our counters to them without changing what they compute.
 """
 
 from __future__ import annotations
@@ -55,11 +50,10 @@ class BenchProbe(L.Callback):
     """Measure one benchmark setup and write its numbers to ``output`` (rank 0).
 
     Args:
-        output: JSON file to write.
+        output: the JSON file rank 0 writes.
         warmup_steps: steps left out of the timing window (compilation, allocator warm-up).
-        held_out_batches: micro-batches of held-out data per rank of the job for the evaluation after the last step
-            (0: none). The job's ranks evaluate ``held_out_batches x world size`` of them in all, the same held-out
-            samples for every setup of one job, however the setup shares them out (:func:`evaluating_ranks`).
+        held_out_batches: micro-batches of held-out data per rank evaluated after the last step (0: none); the
+            job evaluates ``held_out_batches x world size`` in all, the same samples for every setup.
     """
 
     def __init__(self, output: str, warmup_steps: int = 2, held_out_batches: int = HELD_OUT_BATCHES) -> None:
@@ -99,7 +93,8 @@ class BenchProbe(L.Callback):
             self._measure_lightnings_own(trainer, pl_module)
 
     def _measure_lightnings_own(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Attach this package's measurement to one of Lightning's strategies (see the module docstring)."""
+        """Attach our clock and counters to one of Lightning's strategies: hooks on DDP's module, counting
+        collectives on FSDP2's units, the counting backend on DeepSpeed."""
         strategy, clock, stats = trainer.strategy, ExposedCommClock(pl_module.device), CommStats()
         units = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
         if isinstance(strategy.model, DistributedDataParallel):  # its bytes stay uncounted: no hook of ours sees them
@@ -165,9 +160,8 @@ class BenchProbe(L.Callback):
             self._validate_after_the_last_step(trainer)
 
     def _validate_after_the_last_step(self, trainer: L.Trainer) -> None:
-        """Have Lightning validate now, after the last step: bench's runs validate at no other time (the overlay's
-        ``limit_val_batches: 0``), so the timed steps hold no evaluation. Lightning validates once before a fit that
-        is asked to stop ends (here ``max_steps`` ends it anyway), whatever the recipe's validation interval."""
+        """Have Lightning validate once now (bench's overlay sets ``limit_val_batches: 0``, so the timed steps hold
+        none): it validates before a fit that is asked to stop ends, whatever the recipe's validation interval."""
         trainer.limit_val_batches = self.held_out_batches * trainer.world_size // evaluating_ranks(trainer)
         trainer.check_val_every_n_epoch = None  # not only at the end of some epochs
         trainer.should_stop = True
@@ -222,9 +216,7 @@ class BenchProbe(L.Callback):
 def evaluating_ranks(trainer: L.Trainer) -> int:
     """The ranks one evaluation's data is shared out over: every rank of the job, or under ``outer_sync`` each node's
     own (every node evaluates all of it, on the same global weights: ``docs/semi-sync.md``)."""
-    if getattr(trainer.strategy, "outer_sync", None) is not None:
-        return trainer.num_devices
-    return trainer.world_size
+    return trainer.num_devices if getattr(trainer.strategy, "outer_sync", None) is not None else trainer.world_size
 
 
 def _bytes_so_far(stats: CommStats | None) -> dict[str, int]:

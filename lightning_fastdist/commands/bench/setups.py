@@ -1,9 +1,6 @@
-"""The setups ``lightning-fastdist bench`` compares, as strategy overrides of one recipe.
-
-Three engines (DDP, FSDP2, DeepSpeed ZeRO), each as our strategy in several
-configurations and as Lightning's own strategy unchanged (the ``lightning-*``
-baselines: what a user has without this package). Every row of an engine is
-compared with that engine's baseline (:attr:`BenchSetup.baseline`).
+"""The setups ``lightning-fastdist bench`` compares, as strategy overrides of one recipe: three engines (DDP, FSDP2,
+DeepSpeed ZeRO), each as our strategy in several configurations and as Lightning's own strategy unchanged (the
+``lightning-*`` baselines, what a user has without this package), which the engine's rows are compared with.
 """
 
 from __future__ import annotations
@@ -36,21 +33,17 @@ class BenchSetup:
     """One row of the comparison.
 
     Args:
-        name: the row's name, as given to ``--setups``.
-        engine: one of :data:`ENGINES`.
-        strategy_class: import path of the strategy.
-        strategy_args: its ``init_args``.
+        name: as given to ``--setups``.
+        engine: one of ``ENGINES``.
         model_class: a model class to train instead of the recipe's (keeping its ``init_args``), or ``None``.
-        exact: computes what plain fp32 data parallelism computes (no gradient compression), so its loss
-            must match the other exact rows' (bench's loss-parity line).
+        exact: computes what plain fp32 data parallelism computes, so its loss must match the other exact rows'.
         all_ranks_data_parallel: Lightning's ``ModelParallelStrategy`` with every rank in its data-parallel
-            dimension (its default puts the ranks of a node in the tensor-parallel one, where a model sharded
-            over ``device_mesh["data_parallel"]`` is not sharded at all and every rank reads the same batch).
+            dimension (by default a node's ranks are tensor-parallel, where a model sharded over
+            ``device_mesh["data_parallel"]`` is not sharded at all and every rank reads the same batch).
         needs: a reason this setup cannot run here, or ``None`` if it can.
         multi_node: synchronises across nodes (``outer_sync``): it needs ``--nodes 2`` or more.
-        keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise the options
-            in :data:`COMPARED_OPTIONS` are the row's own or their defaults (the recipe's others, such as
-            ``timeout`` or ``blocks``, are kept either way).
+        keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise those in
+            ``COMPARED_OPTIONS`` are the row's own or their defaults (the recipe's others are kept either way).
     """
 
     name: str
@@ -124,16 +117,14 @@ def recipe_setup(recipe: dict) -> BenchSetup:
 
 def ours(setup: Setup, name: str | None = None, exact: bool = True, needs: str | None = None, **options) -> BenchSetup:
     """The row of our strategy that trains ``setup`` (named as the setup is, unless ``name``), with more ``options``."""
-    strategy_args = {**setup.strategy_options(), **options}
-    multi_node = setup.outer_sync is not None
     return BenchSetup(
         name or setup.name,
         setup.engine,
         setup.strategy_class,
-        strategy_args,
+        {**setup.strategy_options(), **options},
         exact=exact,
         needs=needs,
-        multi_node=multi_node,
+        multi_node=setup.outer_sync is not None,
     )
 
 

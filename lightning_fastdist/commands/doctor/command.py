@@ -15,7 +15,6 @@ replace its ``model:``/``data:`` sections with yours, keeping the trainer sectio
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import re
 import sys
@@ -24,7 +23,7 @@ from typing import NoReturn
 
 import torch
 
-from lightning_fastdist.commands.arguments import device_memory
+from lightning_fastdist.commands.arguments import device_memory, positive
 from lightning_fastdist.commands.doctor import simulate as doctor_simulate
 from lightning_fastdist.commands.written_marks import (
     first_line_starts_with,
@@ -70,20 +69,6 @@ class _Parser(argparse.ArgumentParser):
         raise DoctorError(message)
 
 
-def _positive(kind: type[int] | type[float], bound: str, text: str) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
-        value = 0
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
-    return value
-
-
-_positive_int = functools.partial(_positive, int, "an integer >= 1")
-_positive_float = functools.partial(_positive, float, "a number > 0")
-
-
 def parse_parameter_count(text: str) -> int:
     """``"124M"``, ``"1.3B"``, ``"7e9"`` or ``"836352"`` -> an integer >= 1."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
@@ -105,31 +90,31 @@ def build_parser() -> _Parser:
     )
     model.add_argument("--params", type=parse_parameter_count, help="trainable parameters, e.g. 124M, 1.3B, 7e9")
     model.add_argument(
-        "--layers", type=_positive_int, help="transformer blocks (default: from the recipe or sized from --params)"
+        "--layers", type=positive(int), help="transformer blocks (default: from the recipe or sized from --params)"
     )
     model.add_argument(
-        "--hidden", type=_positive_int, help="hidden width (default: from the recipe or sized from --params)"
+        "--hidden", type=positive(int), help="hidden width (default: from the recipe or sized from --params)"
     )
     model.add_argument(
-        "--vocab-size", type=_positive_int, help=f"output vocabulary (default: the recipe's, else {DEMO_VOCAB})"
+        "--vocab-size", type=positive(int), help=f"output vocabulary (default: the recipe's, else {DEMO_VOCAB})"
     )
     model.add_argument(
-        "--seq-len", type=_positive_int, help=f"tokens per sample (default: the recipe's, else {DEFAULT_SEQ_LEN})"
+        "--seq-len", type=positive(int), help=f"tokens per sample (default: the recipe's, else {DEFAULT_SEQ_LEN})"
     )
     model.add_argument(
         "--micro-batch",
-        type=_positive_int,
+        type=positive(int),
         help=f"samples per device per forward (default: the recipe's, else {DEFAULT_MICRO_BATCH})",
     )
     model.add_argument(
         "--global-batch",
-        type=_positive_int,
+        type=positive(int),
         help="samples per optimizer step over all devices (default: no accumulation)",
     )
     devices = parser.add_argument_group("devices (default: what this machine has)")
-    devices.add_argument("--gpus", type=_positive_int, help="GPUs per node to plan for")
-    devices.add_argument("--nodes", type=_positive_int, help="nodes (default: the recipe's, else 1)")
-    devices.add_argument("--gpu-memory", type=_positive_float, metavar="GIB", help="memory of one GPU in GiB")
+    devices.add_argument("--gpus", type=positive(int), help="GPUs per node to plan for")
+    devices.add_argument("--nodes", type=positive(int), help="nodes (default: the recipe's, else 1)")
+    devices.add_argument("--gpu-memory", type=positive(float), metavar="GIB", help="memory of one GPU in GiB")
     devices.add_argument("--no-bf16", action="store_true", help="the planned GPUs have no bfloat16 (V100, T4)")
     simulation = parser.add_argument_group("simulation (trace the recipe's own model and step; docs/doctor.md)")
     simulation.add_argument(
@@ -138,7 +123,7 @@ def build_parser() -> _Parser:
         help="trace one training step of the recipe's model as rank 0 of --world-size ranks (fake tensors, no memory)",
     )
     simulation.add_argument(
-        "--world-size", type=_positive_int, help="ranks to simulate (default: --gpus x --nodes, else the recipe's)"
+        "--world-size", type=positive(int), help="ranks to simulate (default: --gpus x --nodes, else the recipe's)"
     )
     simulation.add_argument("--json", metavar="PATH", help="also write the simulated numbers as JSON (bytes)")
     output = parser.add_argument_group("output")
@@ -146,12 +131,9 @@ def build_parser() -> _Parser:
         "--output", default="doctor-recipe.yaml", help="where to write the recipe (default doctor-recipe.yaml)"
     )
     output.add_argument(
-        "--max-steps", type=_positive_int, default=300, help="trainer.max_steps in the recipe (default 300)"
+        "--max-steps", type=positive(int), default=300, help="trainer.max_steps in the recipe (default 300)"
     )
     return parser
-
-
-# ---------------------------------------------------------------- model
 
 
 def _demo_parameters(layers: int, hidden: int, seq_len: int) -> int:
@@ -200,9 +182,6 @@ def _model_facts(model_section: dict) -> dict:
     return facts
 
 
-# ---------------------------------------------------------------- devices
-
-
 def resolve_target(args: argparse.Namespace, environment: Environment, recipe: Recipe | None) -> Target:
     """The devices to plan for: flags first, then the recipe's, then this machine's GPUs, then its CPU."""
     nodes = args.nodes or (recipe.nodes if recipe is not None else None) or 1
@@ -217,9 +196,6 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe: R
     devices = min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
     return Target("cpu", devices, memory, environment.cpu_bf16_autocast, environment.cpu_cores, nodes)
-
-
-# ---------------------------------------------------------------- printing
 
 
 def _gib(value: int | None) -> str:
@@ -293,9 +269,6 @@ def _recipe_comments(recommendation: Recommendation, target: Target, argv: list[
     ]
 
 
-# ---------------------------------------------------------------- main
-
-
 def _plan(
     args: argparse.Namespace, environment: Environment
 ) -> tuple[TrainingShape, Target, dict, dict, Recipe | None]:
@@ -326,13 +299,11 @@ def _plan(
         }
         data_section = {"class_path": DEFAULT_DATA, "init_args": {"block_size": seq_len}}
     shape = TrainingShape(parameters, layers, hidden, seq_len, micro_batch, vocab_size=vocab)
-    target = resolve_target(args, environment, recipe)
-    return shape, target, model_section, data_section, recipe
+    return shape, resolve_target(args, environment, recipe), model_section, data_section, recipe
 
 
 def _replica_groups_of(recipe: Recipe | None, nodes: int) -> ReplicaGroups | None:
-    """The recipe's ``replica_groups`` option, which the written recipe keeps, checked against the ``nodes`` planned
-    for."""
+    """The recipe's ``replica_groups`` option (the written recipe keeps it), checked against the ``nodes`` planned."""
     options = recipe.strategy_options.get("replica_groups") if recipe is not None else None
     if options is None:
         return None
@@ -408,8 +379,7 @@ def run_simulation(args: argparse.Namespace, argv: list[str], environment: Envir
 
 
 def run(argv: list[str]) -> int:
-    """Parse ``argv``, print the report and write the recipe; raises :class:`DoctorError` or :class:`RecipeError`
-    on bad input."""
+    """Parse ``argv``, print the report and write the recipe; raises DoctorError or RecipeError on bad input."""
     args = build_parser().parse_args(argv)
     output = Path(args.output)
     check_ours(output, json=False)
@@ -429,8 +399,7 @@ def run(argv: list[str]) -> int:
         raise DoctorError(f"--global-batch: {error}") from None
     print()
     print(format_estimates(recommendation.shape, recommendation.usable_bytes, recommendation.accumulate_grad_batches))
-    print()
-    print(f"Recommendation for {target.nodes} x {target.devices} {target.accelerator}(s):")
+    print(f"\nRecommendation for {target.nodes} x {target.devices} {target.accelerator}(s):")
     for reason in recommendation.reasons:
         print(f"  - {reason}")
     if not recommendation.fits:

@@ -1,19 +1,12 @@
 """The ``--simulate`` part of ``lightning-fastdist doctor``: the table, the JSON, the choice and the tailored recipe.
 
-The tracing itself is :mod:`lightning_fastdist.planning.simulate`. The choice is the
-advisor's rule (:data:`~lightning_fastdist.planning.advisor.PREFERENCE`, fastest first)
-applied to the simulated peaks; the recipe written is the user's own with its strategy,
-devices and nodes replaced.
+The tracing is :mod:`lightning_fastdist.planning.simulate`; the choice is the advisor's order (fastest first) applied
+to the simulated peaks; the recipe written is the user's own with its strategy, devices and nodes replaced.
 """
 
 from __future__ import annotations
 
-from lightning_fastdist.planning.advisor import (
-    PREFERENCE,
-    SINGLE_DEVICE_PREFERENCE,
-    describe_setup,
-    recipe_strategy,
-)
+from lightning_fastdist.planning.advisor import PREFERENCE, SINGLE_DEVICE_PREFERENCE, describe_setup, recipe_strategy
 from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
@@ -106,8 +99,7 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
 
 
 def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
-    """The user's recipe with the chosen strategy (see :meth:`Recipe.with_strategy`), its devices and nodes; the
-    recipe's ``replica_groups`` kept."""
+    """The user's recipe with the chosen strategy, devices and nodes; the recipe's ``replica_groups`` kept."""
     strategy = recipe_strategy(Setup.from_plan_key(*chosen.plan_key))
     replica_groups = recipe.strategy_options.get("replica_groups")
     if replica_groups is not None:

@@ -1,8 +1,6 @@
-"""The setups ``lightning-fastdist tune`` may try, and the memory plan that prunes them before any starts.
-
-A :class:`Candidate` is one of bench's setups of our strategies with the axes tune varies around it (activation
-checkpointing, per-block compile, micro-batch x accumulation). A :class:`MemoryPlan` traces the recipe's own step
-as ``doctor --simulate`` does at each micro-batch; :func:`memory_verdict` says whether a candidate fits one device.
+"""The setups ``lightning-fastdist tune`` may try (bench's rows of our strategies, with activation checkpointing,
+per-block compile and micro-batch x accumulation varied around them), and the memory plan that prunes them before
+any starts, by tracing the recipe's step as ``doctor --simulate`` does.
 """
 
 from __future__ import annotations
@@ -18,30 +16,19 @@ from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
 from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES, Recipe
 
-# Bench's rows of our strategies that tune tries by default: hsdp and the semi-synchronous ones only across nodes,
-# those only where torchft is installed (:func:`offered`); DeepSpeed's are `not tried` where it is not installed.
+# Bench's rows that tune tries by default (``offered`` drops those that cannot run here).
 DEFAULT_SETUPS = (
-    "ddp",
-    "ddp-bf16",
-    "ddp-powersgd",
-    "ddp-diloco",
-    "ddp-streaming-diloco",
-    "fsdp-zero2",
-    "fsdp-zero3",
-    "fsdp-hsdp",
-    "deepspeed-zero1",
-    "deepspeed-zero2",
-    "deepspeed-zero3",
-)
+    "ddp", "ddp-bf16", "ddp-powersgd", "ddp-diloco", "ddp-streaming-diloco", "fsdp-zero2", "fsdp-zero3", "fsdp-hsdp",
+    "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
+)  # fmt: skip
 TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
 
 
 def offered(setup: BenchSetup, across_nodes: bool, replica_groups: bool = False) -> bool:
-    """Whether tune tries ``setup`` on a job that spans several nodes (``across_nodes``) or one: ``fsdp-hsdp`` (one node
-    would leave it nothing to replicate across) and the rows that synchronise across nodes (``outer_sync``: the
-    DiLoCo ones) only across nodes, and those only where they can run (torchft installed: bench's ``needs``). Under a
-    recipe's ``replica_groups`` only the rows whose strategies take it, as doctor plans them: DDP without PowerSGD
-    (which it refuses), FSDP's zero2 and zero3; a DeepSpeed winner would drop the option from the recipe written."""
+    """Whether tune tries ``setup`` on a job across nodes or on one: ``fsdp-hsdp`` (one node leaves it nothing to
+    replicate across) and the ``outer_sync`` rows only across nodes, those only where they can run. Under a recipe's
+    ``replica_groups`` only the rows whose strategies take it, as doctor plans them (DDP without PowerSGD, FSDP's
+    zero2 and zero3): a DeepSpeed winner would drop the option from the recipe written."""
     if replica_groups:
         planned = Setup.from_strategy(setup.strategy_class, setup.strategy_args)
         return (
@@ -60,13 +47,11 @@ class Candidate:
     """One setup tune may train.
 
     Args:
-        setup: the bench row it starts from (strategy class and options, engine, exactness).
         checkpointing: ``activation_checkpointing`` (``none``, ``selective`` or ``full``).
         compile_backend: per-block ``torch.compile`` with this backend, or ``None``.
         micro_batch: ``data.init_args.batch_size``, or ``None`` for the recipe's.
         accumulation: ``trainer.accumulate_grad_batches``, or ``None`` for the recipe's.
-        compared_with: the name of the candidate whose loss guards this one's (a non-exact or compiled
-            candidate is accepted only if its loss stays within tolerance of it), or ``None``.
+        compared_with: the name of the candidate whose loss this one's must stay within tolerance of, or ``None``.
     """
 
     setup: BenchSetup
@@ -89,8 +74,7 @@ class Candidate:
 
     @property
     def plan_key(self) -> tuple[str, str | int, bool]:
-        """The simulation row that holds this candidate's memory (:attr:`Setup.plan_key`): the bench row's setup
-        (e.g. ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``) with this candidate's checkpointing."""
+        """The simulation row that holds this candidate's memory: the bench row's setup with its checkpointing."""
         return Setup.from_strategy(self.setup.strategy_class, self.bench_setup().strategy_args).plan_key
 
     def bench_setup(self) -> BenchSetup:
@@ -117,9 +101,6 @@ class MemoryPlan:
     """One device's memory and the recipe's step simulated at each micro-batch tune considers (traced once each).
 
     Args:
-        recipe: the recipe.
-        world_size: ranks of a run.
-        gpus_per_node: ranks per node.
         usable_bytes: the device memory less headroom, or ``None``: nothing is planned, nothing pruned.
     """
 

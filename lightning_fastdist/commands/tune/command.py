@@ -1,23 +1,18 @@
 """``lightning-fastdist tune``: measure which setup trains the recipe fastest here, and write it as a recipe.
 
-Each candidate (our DDP with each gradient hook, FSDP2 ZeRO-2/3, HSDP and
-DiLoCo across nodes, DeepSpeed ZeRO-1/2/3, then compile and larger
-micro-batches of the fastest) trains the recipe's own model, data and batch for
-a few steps in fresh processes, as ``bench`` trains its rows (``--launcher``
-runs them across nodes). Before any starts, the memory plan (``doctor
---simulate``'s trace of the recipe's step) prunes what cannot fit one device of
-``--gpu-memory`` GiB (default: this machine's GPU; none on a CPU-only machine)
-and picks the least activation checkpointing that fits. A compressed,
-semi-synchronous or compiled candidate is accepted only if its loss (on held-out
-data, where the recipe validates) stays within ``--loss-tolerance`` of the exact
-setup it is compared with at equal tokens. Successive halving then re-measures
-the fastest third with three times the steps until two have been compared,
-within ``--budget-minutes``.
+Each candidate (our DDP with each gradient hook, FSDP2 ZeRO-2/3, HSDP and DiLoCo across nodes, DeepSpeed ZeRO-1/2/3,
+then compile and larger micro-batches of the fastest) trains the recipe's own model, data and batch for a few steps
+in fresh processes, as ``bench`` trains its rows (``--launcher`` runs them across nodes). Before any starts, the
+memory plan (``doctor --simulate``'s trace of the recipe's step) prunes what cannot fit one device of
+``--gpu-memory`` GiB (default: this machine's GPU; none on a CPU-only machine) and picks the least activation
+checkpointing that fits. A compressed, semi-synchronous or compiled candidate is accepted only if its loss (on
+held-out data, where the recipe validates) stays within ``--loss-tolerance`` of the exact setup it is compared with
+at equal tokens. Successive halving then re-measures the fastest third with three times the steps until two have
+been compared, within ``--budget-minutes``.
 
-Writes the winner as a recipe (``--output``: the user's recipe with its strategy
-and batch split replaced, the measured table as comments), every candidate's
-numbers (``--json``), and per run a log, in ``--workdir`` with ``tune.png``. It
-replaces only files it wrote itself.
+Writes the winner as a recipe (``--output``: the user's recipe with its strategy and batch split replaced, the
+measured table as comments), every candidate's numbers (``--json``), and per run a log, in ``--workdir`` with
+``tune.png``. It replaces only files it wrote itself.
 """
 
 from __future__ import annotations
@@ -109,16 +104,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def memory_plan(args: argparse.Namespace) -> MemoryPlan:
     """The device memory to plan for (``--gpu-memory``, else this machine's smallest GPU, else none)."""
     world = world_size(args) or 1
-    nodes = node_count(args)
     memory = device_memory(args.gpu_memory)
     usable = int(memory * (1 - HEADROOM)) if memory else None
-    return MemoryPlan(args.recipe, world, max(world // int(nodes), 1), usable)
+    return MemoryPlan(args.recipe, world, max(world // int(node_count(args)), 1), usable)
 
 
 def base_candidates(args: argparse.Namespace, plan: MemoryPlan, split: tuple[int, int] | None) -> list[Candidate]:
-    """The named setups that are offered here, each with the least checkpointing that fits, exact ones first; a
-    non-exact one (compressed, or semi-synchronous) is compared with ``ddp`` at the same checkpointing and batch split
-    (added when not named)."""
+    """The named setups offered here, each with the least checkpointing that fits, exact ones first; a non-exact one
+    is compared with ``ddp`` at the same checkpointing and batch split (added when not named)."""
     setups = all_setups()
     across_nodes = plan.world_size > plan.gpus_per_node  # as the simulation decides whether to plan hsdp
     replica_groups = args.recipe.strategy_options.get("replica_groups") is not None

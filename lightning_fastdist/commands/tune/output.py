@@ -1,8 +1,6 @@
-"""What ``lightning-fastdist tune`` writes: the winning recipe, the JSON of every candidate, the plot.
-
-Each file carries a mark of who wrote it (the recipe's first line, the JSON's
-``written_by``, a marker file in the work folder), and tune replaces only files
-with its mark: anything else at those paths is refused before a trial starts.
+"""What ``lightning-fastdist tune`` writes: the winning recipe, the JSON of every candidate, the plot. Each carries
+tune's mark (the recipe's first line, the JSON's ``written_by``, a marker file in the work folder), and tune
+replaces only marked files: anything else at those paths is refused before a trial starts.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> lis
 
 
 def claim_workdir(workdir: Path) -> None:
-    """Create the work folder (checked by :func:`outputs_not_ours`) and mark it as tune's."""
+    """Create the work folder (checked by ``outputs_not_ours``) and mark it as tune's."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / WORKDIR_MARK).write_text("This folder was written by lightning-fastdist tune; it may replace it.\n")
 
@@ -57,8 +55,7 @@ def plan_line(plan: MemoryPlan) -> str:
 def numbers(row: dict) -> str:
     """A measured row in one line."""
     unit = "tokens" if row.get("tokens_per_s") else "samples"
-    exposed = row.get("exposed_comm_s")
-    held_out = row.get("held_out_loss")
+    exposed, held_out = row.get("exposed_comm_s"), row.get("held_out_loss")
     return (
         f"{row['steps']} steps  {throughput(row):,.0f} {unit}/s  "
         f"exposed {'n/a' if exposed is None else f'{1000 * exposed:.1f} ms'}  "
@@ -92,8 +89,7 @@ def tuned_recipe(recipe: Recipe, winner: Trial, devices: str | None = None, node
     """The user's recipe with the winner's strategy and batch split, and the ``devices`` and ``nodes`` it was
     tuned on where they were given; model and data otherwise unchanged."""
     candidate = winner.candidate
-    strategy = candidate.bench_setup().strategy_config(world_size=None)
-    tuned = recipe.with_strategy(strategy)
+    tuned = recipe.with_strategy(candidate.bench_setup().strategy_config(world_size=None))
     if candidate.micro_batch is not None:
         tuned["trainer"]["accumulate_grad_batches"] = candidate.accumulation
         tuned.setdefault("data", {}).setdefault("init_args", {})["batch_size"] = candidate.micro_batch

@@ -1,13 +1,8 @@
 """How ``lightning-fastdist tune`` spends its budget: the order of trials, the quality guard, successive halving.
 
-Round 1 trains every candidate the memory plan kept, exact setups first and each compared one after the setup it
-is compared with; a candidate is accepted only if its loss lies within ``loss_tolerance`` of that one's after as many
-steps of the same global batch (equal tokens), checked again in each later round: bench's ``held_out_loss`` (the
-weights each setup delivers, on held-out data) where both rows have it, else its training ``tail_loss``. Then
-successive halving: the fastest third (at least two) trains again for three times the steps, until two are left; the
-faster wins unless its loss has left its exact root's tolerance. A third rather than a half because a trial costs
-mostly its start-up. A run starts only if the runs so far say it ends within the budget. ``docs/tune.md`` has the
-details.
+A compared candidate is accepted only while its loss stays within tolerance of its reference's at equal tokens.
+Halving keeps the fastest third rather than half, because a trial costs mostly its start-up; a run starts only if
+the runs so far say it ends within the budget. ``docs/tune.md`` has the details.
 """
 
 from __future__ import annotations
@@ -29,15 +24,13 @@ class Trial:
     """What happened to one candidate.
 
     Attributes:
-        candidate: the setup.
         status: ``pruned`` (memory plan), ``rejected`` (quality guard), ``failed``, ``not tried`` (the budget,
             a reference that did not run, or it cannot run here), ``measured`` (eliminated by halving), or
             ``winner``.
         reason: one line for every status but ``measured`` and ``winner``.
-        guard: the quality guard's comparison of its latest round in one line (within tolerance or not), for a
-            compared candidate once its reference trained as many steps.
+        guard: the quality guard's comparison of its latest round, once its reference trained as many steps.
         peak_plan_bytes: the memory plan's peak per rank, when there was a plan.
-        rounds: bench's row per round it trained in (steps, tokens/s, exposed communication, loss, ...).
+        rounds: bench's row per round it trained in.
     """
 
     candidate: Candidate
@@ -57,9 +50,8 @@ Measure = Callable[[Candidate, int, int], dict]  # (candidate, steps, round) -> 
 
 
 def losses_to_compare(row: dict, reference_row: dict) -> tuple[str, float | None, float | None]:
-    """``(which loss, the candidate's, the reference's)``: the held-out loss where both rows have it (the loss of the
-    weights each setup delivers, the global ones under ``outer_sync``, on the same held-out samples), else the
-    training tail loss (each node's own weights under ``outer_sync``; on the same training batches)."""
+    """``(which loss, the candidate's, the reference's)``: the held-out loss where both rows have it (of the weights
+    each setup delivers, the global ones under ``outer_sync``), else the training tail loss."""
     if row.get("held_out_loss") is not None and reference_row.get("held_out_loss") is not None:
         return "held-out loss", row["held_out_loss"], reference_row["held_out_loss"]
     return "training tail loss", row.get("tail_loss"), reference_row.get("tail_loss")
@@ -71,7 +63,6 @@ class Search:
 
     Args:
         measure: trains a candidate in fresh processes and returns bench's row.
-        plan: the memory plan.
         steps: optimizer steps of round 1.
         budget_s: seconds the trials may take in all.
         loss_tolerance: the quality guard's relative tolerance.
@@ -127,15 +118,13 @@ class Search:
         return trial.status == "measured"
 
     def _guard(self, trial: Trial) -> None:
-        """Reject ``trial`` if its latest loss is not within tolerance of its reference's after as many steps
-        (when the reference has trained that long: round 1 always, later rounds where both went on)."""
+        """Reject ``trial`` if its latest loss is not within tolerance of its reference's after as many steps."""
         reference = self.trials.get(trial.candidate.compared_with or "")
         if reference is not None and trial.status == "measured":
             self._compare_losses(trial, reference)
 
     def _compare_losses(self, trial: Trial, reference: Trial) -> None:
-        """Reject ``trial`` if ``reference`` trained as many steps as its latest round and their losses differ by
-        more than the tolerance."""
+        """Reject ``trial`` if ``reference`` trained as many steps and their losses differ beyond the tolerance."""
         steps = trial.rounds[-1]["steps"]
         reference_row = next((r for r in reference.rounds if r["steps"] == steps), None)
         if reference_row is None:
