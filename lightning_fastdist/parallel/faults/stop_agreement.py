@@ -68,4 +68,9 @@ def new_agreement_group(timeout: timedelta) -> dist.ProcessGroup | None:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo", timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    # torch's new_group returns without a barrier: a rank that releases the group at once (a refusal raised in setup)
+    # could close its connections while a slower rank is still completing them, which then fails with gloo's error
+    # instead of the refusal.
+    dist.barrier(group=group)
+    return group
