@@ -20,7 +20,7 @@ from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients
 from lightning_fastdist.planning.fsdp_shards import shard_numel
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
-from tests.support.harness import cli_command, free_port_span, run_processes
+from tests.support.harness import cli_command, free_port_span, run_function, run_processes
 from tests.support.lost_node_runs import fit_reports
 from tests.support.model_zoo import HFCausalLM
 from tests.support.node_faults import start_again_once_held, wait_until_held
@@ -79,6 +79,75 @@ def _node_commands(engine: str, models: str, steps: int, nodes: int, min_nodes: 
 
 def _reports(output: str) -> list[dict]:
     return [json.loads(line[4:]) for line in output.splitlines() if line.startswith("FIT ")]
+
+
+LATE_HEARTBEAT_S = 2.0  # node 1's manager starts this long after node 0 asked for its first quorum
+
+
+def _equalize_with_a_late_node(first_port: int) -> dict:
+    """One node of two (``RANK``) makes its weights equal to node 0's through a real lighthouse; node 1's torchft
+    manager starts late, so that the lighthouse has not heard from it when node 0 asks for its first quorum."""
+    import time
+
+    from lightning_fastdist.parallel.replica_groups.group import (
+        Membership,
+        ReplicaGroup,
+        equalize_weights,
+        new_manager,
+        start_lighthouse,
+    )
+    from lightning_fastdist.parallel.replica_groups.rejoin import CountedTransport
+
+    node = int(os.environ["RANK"])
+    timeout = timedelta(seconds=60)
+    finished = torch.distributed.TCPStore("127.0.0.1", first_port, 2, is_master=node == 0, timeout=timeout)
+    lighthouse = start_lighthouse(first_port + 1, min_nodes=1, owner="test") if node == 0 else None
+    if node == 1:
+        finished.wait(["node 0 asks"])
+        time.sleep(LATE_HEARTBEAT_S)  # node 0's first quorum forms meanwhile, without this node
+    group = ReplicaGroup(
+        node_rank=node, num_nodes=2, local_rank=0, sharded=False, ranks_per_node=1, min_nodes=1,
+        store_host="127.0.0.1", store_port=first_port + 2 + node, lighthouse=f"http://127.0.0.1:{first_port + 1}",
+        first_store=("127.0.0.1", first_port),
+    )  # fmt: skip
+    # The node's own store, where its manager's process groups meet (NodeWorlds hosts it in a fit).
+    node_store = torch.distributed.TCPStore("127.0.0.1", group.store_port, is_master=True, wait_for_workers=False)
+    manager = new_manager(group, timeout, CountedTransport(timeout), async_quorum=True, owner="test")
+    reports: list[str] = []
+    membership = Membership("replica_groups", 2, lambda: 0, "the step's quorum", reports.append)
+    membership.watch(manager)
+    torch.manual_seed(node)  # different weights on each node until they are made equal
+    model = torch.nn.Linear(8, 8)
+    torch.manual_seed(0)
+    node_0_weights = torch.nn.Linear(8, 8).state_dict()
+    if node == 0:
+        finished.set("node 0 asks", "")
+    equalize_weights(manager, model, "test", membership, timeout)
+    result = {
+        "equal to node 0's": all(torch.equal(model.state_dict()[k], v) for k, v in node_0_weights.items()),
+        "participants": manager.num_participants(),
+        "reports": reports,
+    }
+    finished.add("done", 1)
+    while node == 0 and finished.add("done", 0) < 2:  # node 0's lighthouse and store serve until node 1 is done
+        time.sleep(0.05)
+    manager.shutdown(wait=False)
+    if lighthouse is not None:
+        lighthouse.shutdown()
+    del node_store
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_node_the_lighthouse_has_not_heard_from_yet_is_waited_for_when_the_weights_are_made_equal():
+    # Seen under load between two fits in one process: node 0's first quorum formed without node 1, whose manager had
+    # not sent its first heartbeat yet; node 0 went on to its first step while node 1 was still making its weights
+    # equal, and gloo failed on sizes that did not match.
+    results = run_function(_equalize_with_a_late_node, 2, args=(free_port_span(4),), init_process_group=False)
+    for node, result in enumerate(results):
+        assert result["equal to node 0's"] and result["participants"] == 2, (node, result)
+        assert result["reports"] == [], result["reports"]  # node 1 did not come back: it had not left
 
 
 @pytest.mark.slow

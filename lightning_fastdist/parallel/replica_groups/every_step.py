@@ -76,7 +76,7 @@ class EveryStepRun:
         if self._register.joining:
             self._rejoin()
         else:
-            equalize_weights(self.manager, model, OPTION)
+            equalize_weights(self.manager, model, OPTION, self.membership, timeout)
             self._register.training_started()
 
     def _rejoin(self) -> None:

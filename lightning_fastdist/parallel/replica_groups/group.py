@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +23,7 @@ from lightning_fastdist.parallel.fsdp.local_shards import local_part
 INSTALL_HINT = "pip install lightning-fastdist[ft]"
 COORDINATOR_VARIABLE = "LIGHTNING_FASTDIST_COORDINATOR"  # HOST:PORT of a coordinator outside the nodes
 TRAINING_KEY = "outer_sync/training"  # in the register while the nodes train: a node that starts then rejoins
+QUORUM_RETRY_S = 0.1  # between quorums asked for again at a fit's start, while one lacks a node
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
 # torchft's Rust side (manager, lighthouse) logs every quorum and commit at INFO on stderr: several lines per rank and
 # step. It reads RUST_LOG once, when it is first imported; unless the user set RUST_LOG, it then reads this level.
@@ -142,11 +144,21 @@ def new_manager(group: ReplicaGroup, timeout: timedelta, transport: Any, async_q
     )
 
 
-def equalize_weights(manager: Any, model: nn.Module, owner: str) -> None:
+def equalize_weights(manager: Any, model: nn.Module, owner: str, membership: Membership, timeout: timedelta) -> None:
     """Give every node the weights and buffers of the quorum's first node, bit for bit: the others send zeros into a
     summing all-reduce (torch seeds may differ between nodes; DDP does the same inside a node with a broadcast). Each
-    process sends what it holds: the whole weights, or its shard of them. Starts a quorum of its own."""
+    process sends what it holds: the whole weights, or its shard of them.
+
+    Starts quorums of its own until one holds every node (each arrived at the fit's start), or ``timeout`` passes:
+    the lighthouse forms a quorum at once from the nodes it has heard from, so a node whose manager had not sent its
+    first heartbeat yet was left out and, still making its weights equal, met the others' first step (gloo failed on
+    sizes that did not match). ``membership`` forgets a short quorum: the nodes it lacked did not leave."""
+    deadline = time.monotonic() + timeout.total_seconds()
     manager.start_quorum()
+    while manager.num_participants() < membership.num_nodes and time.monotonic() < deadline:
+        membership.forget_quorum()
+        time.sleep(QUORUM_RETRY_S)
+        manager.start_quorum()
     keeps_its_own = manager.participating_rank() == 0
     buffers = [buffer for buffer in model.buffers() if buffer.dtype != torch.bool]  # gloo sums no booleans
     with torch.no_grad():
@@ -229,6 +241,10 @@ class Membership:
 
     def watch(self, manager: Any) -> None:
         manager._client = _QuorumMembers(manager._client, self.note)
+
+    def forget_quorum(self) -> None:
+        """Take the next quorum as the first: the latest lacked nodes that had not been heard from yet."""
+        self._replicas = ()
 
     def note(self, replicas: tuple[str, ...], source: str | None) -> None:
         """After each quorum (``replicas``: its members, ``node2:<uuid>`` each): report the nodes that left it and

@@ -73,7 +73,7 @@ class OuterSyncRun:
         self.membership.watch(self.manager)
         self._register = FitRegister(group, timeout)
         if not self._register.joining:
-            equalize_weights(self.manager, model, "outer_sync")
+            equalize_weights(self.manager, model, "outer_sync", self.membership, timeout)
             self._register.training_started()
         self.outer_optimizers = [
             torch.optim.SGD(
