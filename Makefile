@@ -34,7 +34,7 @@ lint: install
 # starts rank 1 once rank 0 has imported everything) and waiting for them, which leaves a core idle.
 test: lint
 	$(BIN)/python -m compileall -q lightning_fastdist tests
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 # One process, no network namespaces: what the markers in pyproject.toml say takes long or needs root is left out.
 test-fast: install

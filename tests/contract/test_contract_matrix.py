@@ -31,10 +31,6 @@ import pytest
 
 from tests.support.harness import run_function
 
-# One worker runs the module: its tests share one multi-process run (a module fixture), which each xdist worker
-# would otherwise start again (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("contract_matrix")
-
 WORLD, STEPS = 2, 3
 EXACT = 1e-5  # fp32 (and fp64): the same sums in another order
 BF16 = 1e-2  # bf16 computes: 8 bits of mantissa (relative 2**-8, ~4e-3) per rounding

@@ -29,10 +29,6 @@ from lightning_fastdist.strategies.deepspeed_checkpoint import consolidate_check
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
 
-# One worker runs the module: its tests share one multi-process run (a module fixture), which each xdist worker
-# would otherwise start again (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("deepspeed_runs")
-
 WORLD = 2
 TOTAL_STEPS, RESUME_AT = 6, 3
 DROPOUT = 0.1  # random masks: each rank's random states travel in the checkpoint

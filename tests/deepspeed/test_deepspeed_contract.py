@@ -19,10 +19,6 @@ from tests.support.harness import run_function
 from tests.support.model_zoo import HFCausalLM, _tokens
 from tests.support.workloads import LossRecorder
 
-# One worker runs the module: its tests share one multi-process run (a module fixture), which each xdist worker
-# would otherwise start again (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("deepspeed_contract_runs")
-
 WORLD, STEPS, ACCUMULATION = 2, 3, 2
 EXACT = 1e-5  # fp32: only the order of the reductions differs
 
