@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_fastdist.parallel.fsdp.local_shards import local_part
+from lightning_fastdist.parallel.replica_groups.group import import_torchft
 
 NODE_STATE_KEY = "lightning_fastdist"  # the name NodeState's functions are registered under, on every node
 
@@ -124,6 +125,7 @@ class CountedTransport:
     """torchft's HTTP checkpoint transport, counting the tensor bytes each ``recv_checkpoint`` received."""
 
     def __init__(self, timeout: timedelta) -> None:
+        import_torchft("replica groups")  # first, so that torchft's Rust side logs at our level
         from torchft.checkpointing import HTTPTransport
 
         self._transport = HTTPTransport(timeout=timeout, num_chunks=0)
