@@ -147,7 +147,7 @@ class BottleneckReport(Callback):
         self._stop_measuring()
 
     def _open_timing(self, trainer: Trainer) -> None:
-        stats: CommStats | None = getattr(trainer.strategy, "comm_stats", None)
+        stats = _comm_stats(trainer)
         self._at_start = {
             "global_step": trainer.global_step,
             "rounds": stats.rounds if stats is not None else None,
@@ -165,7 +165,7 @@ class BottleneckReport(Callback):
         steps = [seconds(m.start, m.end) for m in self._marks]
         optimizer = [seconds(m.before_optimizer, m.end) for m in self._marks if m.before_optimizer is not None]
         optimizer_steps = trainer.global_step - self._at_start["global_step"]
-        stats: CommStats | None = getattr(trainer.strategy, "comm_stats", None)
+        stats = _comm_stats(trainer)
         rounds = step_traffic = None
         if stats is not None and self._at_start["totals"] is not None:
             rounds = stats.rounds - self._at_start["rounds"]
@@ -279,3 +279,8 @@ class BottleneckReport(Callback):
         markdown_path.write_text(checks.render_markdown(self.rows, title))
         self.paths = [json_path, markdown_path]
         print(f"{title}\n{checks.render_text(self.rows)}\nWritten to {json_path} and {markdown_path}", flush=True)
+
+
+def _comm_stats(trainer: Trainer) -> CommStats | None:
+    """The strategy's byte counts, where it keeps them (our strategies do; Lightning's do not)."""
+    return getattr(trainer.strategy, "comm_stats", None)
