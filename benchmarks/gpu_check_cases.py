@@ -526,7 +526,7 @@ def _probe_cuda_graphs(ctx: Context, checkpointing: str) -> str:
 
 def rng_states(ctx: Context) -> Outcome:
     """A rank's CUDA generator state is saved for the device it computes on and restored to it."""
-    from lightning_fastdist.strategies.rng_states import OWN_CUDA_KEY, collect_rng_states, set_rng_states
+    from lightning_fastdist.strategies.checkpoint.rng_states import OWN_CUDA_KEY, collect_rng_states, set_rng_states
 
     torch.cuda.set_device(0)
     torch.manual_seed(0)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.harness, tests.support.model_zoo
 
-from lightning_fastdist.planning.simulate import RecipeRun, simulate  # noqa: E402
+from lightning_fastdist.planning.simulation.recipe_run import RecipeRun  # noqa: E402
+from lightning_fastdist.planning.simulation.simulate import simulate  # noqa: E402
 from tests.commands.test_doctor_simulate import LLAMA, MEASURED, TEXT, TINY_GPT, TOKENS, real_memory  # noqa: E402
 from tests.support.harness import run_function  # noqa: E402
 

@@ -12,7 +12,7 @@ from lightning_fastdist.callbacks import (
     SyncFreeLogging,
 )
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
-from lightning_fastdist.parallel.semi_sync.settings import OuterSync
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.precision import FastMixedPrecision
 from lightning_fastdist.strategies import FastDDPStrategy, FastDeepSpeedStrategy, FastFSDPStrategy
 

@@ -1,2 +1,2 @@
 """Subcommands of ``lightning-fastdist`` beyond LightningCLI's fit/validate/test/predict: each has
-``main(argv: list[str]) -> int`` and is listed in ``cli.EXTRA_COMMANDS``."""
+``main(argv: list[str]) -> int`` and is listed in ``cli/command.py``'s ``EXTRA_COMMANDS``."""

@@ -16,7 +16,7 @@ import threading
 import torch.distributed as dist
 
 from lightning_fastdist.commands.arguments import positive
-from lightning_fastdist.parallel.replica_groups.group import COORDINATOR_VARIABLE, start_lighthouse
+from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, start_lighthouse
 
 PROG = "lightning-fastdist coordinator"
 

@@ -7,10 +7,10 @@ recommended with a warning. Why that order, and why FSDP2 unless only DeepSpeed'
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.diagnostics.dataloader_audit import workers_for
-from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.memory_model import MemoryEstimate, TrainingShape, estimate_memory
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import set_strategy
@@ -26,7 +26,6 @@ PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
     ("ds-zero2", "full", True),
     ("zero3", "full", True),
 )
-REPLICA_GROUPS_MODES = ("ddp", "zero2", "zero3")  # the setups whose strategies take replica_groups
 SINGLE_DEVICE_PREFERENCE = (  # on one device sharding saves nothing
     ("ddp", "none", False),
     ("ddp", "full", False),
@@ -123,7 +122,7 @@ def recommend(
     ]
     sharded_over = target.world_size
     if replica_groups is not None:
-        preference = tuple(row for row in PREFERENCE if row[0] in REPLICA_GROUPS_MODES)
+        preference = tuple(key for key in PREFERENCE if Setup.from_plan_key(*key).takes_replica_groups)
         sharded_over = target.devices
         reasons.append(
             f"replica_groups (the recipe's, min_nodes {replica_groups.min_nodes}): each node a torchft replica group, "
@@ -178,9 +177,11 @@ def describe_setup(mode: str, checkpointing: str, offload: bool) -> str:
     return Setup.from_plan_key(mode, checkpointing, offload).describe()
 
 
-def strategy_section(estimate: MemoryEstimate) -> dict:
-    """The ``trainer.strategy`` entry of a recipe for ``estimate``'s configuration."""
-    return recipe_strategy(Setup.from_plan_key(estimate.mode, estimate.activation_checkpointing, estimate.cpu_offload))
+def strategy_section(estimate: MemoryEstimate, replica_groups: ReplicaGroups | None = None) -> dict:
+    """The ``trainer.strategy`` entry of a recipe for ``estimate``'s configuration, with the recipe's
+    ``replica_groups`` where it has them."""
+    setup = Setup.from_plan_key(estimate.mode, estimate.activation_checkpointing, estimate.cpu_offload)
+    return recipe_strategy(replace(setup, replica_groups=replica_groups))
 
 
 def recipe_strategy(setup: Setup) -> dict:
@@ -211,7 +212,7 @@ def build_recipe(
         "accelerator": target.accelerator,
         "devices": target.devices,
         "num_nodes": target.nodes,
-        "strategy": strategy_section(recommendation.estimate),
+        "strategy": strategy_section(recommendation.estimate, recommendation.replica_groups),
         "max_steps": max_steps,
         "accumulate_grad_batches": recommendation.accumulate_grad_batches,
         "log_every_n_steps": 10,
@@ -231,8 +232,6 @@ def build_recipe(
     else:
         plugin_args = {"precision": precision, "device": "cuda" if target.accelerator == "gpu" else "cpu"}
         trainer["plugins"] = [{"class_path": "lightning_fastdist.FastMixedPrecision", "init_args": plugin_args}]
-    if recommendation.replica_groups is not None:
-        trainer["strategy"]["init_args"]["replica_groups"] = asdict(recommendation.replica_groups)
     set_strategy(trainer, trainer["strategy"])  # a DeepSpeed strategy takes the precision as trainer.precision
     data = {"class_path": data_section["class_path"], "init_args": dict(data_section.get("init_args") or {})}
     data["init_args"]["batch_size"] = recommendation.shape.micro_batch

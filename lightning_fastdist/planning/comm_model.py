@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 from lightning_fastdist.parallel.deepspeed.runtime import MAX_LIVE_PARAMETERS
-from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 from lightning_fastdist.planning.memory_model import DEEPSPEED_MODES, MODES, TrainingShape
 
 COMM_MODES = (*MODES, "hsdp")

@@ -3,7 +3,7 @@
 Under DDP that is each node's local rank 0, holding whole fragments; under FSDP every rank, for its own shard of each
 fragment. Following torchft 0.2.0's ``DiLoCo`` (``torchft/local_sgd.py``): a global copy on the host, the outer SGD's
 momentum on the device, and, one fragment at a time, its pseudo-gradient in flight or being applied. The formula and
-its measurements: docs/semi-sync.md ("Memory").
+its measurements: docs/outer-sync.md ("Memory").
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_fastdist.parallel.semi_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import PSEUDO_GRADIENT_DTYPES, OuterSync
 from lightning_fastdist.planning.step_memory import StepMemory
 
 

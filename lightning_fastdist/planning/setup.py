@@ -1,16 +1,20 @@
-"""One vocabulary for a training setup: the engine, its sharding, activation checkpointing, offload and comm hook.
+"""One vocabulary for a training setup: the engine, its sharding, activation checkpointing, offload, comm hook and
+the form it takes across nodes.
 
 A setup is written three ways, all derived here so that renaming a strategy option breaks every command at once,
 not one of them silently: its strategy section, its plan key (``("zero3", "full", False)``: the row of the memory
-model, the advisor and ``doctor --simulate``) and its name in ``bench`` and ``tune`` (``fsdp-zero3-ac``).
+model, the advisor and ``doctor --simulate``) and its name in ``bench`` and ``tune`` (``fsdp-zero3-ac``). Which setups
+take ``replica_groups`` is decided here too (:attr:`Setup.takes_replica_groups`), for the advisor, the simulation and
+tune alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
-from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS, OuterSyncForm, form_of
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OUTER_SYNC_FORMS, OuterSyncForm, form_of
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES
 
 Engine = Literal["DDP", "FSDP2", "DeepSpeed"]
@@ -32,6 +36,8 @@ class Setup:
         offload: FSDP2's ``cpu_offload``; DeepSpeed's optimizer offload (and, at ZeRO-3, its parameters').
         comm_hook: DDP's gradient hook, or ``None`` for the strategy's default.
         outer_sync: across nodes, ``"diloco"`` or ``"streaming-diloco"``, or ``None``: every step.
+        replica_groups: across nodes, each node a torchft replica group (a recipe's option, kept on whichever setup
+            trains it, so it is left out of :attr:`name`: bench's and tune's rows never differ by it), or ``None``.
     """
 
     engine: Engine
@@ -40,6 +46,7 @@ class Setup:
     offload: bool = False
     comm_hook: str | None = None
     outer_sync: OuterSyncForm | None = None
+    replica_groups: ReplicaGroups | None = None
 
     @classmethod
     def from_plan_key(cls, mode: str, activation_checkpointing: str, offload: bool) -> Setup:
@@ -56,12 +63,15 @@ class Setup:
         engine = next((engine for engine, path in STRATEGY_CLASSES.items() if path == class_path), None)
         checkpointing = init_args.get("activation_checkpointing", "none")
         outer = init_args.get("outer_sync")
-        outer_sync = form_of(outer) if outer else None
+        across_nodes = {
+            "outer_sync": form_of(outer) if outer else None,
+            "replica_groups": ReplicaGroups.of(init_args.get("replica_groups")),
+        }
         if engine == "DDP":
-            return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"), outer_sync=outer_sync)
+            return cls("DDP", None, checkpointing, comm_hook=init_args.get("comm_hook"), **across_nodes)
         if engine == "FSDP2":
             sharding, offload = init_args.get("sharding", "zero3"), bool(init_args.get("cpu_offload"))
-            return cls("FSDP2", sharding, checkpointing, offload, outer_sync=outer_sync)
+            return cls("FSDP2", sharding, checkpointing, offload, **across_nodes)
         if engine == "DeepSpeed":
             offload = bool(init_args.get("offload_optimizer"))
             return cls("DeepSpeed", f"zero{init_args.get('stage', 2)}", checkpointing, offload)
@@ -84,6 +94,17 @@ class Setup:
         return self.mode, self.activation_checkpointing, self.offload
 
     @property
+    def takes_replica_groups(self) -> bool:
+        """Whether this setup's strategy trains under ``replica_groups``: DDP without PowerSGD (whose per-rank state
+        assumes one world across nodes) and FSDP sharded inside each node (``hsdp`` replicates across nodes itself),
+        never with ``outer_sync`` (the other form across nodes); DeepSpeed has no such option."""
+        if self.outer_sync is not None:
+            return False
+        if self.engine == "DDP":
+            return self.comm_hook != "powersgd"
+        return self.engine == "FSDP2" and self.sharding != "hsdp"
+
+    @property
     def name(self) -> str:
         """The name ``bench`` and ``tune`` give it: ``ddp-bf16``, ``fsdp-zero3-ac``, ``deepspeed-zero2-offload``."""
         parts = [_NAME_PREFIX[self.engine], self.sharding, self.comm_hook if self.comm_hook != "none" else None]
@@ -92,7 +113,14 @@ class Setup:
         return "-".join(part for part in parts if part)
 
     def strategy_options(self) -> dict:
-        """The strategy's ``init_args`` that make this setup."""
+        """The strategy's ``init_args`` that make this setup; ``replica_groups`` after the others: it is the recipe's,
+        carried onto the setup chosen for it."""
+        options = self._engine_options()
+        if self.replica_groups is not None:
+            options["replica_groups"] = asdict(self.replica_groups)
+        return options
+
+    def _engine_options(self) -> dict:
         options: dict = {"activation_checkpointing": self.activation_checkpointing}
         if self.outer_sync is not None:
             options["outer_sync"] = dict(OUTER_SYNC_FORMS[self.outer_sync])

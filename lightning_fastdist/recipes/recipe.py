@@ -20,8 +20,8 @@ from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_fastdist.cli_errors import condense_parser_error
 from lightning_fastdist.recipes import available_recipes, find_recipe
+from lightning_fastdist.recipes.parser_errors import condense_parser_error
 
 DEFAULT_MODEL = "lightning_fastdist.demo.TinyGPT"
 DEFAULT_DATA = "lightning_fastdist.demo.TextDataModule"

@@ -9,8 +9,7 @@ registers one of ours by name on any backend and checkpoints its state. Other ke
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.comm.accounting import ALL_REDUCE, CommStats
 from lightning_fastdist.parallel.comm.exposed import BackwardTail, ExposedCommClock, watch_ddp
@@ -31,7 +32,7 @@ from lightning_fastdist.parallel.ddp.auto_comm_hook import AUTO_LEVELS, AutoComm
 from lightning_fastdist.parallel.ddp.buckets import auto_bucket_cap_mb
 from lightning_fastdist.parallel.ddp.comm_hook_spec import CommHookName, CommHookSpec
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
-from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings, PowerSGDState
+from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import (
@@ -42,42 +43,25 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
-from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
-from lightning_fastdist.parallel.semi_sync.settings import OuterSync
-from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
-from lightning_fastdist.strategies.across_nodes import (
-    across_nodes_job,
-    resume_ranks,
-    start_across_nodes,
-    training_ranks_of,
-)
-from lightning_fastdist.strategies.blocks_option import blocks_option
-from lightning_fastdist.strategies.comm_hook_checkpoint import (
-    remember_location,
-    remove_shards,
-    restore_hook_state,
-    save_hook_state,
-)
-from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step
-from lightning_fastdist.strategies.ddp_options import check_bucket_cap_mb, check_ddp_kwargs
-from lightning_fastdist.strategies.exact_resume import ResumeState
-from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite, save_one_file
-from lightning_fastdist.strategies.job import (
+from lightning_fastdist.strategies.across_nodes import across_nodes
+from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
+from lightning_fastdist.strategies.checkpoint.comm_hook_checkpoint import CommHookCheckpoint, remove_shards
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back, save_one_file
+from lightning_fastdist.strategies.common.job import (
     check_names_at_launch,
     check_names_before_joining,
-    explain_lost_peer_of_job,
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.outer_sync import OuterSyncJob
-from lightning_fastdist.strategies.outer_sync_checkpoint import remove_node_files
+from lightning_fastdist.strategies.common.options import (
+    blocks_option,
+    check_bucket_cap_mb,
+    check_ddp_kwargs,
+    named_errors,
+)
+from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
 from lightning_fastdist.strategies.registry import register_once
-from lightning_fastdist.strategies.replica_groups import ReplicaGroupsJob, decide_across_nodes, on_across_nodes
-from lightning_fastdist.trainer.preemption import PreemptionHandler
 
-CHECKPOINT_KEY = "fast_ddp_comm_hook"
-AUTO_CHECKPOINT_KEY = "fast_ddp_comm_hook_auto"  # the level auto chose, and its decisions
 HOOK_LEVEL_METRIC = "comm/hook_level"  # auto's level: 0 none, 1 bf16, 2 powersgd
 
 
@@ -144,8 +128,15 @@ class FastDDPStrategy(DDPStrategy):
         block_modules: str | Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        check_ddp_kwargs(kwargs)
-        with _named_errors():
+        with named_errors(type(self).__name__):
+            check_ddp_kwargs(kwargs)
+            check_bucket_cap_mb(bucket_cap_mb)
+            blocks = blocks_option(type(self).__name__, blocks, "block_modules", block_modules)
+            self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
+            broadcast_buffers = kwargs.get("broadcast_buffers", True)
+            nodes = across_nodes(
+                outer_sync, replica_groups, type(self).__name__, self.plan.blocks, False, broadcast_buffers
+            )
             powersgd = PowerSGDSettings(
                 rank=powersgd_rank,
                 start_iter=powersgd_start_iter,
@@ -153,28 +144,11 @@ class FastDDPStrategy(DDPStrategy):
                 warm_start=powersgd_warm_start,
                 factor_dtype=powersgd_factor_dtype,
             )
-            outer = OuterSync.of(outer_sync)
-            replicas = ReplicaGroups.of(replica_groups)
-            if outer is not None and replicas is not None:
-                raise ValueError(
-                    "outer_sync and replica_groups are two forms of training across nodes: give one (a lost node is "
-                    "left out under outer_sync with its own min_nodes)."
-                )
-            if outer is not None or replicas is not None:
-                comm_hook = _intra_node_hook(comm_hook, "outer_sync" if outer is not None else "replica_groups")
+            comm_hook = nodes.comm_hook_inside_node(comm_hook)
             self.comm = CommHookSpec(comm_hook, powersgd, AutoPolicy(window=comm_hook_window))
             if process_group_backend is not None:
                 self.comm.check_backend(process_group_backend)
-        self.outer_sync = OuterSyncJob(outer, "FastDDPStrategy") if outer is not None else None
-        self.replica_groups = (
-            ReplicaGroupsJob(replicas, "FastDDPStrategy", kwargs.get("broadcast_buffers", True))
-            if replicas is not None
-            else None
-        )
-        check_bucket_cap_mb(bucket_cap_mb)
-        blocks = blocks_option("FastDDPStrategy", blocks, "block_modules", block_modules)
         self.timeout = collective_timeout(timeout, type(self).__name__)
-        self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -191,44 +165,39 @@ class FastDDPStrategy(DDPStrategy):
             **kwargs,  # to DistributedDataParallel, as in Lightning (and LightningCLI sees them through this call)
         )
         self.bucket_cap_mb = bucket_cap_mb
-        self.log_comm_bytes = log_comm_bytes
+        self.across_nodes = nodes
+        self.shared = SharedHooks(nodes, log_comm_bytes)
         self.hook_state: HookState | None = None
-        self._pending_hook_checkpoint: dict | None = None
+        self._hook_checkpoint = CommHookCheckpoint()
         self.prepared: PreparedBlocks | None = None
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self.exposed_comm: ExposedCommClock | None = None  # set when DDP wraps the model
         self._backward_tail: BackwardTail | None = None
-        self._comm_log = CommMetricsLog()
-        self._resume = ResumeState()
-        self._preemption: PreemptionHandler | None = None
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
-        if across_nodes_job(self) is not None:
-            across_nodes_job(self).check_launch(self.num_nodes)
+        self.across_nodes.check_launch(self.num_nodes)
 
     def check_names(self, module: LightningModule | None) -> None:
         """Raise the one-line ``ValueError`` of a block class name that ``module`` lacks, before any process starts
         (a model that builds its layers in ``configure_model`` is checked when the plan is applied)."""
         if names_checkable(module):
             block_classes = resolve_blocks(module, self.plan.blocks)
-            if self.outer_sync is not None:
-                self.outer_sync.check_fragments(module, outermost_block_modules(module, block_classes))
+            self.across_nodes.check_blocks(module, outermost_block_modules(module, block_classes))
 
     @override
     def setup_environment(self) -> None:
         check_names_before_joining(self._launcher, self, self.check_names)
         super().setup_environment()
-        with _named_errors():
+        with named_errors(type(self).__name__):
             self.comm.check_backend(self._get_process_group_backend(), self.root_device)
 
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        if across_nodes_job(self) is not None:
-            across_nodes_job(self).nodes.join(self, self._get_process_group_backend(), self.timeout)
+        self.across_nodes.join(self, self._get_process_group_backend(), self.timeout)
         join_process_group_once(self, self._get_process_group_backend(), self.timeout)
         super().setup_distributed()  # finds the group initialised and keeps it
 
@@ -249,15 +218,14 @@ class FastDDPStrategy(DDPStrategy):
             self._backward_tail.remove()
         self.exposed_comm = ExposedCommClock(self.root_device)  # comm/exposed_s
         self._backward_tail = watch_ddp(self.model, self.exposed_comm)
-        if self._pending_hook_checkpoint is not None:
-            self._restore_hook_state(self._pending_hook_checkpoint)
-            self._pending_hook_checkpoint = None
+        self._hook_checkpoint.restore(
+            self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device
+        )
         return self.model
 
     @override
     def setup(self, trainer: Any) -> None:
-        self._preemption = PreemptionHandler(trainer, self.timeout)  # first: collective when fitting
-        self._preemption.install()
+        self.shared.setup(trainer, self.timeout)
         if self.plan.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
@@ -265,57 +233,48 @@ class FastDDPStrategy(DDPStrategy):
     @property
     def training_ranks(self) -> int:
         """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
-        return training_ranks_of(self)
+        return self.across_nodes.training_ranks(self.world_size)
 
     @override
     def on_train_start(self) -> None:
-        self._comm_log.new_fit()
         super().on_train_start()
-        start_across_nodes(self)
+        self.shared.on_train_start(
+            self.model, self.lightning_module, self.optimizers, self.timeout, self.comm_stats, self.exposed_comm
+        )
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.outer_sync is not None:
-            self.outer_sync.evaluate_on_global_weights(self.model)
+        self.across_nodes.evaluate_on_global_weights(self.model)
 
     @override
     def on_validation_end(self) -> None:
-        if self.outer_sync is not None:
-            self.outer_sync.back_to_own_weights(self.model)
+        self.across_nodes.back_to_own_weights(self.model)
         super().on_validation_end()
 
     @override
     def on_train_end(self) -> None:
-        if self.outer_sync is not None:
-            self.outer_sync.finish(self.model)
+        self.across_nodes.finish(self.model)
         super().on_train_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._resume.before_batch()
-        if self.replica_groups is not None:
-            self.replica_groups.before_batch()
+        self.shared.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.log_comm_bytes:
-            extra: dict[str, float] = {}
-            if isinstance(self.hook_state, AutoCommState):
-                extra[HOOK_LEVEL_METRIC] = float(AUTO_LEVELS.index(self.hook_state.level))
-            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm, extra)
-        return output
+        auto = self.hook_state if isinstance(self.hook_state, AutoCommState) else None
+        level = {HOOK_LEVEL_METRIC: float(AUTO_LEVELS.index(auto.level))} if auto is not None else None
+        module, stats, clock = self.lightning_module, self.comm_stats, self.exposed_comm
+        return self.shared.after_training_step(output, module, stats, self.comm_collectives, clock, level)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.replica_groups is not None:
-            closure = self.replica_groups.averaging_after(closure)
+        closure = self.across_nodes.averaging_after(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.replica_groups is not None:
-            self.replica_groups.after_step(self.lightning_module.trainer)
-        end_comm_step(self.comm_stats, self.exposed_comm)
+        self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
         state, clock = self.hook_state, self.exposed_comm
         if isinstance(state, AutoCommState) and clock is not None and state.measuring:
             decision = state.on_optimizer_step(lambda: clock.total_s, self._synchronize_device)
@@ -330,120 +289,73 @@ class FastDDPStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Training data is shared out over every rank of every node; with a world per node evaluation data over the
-        node's ranks only, so that every node evaluates all of it and gets the same metrics (Lightning's reductions
-        and EarlyStopping's decision are within a node)."""
-        if across_nodes_job(self) is not None and self.lightning_module is not None:
-            if not self.lightning_module.trainer.training:
-                return {"num_replicas": self.num_processes, "rank": self.local_rank}
-        return super().distributed_sampler_kwargs
+        return self.across_nodes.evaluation_sampler(self) or super().distributed_sampler_kwargs
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduction over the job's ranks (``self.log(sync_dist=True)``): with a world per node over the
-        node's ranks, and while training under replica_groups on across the nodes too (under outer_sync each node
-        trains its own weights between syncs, and evaluates all of the data: its reductions stay in the node)."""
+        """Lightning's reduction (``self.log(sync_dist=True)``) over the world, then as the job reduces it across
+        nodes, where they train one model every step."""
         reduced = super().reduce(tensor, group, reduce_op)
-        if group is not None:  # a group the caller chose
-            return reduced
-        return on_across_nodes(self.replica_groups, self.lightning_module, reduced, reduce_op)
+        return reduced if group is not None else self.across_nodes.reduce(self.lightning_module, reduced, reduce_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
-        step alike): one collective without a host sync, and under replica_groups across the nodes too (whose
-        gradients are averaged together: a NaN on one node is a NaN on all)."""
+        step alike): one collective without a host sync, and across nodes where they average gradients together."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return on_across_nodes(self.replica_groups, self.lightning_module, tensor, "max")
+        return self.across_nodes.reduce(self.lightning_module, tensor, "max")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if across_nodes_job(self) is None:
-            return super().reduce_boolean_decision(decision, all)
-        return decide_across_nodes(self.replica_groups, self.lightning_module, decision, all, self.root_device)
+        in_world = super().reduce_boolean_decision
+        return self.across_nodes.reduce_boolean_decision(
+            self.lightning_module, decision, all, self.root_device, in_world
+        )
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's weights; under outer_sync the global ones (the same on every node), so that a checkpoint
-        loads into a plain model as what the nodes agreed on."""
-        if self.outer_sync is None:
-            return super().lightning_module_state_dict()
-        with self.outer_sync.global_weights(self.model):
-            return {name: value.clone() for name, value in super().lightning_module_state_dict().items()}
+        return self.across_nodes.weights_to_save(self.model, super().lightning_module_state_dict)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        refuse_non_finite(self, checkpoint, filepath)
-        self._resume.add_to(checkpoint, *resume_ranks(self))
-        if self.outer_sync is not None:  # each node writes its own state
-            trainer = self.lightning_module.trainer
-            stopping = trainer.received_sigterm  # set by our preemption handler before it saves
-            self.outer_sync.save(self.model, self.optimizers, checkpoint, filepath, trainer.global_step, stopping)
-        powersgd = self.hook_state
-        if isinstance(powersgd, AutoCommState):
-            checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
-            powersgd = powersgd.powersgd
-        if isinstance(powersgd, PowerSGDState):  # each rank's error feedback in its own file beside it
-            checkpoint[CHECKPOINT_KEY] = save_hook_state(
-                powersgd, "powersgd", filepath, self.world_size, self.global_rank
-            )
+        this_world_writes = self.shared.prepare_save(self, checkpoint, filepath)
+        if self._hook_checkpoint.save(self.hook_state, checkpoint, filepath, self.world_size, self.global_rank):
             self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
-        writer = self._writes_checkpoint_file()
+        if not this_world_writes:
+            return
+        writer = self.across_nodes.writes_files(self)
         if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
             if writer:  # e.g. a remote or asynchronous writer, as Lightning's save_checkpoint calls it
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         save_one_file(self, checkpoint, filepath, storage_options, writer)
 
-    def _writes_checkpoint_file(self) -> bool:
-        """Global rank 0, or under ``replica_groups`` local rank 0 of the node that writes (call on every rank)."""
-        if self.replica_groups is None:
-            return self.is_global_zero
-        return self.replica_groups.writes_checkpoints(self.node_rank) and self.local_rank == 0
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        load = functools.partial(self._load_noting_location, weights_only=weights_only)
-        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=False)
-        self._resume.take_from(checkpoint, *resume_ranks(self))  # under outer_sync node 0's; this node's at start
-        if self.outer_sync is not None and self.lightning_module.trainer.training:
-            self.outer_sync.load(checkpoint, checkpoint_path)
-        saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
-        if saved and self.hook_state is None:
-            self._pending_hook_checkpoint = saved  # applied once the hook is registered
-        elif saved:
-            self._restore_hook_state(saved)
-        return checkpoint
-
-    def _load_noting_location(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if CHECKPOINT_KEY in checkpoint:  # the ranks' PowerSGD files are found beside the file actually loaded
-            checkpoint[CHECKPOINT_KEY] = remember_location(checkpoint[CHECKPOINT_KEY], checkpoint_path)
+        load = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        note_location = self._hook_checkpoint.note_location
+        checkpoint = load_or_fall_back(self, checkpoint_path, lambda path: note_location(load(path), path), False)
+        self.shared.take_loaded(self, checkpoint, checkpoint_path)
+        self._hook_checkpoint.load(
+            checkpoint, self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device
+        )
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.replica_groups is not None:  # the node that wrote the latest checkpoint prunes the folder
-            if self.replica_groups.wrote_last_checkpoint and self.local_rank == 0:
-                self.checkpoint_io.remove_checkpoint(filepath)
-            return
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
+        if self.across_nodes.writes_files(self):  # the rank that wrote the checkpoint
+            self.checkpoint_io.remove_checkpoint(filepath)
             remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any
-            remove_node_files(filepath)  # the nodes' files of an outer_sync checkpoint, if any
+            remove_node_files(filepath)  # the nodes' own states beside a checkpoint written across nodes, if any
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        explain_lost_peer_of_job(exception, self.timeout, self.global_rank)
+        self.shared.on_exception(exception, self.timeout, self.global_rank)
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
-        if across_nodes_job(self) is not None:
-            across_nodes_job(self).teardown()
-        if self._preemption is not None:
-            self._preemption.uninstall()
-            self._preemption = None
+        self.shared.teardown()
         super().teardown()
 
     @property
@@ -463,51 +375,8 @@ class FastDDPStrategy(DDPStrategy):
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
-        """The collectives logged as ``comm/<collective>_bytes_per_step`` (under outer_sync or replica_groups, the one
-        across nodes too)."""
-        if self.outer_sync is not None:
-            return (ALL_REDUCE, OUTER_ALL_REDUCE)
-        return (ALL_REDUCE, ACROSS_NODES) if self.replica_groups is not None else (ALL_REDUCE,)
-
-    def _restore_hook_state(self, saved: dict) -> None:
-        """Put back what a checkpoint holds of the hook: auto's level and decisions, PowerSGD's memories."""
-        powersgd = self.hook_state
-        if isinstance(powersgd, AutoCommState) and AUTO_CHECKPOINT_KEY in saved:
-            powersgd.load_state_dict(saved[AUTO_CHECKPOINT_KEY])
-            if powersgd.decisions:
-                rank_zero_info(
-                    f"comm_hook auto: resumed at {powersgd.level} (decided at step {powersgd.decisions[-1].step})."
-                )
-            powersgd = powersgd.powersgd
-        if CHECKPOINT_KEY in saved:
-            name = "powersgd" if isinstance(self.hook_state, AutoCommState) else self.comm.name
-            restore_hook_state(
-                powersgd, name, saved[CHECKPOINT_KEY], self.world_size, self.global_rank, self.root_device
-            )
-
-
-def _intra_node_hook(comm_hook: str, option: str) -> str:
-    """The hook inside a node under ``option`` (outer_sync or replica_groups): ``auto`` is ``none`` (inside a node
-    gradients travel on fast links); PowerSGD is refused (its per-rank state files assume one world across nodes)."""
-    if comm_hook == "powersgd":
-        why = {
-            "outer_sync": "outer_sync crosses the slow link only every `every` steps, and inside a node",
-            "replica_groups": "under replica_groups each node is a world of its own, and inside it",
-        }[option]
-        raise ValueError(
-            f"{why} gradients travel on fast links: comm_hook='powersgd' is not taken with it; use comm_hook='none' "
-            "(or 'bf16')."
-        )
-    return "none" if comm_hook == "auto" else comm_hook
-
-
-@contextmanager
-def _named_errors() -> Generator[None, None, None]:
-    """Prefix the option checks' errors with the class a user named in their recipe."""
-    try:
-        yield
-    except ValueError as error:
-        raise ValueError(f"FastDDPStrategy: {error}") from None
+        """The collectives logged as ``comm/<collective>_bytes_per_step``, the one across nodes too where there is."""
+        return (ALL_REDUCE, *self.across_nodes.collectives)
 
 
 register_once(FastDDPStrategy, "fast_ddp", "DDP with named gradient compression (fp16/bf16/PowerSGD) on any backend")

@@ -48,20 +48,19 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.strategies.comm_metrics import CommMetricsLog, end_comm_step, one_gradient_round
-from lightning_fastdist.strategies.deepspeed_checkpoint import full_weights_of_folder
-from lightning_fastdist.strategies.exact_resume import RNG_KEY, ResumeState
-from lightning_fastdist.strategies.fault_tolerance import load_or_fall_back, refuse_non_finite
-from lightning_fastdist.strategies.job import (
+from lightning_fastdist.strategies.checkpoint.exact_resume import RNG_KEY
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
+from lightning_fastdist.strategies.common.comm_metrics import one_gradient_round
+from lightning_fastdist.strategies.common.job import (
     check_names_at_launch,
     check_names_before_joining,
-    explain_lost_peer_of_job,
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.loop_state import align_resumed_batch_count
+from lightning_fastdist.strategies.common.options import named_errors
+from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
+from lightning_fastdist.strategies.deepspeed_checkpoint import full_weights_of_folder
 from lightning_fastdist.strategies.registry import register_once
-from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -107,12 +106,13 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         precision_plugin: Any = None,
     ) -> None:
         import_deepspeed(type(self).__name__)
-        self.settings = DeepSpeedSettings(
-            stage, offload_optimizer, offload_parameters, allgather_bucket_size, reduce_bucket_size
-        )
+        with named_errors(type(self).__name__):
+            self.settings = DeepSpeedSettings(
+                stage, offload_optimizer, offload_parameters, allgather_bucket_size, reduce_bucket_size
+            )
+            # No compile option: DeepSpeed's engine wraps the module and runs its forward.
+            self.plan = ParallelPlan(blocks, activation_checkpointing)
         self.timeout = collective_timeout(timeout, type(self).__name__)
-        # No compile option: DeepSpeed's engine wraps the module and runs its forward.
-        self.plan = ParallelPlan(blocks, activation_checkpointing)
         until_sized = self.settings.bucket_sizes()  # "auto" is sized to the model in _setup_model
         super().__init__(
             accelerator=accelerator,
@@ -131,15 +131,12 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         # Offload may keep the module's own torch optimizer (where DeepSpeedCPUAdam, a C++ op compiled at run
         # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
-        self.log_comm_bytes = log_comm_bytes
+        self.shared = SharedHooks(log_comm_bytes=log_comm_bytes)
         self.comm_stats: CommStats | None = None  # this rank's collective bytes and gradient rounds, once counted
         self._stop_counting: Callable[[], None] | None = None
         self.exposed_comm: ExposedCommClock | None = None  # set when the engine is built
         self.prepared: PreparedBlocks | None = None
-        self._comm_log = CommMetricsLog()
-        self._resume = ResumeState()
         self._full_weights_to_load = False  # set by load_checkpoint for an evaluation from a ZeRO-3 folder
-        self._preemption: PreemptionHandler | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -201,8 +198,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        self._preemption = PreemptionHandler(trainer, self.timeout)  # first: collective when fitting
-        self._preemption.install()
+        self.shared.setup(trainer, self.timeout)
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
             self.exposed_comm = ExposedCommClock(self.root_device)
@@ -289,10 +285,10 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._comm_log.new_fit()
         super().on_train_start()
-        assert self.lightning_module is not None
-        align_resumed_batch_count(self.lightning_module.trainer)
+        self.shared.on_train_start(
+            self.model, self.lightning_module, self.optimizers, self.timeout, self.comm_stats, self.exposed_comm
+        )
 
     @override
     def on_validation_start(self) -> None:
@@ -311,15 +307,15 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._resume.before_batch()
+        self.shared.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.log_comm_bytes:
-            self._comm_log.log(self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm)
-        return output
+        return self.shared.after_training_step(
+            output, self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm
+        )
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -336,16 +332,15 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if boundary:
-            end_comm_step(self.comm_stats, self.exposed_comm)
+            self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
         return output
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
-        refuse_non_finite(self, checkpoint, filepath)
-        self._resume.add_to(checkpoint, self.global_rank, self.world_size)
         path = Path(self.broadcast(filepath))
+        self.shared.prepare_save(self, checkpoint, path)
         # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
         save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
 
@@ -358,7 +353,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.
         checkpoint[RNG_KEY] = self.broadcast(checkpoint.get(RNG_KEY))
-        self._resume.take_from(checkpoint, self.global_rank, self.world_size)
+        self.shared.take_loaded(self, checkpoint, checkpoint_path)
         return checkpoint
 
     def _evaluates_from_zero3_folder(self, checkpoint_path: Any) -> bool:
@@ -379,7 +374,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        explain_lost_peer_of_job(exception, self.timeout, self.global_rank)
+        self.shared.on_exception(exception, self.timeout, self.global_rank)
         super().on_exception(exception)
 
     @override
@@ -387,9 +382,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         if self._stop_counting is not None:
             self._stop_counting()
             self._stop_counting = None
-        if self._preemption is not None:
-            self._preemption.uninstall()
-            self._preemption = None
+        self.shared.teardown()
         super().teardown()
 
 

@@ -62,23 +62,29 @@ class PrivateName:
 FABRIC = "lightning.fabric.utilities"
 # Private functions, classes and constants imported from Lightning, by the dotted path they are imported from.
 PRIVATE_IMPORTS = {
-    f"{FABRIC}.cloud_io._atomic_save": PrivateName(("strategies.side_files",), "write a file beside a checkpoint"),
-    f"{FABRIC}.cloud_io._load": PrivateName(("strategies.side_files",), "read a file beside a checkpoint"),
+    f"{FABRIC}.cloud_io._atomic_save": PrivateName(
+        ("strategies.checkpoint.side_files",), "write a file beside a checkpoint"
+    ),
+    f"{FABRIC}.cloud_io._load": PrivateName(("strategies.checkpoint.side_files",), "read a file beside a checkpoint"),
     f"{FABRIC}.device_dtype_mixin._DeviceDtypeModuleMixin": PrivateName(
-        ("strategies.fsdp",), "set the device a LightningModule reports after sharding"
+        ("strategies.common.sharded_module",), "set the device a LightningModule reports after sharding"
     ),
     f"{FABRIC}.distributed._destroy_dist_connection": PrivateName(
-        ("strategies.job",), "destroy the process group at exit, as Lightning does"
+        ("strategies.common.job",), "destroy the process group at exit, as Lightning does"
     ),
     f"{FABRIC}.init._materialize_distributed_module": PrivateName(
-        ("strategies.fsdp",), "materialise a meta-device model after fully_shard"
+        ("strategies.common.sharded_module",), "materialise a meta-device model after fully_shard"
     ),
     f"{FABRIC}.load._METADATA_FILENAME": PrivateName(
-        ("strategies.fsdp",), "name the metadata file of a sharded checkpoint as Lightning does"
+        ("strategies.common.sharded_module",), "name the metadata file of a sharded checkpoint as Lightning does"
     ),
     f"{FABRIC}.optimizer._optimizers_to_device": PrivateName(("strategies.fsdp",), "move optimizer states"),
-    f"{FABRIC}.seed._collect_rng_states": PrivateName(("strategies.rng_states",), "save every rank's RNG states"),
-    f"{FABRIC}.seed._set_rng_states": PrivateName(("strategies.rng_states",), "restore every rank's RNG states"),
+    f"{FABRIC}.seed._collect_rng_states": PrivateName(
+        ("strategies.checkpoint.rng_states",), "save every rank's RNG states"
+    ),
+    f"{FABRIC}.seed._set_rng_states": PrivateName(
+        ("strategies.checkpoint.rng_states",), "restore every rank's RNG states"
+    ),
     f"{FABRIC}.types._PATH": PrivateName(
         ("strategies.deepspeed_checkpoint", "strategies.fsdp"), "type checkpoint paths as Lightning's hooks do"
     ),
@@ -89,16 +95,17 @@ PRIVATE_IMPORTS = {
         ("recipes.recipe",), "name a recipe's precision with Lightning's own aliases"
     ),
     "lightning.pytorch.plugins.layer_sync._BatchNormXd": PrivateName(
-        ("strategies.fsdp",), "revert SyncBatchNorm at teardown to the class Lightning's TorchSyncBatchNorm reverts to"
+        ("strategies.common.sharded_module",),
+        "revert SyncBatchNorm at teardown to the class Lightning's TorchSyncBatchNorm reverts to",
     ),
     "lightning.pytorch.strategies.launchers.launcher._Launcher": PrivateName(
-        ("strategies.job",), "type the launcher whose launch checks class names first"
+        ("strategies.common.job",), "type the launcher whose launch checks class names first"
     ),
     "lightning.pytorch.core.optimizer._configure_optimizers": PrivateName(
-        ("planning.simulate",), "read a model's optimizers as the Trainer does"
+        ("planning.simulation.trace",), "read a model's optimizers as the Trainer does"
     ),
     "lightning.pytorch.strategies.strategy._ForwardRedirection": PrivateName(
-        ("planning.simulate",), "run training_step through the wrapped model, as the strategies do"
+        ("planning.simulation.trace",), "run training_step through the wrapped model, as the strategies do"
     ),
 }
 
@@ -109,14 +116,14 @@ STRATEGIES = "lightning.pytorch.strategies"
 PRIVATE_ATTRIBUTES = {
     f"{TRAINER}._accelerator_connector": PrivateName(("trainer.preemption",), "find SLURM's auto-requeue setting"),
     f"{TRAINER}._checkpoint_connector": PrivateName(
-        ("strategies.fault_tolerance", "trainer.preemption"), "name and pick the checkpoint to resume from"
+        ("strategies.checkpoint.fault_tolerance", "trainer.preemption"), "name and pick the checkpoint to resume from"
     ),
     f"{TRAINER}._logger_connector": PrivateName(
-        ("strategies.comm_metrics", "trainer.internals"), "hand values to the loggers; know a logging step"
+        ("strategies.common.comm_metrics", "trainer.internals"), "hand values to the loggers; know a logging step"
     ),
     f"{TRAINER}._signal_connector": PrivateName(("trainer.preemption",), "install and restore signal handlers"),
     f"{CONNECTORS}.checkpoint_connector._CheckpointConnector._ckpt_path": PrivateName(
-        ("strategies.fault_tolerance",), "resume from the newest checkpoint that loads"
+        ("strategies.checkpoint.fault_tolerance",), "resume from the newest checkpoint that loads"
     ),
     f"{CONNECTORS}.logger_connector.logger_connector._LoggerConnector._progress_bar_metrics": PrivateName(
         ("callbacks.sync_free_logging",), "show the last transferred values in the progress bar"
@@ -131,15 +138,17 @@ PRIVATE_ATTRIBUTES = {
         ("trainer.preemption",), "install the signal handlers"
     ),
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped": PrivateName(
-        ("strategies.loop_state",), "give a node that rejoins a running job the others' logging and scheduler count"
+        ("trainer.loop_state",), "give a node that rejoins a running job the others' logging and scheduler count"
     ),
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": PrivateName(
         ("trainer.preemption",), "drop the per-batch SIGTERM broadcast (a host sync)"
     ),
     "lightning.pytorch.cli.LightningCLI._instantiate_trainer": PrivateName(
-        ("cli",), "give the trainer the recipe's callbacks"
+        ("cli.app",), "give the trainer the recipe's callbacks"
     ),
-    "lightning.pytorch.cli.LightningCLI._parse_ckpt_path": PrivateName(("cli",), "refuse a recipe given as ckpt_path"),
+    "lightning.pytorch.cli.LightningCLI._parse_ckpt_path": PrivateName(
+        ("cli.app",), "refuse a recipe given as ckpt_path"
+    ),
     "lightning.pytorch.plugins.precision.precision.Precision._after_closure": PrivateName(
         ("precision",), "run Lightning's after-closure hooks around the fused optimizer step"
     ),
@@ -180,16 +189,16 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.deepspeed",), "build the DeepSpeed engine with a torch optimizer"
     ),
     "lightning.fabric.utilities.device_dtype_mixin._DeviceDtypeModuleMixin._device": PrivateName(
-        ("strategies.fsdp",), "what LightningModule.device reports"
+        ("strategies.common.sharded_module",), "what LightningModule.device reports"
     ),
 }
 
 # The fit loop's progress as Lightning writes it into a checkpoint's "loops" (not private names, but not
 # documented either), read and rewritten on save and on resume.
 CHECKPOINT_KEYS = {
-    "loops.fit_loop.epoch_progress": PrivateName(("strategies.loop_state",), "reopen an epoch cut short"),
+    "loops.fit_loop.epoch_progress": PrivateName(("trainer.loop_state",), "reopen an epoch cut short"),
     "loops.fit_loop.epoch_loop.batch_progress": PrivateName(
-        ("strategies.loop_state",), "align the resumed batch count with the data"
+        ("trainer.loop_state",), "align the resumed batch count with the data"
     ),
 }
 

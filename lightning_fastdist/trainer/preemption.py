@@ -136,13 +136,11 @@ class PreemptionHandler:
 def _wrote_no_checkpoint(trainer: Trainer) -> bool:
     """Whether this process's world is its node's alone (``outer_sync``, ``replica_groups``) and this node did not
     write the job's checkpoint: node 0 writes it under ``outer_sync``, the first node of the latest quorum under
-    ``replica_groups`` (the strategy's ``replica_groups`` job says whether it was this one)."""
+    ``replica_groups`` (the strategy's ``across_nodes`` says whether it was this one)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() < trainer.world_size):
         return False
-    replica_groups = getattr(trainer.strategy, "replica_groups", None)
-    if replica_groups is not None:
-        return not replica_groups.wrote_last_checkpoint
-    return trainer.node_rank != 0
+    across_nodes = getattr(trainer.strategy, "across_nodes", None)
+    return not getattr(across_nodes, "wrote_last_checkpoint", trainer.node_rank == 0)
 
 
 def checkpoint_path_on_stop(trainer: Trainer) -> str:

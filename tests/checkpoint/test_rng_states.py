@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from lightning_fastdist.strategies.rng_states import (
+from lightning_fastdist.strategies.checkpoint.rng_states import (
     LEGACY_CUDA_KEY,
     OWN_CUDA_KEY,
     collect_rng_states,

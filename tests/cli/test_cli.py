@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from lightning_fastdist.cli import QUIET_VARIABLE, main
-from lightning_fastdist.cli_config import MARKER
+from lightning_fastdist.cli.config import MARKER
 from lightning_fastdist.recipes import available_recipes, find_recipe, recipes_dir
 from tests.support.harness import cli_command, run_cli, run_cli_forked, run_launcher
 

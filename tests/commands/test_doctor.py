@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_fastdist.commands.doctor.command import demo_model_shape, main
+from lightning_fastdist.commands.doctor.command import main
+from lightning_fastdist.commands.doctor.demo_model import demo_model_shape
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.diagnostics.environment import detect_environment
-from lightning_fastdist.parallel.replica_groups.settings import ReplicaGroups
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.advisor import Target, build_recipe, recommend
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import GiB, TrainingShape, estimate_memory

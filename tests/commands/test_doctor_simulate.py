@@ -21,10 +21,13 @@ from lightning_fastdist.commands.doctor.simulate import (
     simulation_json,
     tailored_recipe,
 )
-from lightning_fastdist.parallel.semi_sync.settings import OUTER_SYNC_FORMS
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OUTER_SYNC_FORMS
 from lightning_fastdist.planning.comm_model import comm_per_step
 from lightning_fastdist.planning.outer_sync_memory import OuterSyncMemory
-from lightning_fastdist.planning.simulate import RecipeRun, first_batch, measure_setup, simulate
+from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.planning.simulation.recipe_run import RecipeRun, first_batch
+from lightning_fastdist.planning.simulation.simulate import simulate
+from lightning_fastdist.planning.simulation.trace import measure_setup
 from lightning_fastdist.recipes.recipe import Recipe
 from tests.support.harness import cli_command, run_cli, run_function, run_launcher
 
@@ -59,7 +62,8 @@ def real_memory(run: RecipeRun) -> dict:
     measured = {}
     for setup, checkpointing in MEASURED:
         torch.manual_seed(0)
-        measured[(setup, checkpointing)] = measure_setup(run, batch, setup, checkpointing, 2, fake=False).memory
+        traced = measure_setup(run, batch, Setup.from_plan_key(setup, checkpointing, False), 2, fake=False)
+        measured[(setup, checkpointing)] = traced.memory
     return measured
 
 

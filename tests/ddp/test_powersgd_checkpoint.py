@@ -16,14 +16,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fastdist import FastDDPStrategy
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.parallel.ddp.powersgd import PowerSGDSettings, PowerSGDState
-from lightning_fastdist.strategies.comm_hook_checkpoint import (
+from lightning_fastdist.strategies.checkpoint.comm_hook_checkpoint import (
+    CHECKPOINT_KEY,
     remember_location,
     remove_shards,
     restore_hook_state,
     save_hook_state,
     shard_folder,
 )
-from lightning_fastdist.strategies.ddp import CHECKPOINT_KEY
 from tests.support.fault_runs import write_corpus
 from tests.support.harness import run_function
 

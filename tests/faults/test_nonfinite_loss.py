@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SyncFreeLogging, count_host_syncs
 from lightning_fastdist.callbacks.nonfinite_loss import METRIC, NonFiniteLoss, NonFiniteLossError
 from lightning_fastdist.demo import TextDataModule, TinyGPT
-from lightning_fastdist.strategies.fault_tolerance import NonFiniteCheckpointError
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import NonFiniteCheckpointError
 from tests.support.harness import DistributedRunError, run_function
 
 STEPS, LOG_EVERY, BAD_STEP, BAD_RANK = 6, 3, 1, 1

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fastdist.strategies.fsdp import _move_all_but_parameters
+from lightning_fastdist.strategies.common.sharded_module import move_all_but_parameters
 from tests.support.harness import run_function
 from tests.support.model_zoo import HFCausalLM
 
@@ -140,6 +140,6 @@ class Holder(_DeviceDtypeModuleMixin):
 
 def test_under_cpu_offload_everything_but_the_parameters_moves_to_the_device():
     holder = Holder()
-    _move_all_but_parameters(holder, torch.device("meta"))  # stands for the GPU: any device other than the CPU
+    move_all_but_parameters(holder, torch.device("meta"))  # stands for the GPU: any device other than the CPU
     assert holder.metric.total.is_meta and holder.device == torch.device("meta")
     assert not any(p.is_meta for p in holder.parameters())  # the offloaded shards stay on the CPU

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_fastdist import FastMixedPrecision
 from lightning_fastdist.precision import compute_device_type
-from lightning_fastdist.strategies.fsdp import _materialize, _move_all_but_parameters
+from lightning_fastdist.strategies.common.sharded_module import materialize, move_all_but_parameters
 
 
 class WithBuffer(nn.Module):
@@ -54,8 +54,8 @@ def test_offloaded_shards_of_a_meta_model_are_made_on_the_cpu_and_buffers_go_to_
         model = WithBuffer()
     fully_shard(model, mesh=one_rank_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     device = torch.device("meta")  # stands for the GPU
-    _materialize(model, device, cpu_offload=True)
-    _move_all_but_parameters(model, device)
+    materialize(model, device, cpu_offload=True)
+    move_all_but_parameters(model, device)
     shards = [parameter.to_local() for parameter in model.parameters()]
     assert all(shard.device.type == "cpu" for shard in shards)  # where FSDP2's offload policy wants them
     assert all(torch.isfinite(shard).all() for shard in shards) and shards[0].abs().sum() > 0  # reset_parameters ran

@@ -1,4 +1,4 @@
-"""What ``outer_sync`` adds on each node's local rank 0, by the formula (a real run's bytes: tests/semi_sync)."""
+"""What ``outer_sync`` adds on each node's local rank 0, by the formula (a real run's bytes: tests/outer_sync)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
-from lightning_fastdist.parallel.replica_groups.gradients import FlatGradients
+from lightning_fastdist.parallel.across_nodes.replica_groups.gradients import FlatGradients
 from lightning_fastdist.planning.fsdp_shards import shard_numel
+from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import cli_command, free_port_span, run_function, run_processes
 from tests.support.lost_node_runs import fit_reports
@@ -47,7 +48,8 @@ def test_a_lightning_module_that_steps_its_optimizers_itself_is_refused_in_one_l
     module = HFCausalLM()
     module.automatic_optimization = False
     with pytest.raises(ValueError, match=r"replica_groups averages the gradients of Lightning's automatic optimi"):
-        strategy.replica_groups.start(module, module, [torch.optim.SGD(module.parameters(), lr=0.1)], timedelta(1))
+        optimizers = [torch.optim.SGD(module.parameters(), lr=0.1)]
+        strategy.across_nodes.start(module, module, optimizers, timedelta(1), ResumeState(), None, None)
 
 
 def test_fsdp_names_itself_and_refuses_replica_groups_beside_outer_sync_in_one_line():
@@ -58,7 +60,7 @@ def test_fsdp_names_itself_and_refuses_replica_groups_beside_outer_sync_in_one_l
 
 
 def test_a_coordinator_address_that_is_not_host_port_is_refused_in_one_line_before_any_process_starts(monkeypatch):
-    job = FastDDPStrategy(replica_groups={"min_nodes": 1}).replica_groups
+    job = FastDDPStrategy(replica_groups={"min_nodes": 1}).across_nodes
     monkeypatch.setenv("LIGHTNING_FASTDIST_COORDINATOR", "vm")
     with pytest.raises(ValueError, match=r"^LIGHTNING_FASTDIST_COORDINATOR='vm' must be HOST:PORT of a running `"):
         job.check_launch(2)
@@ -89,14 +91,14 @@ def _equalize_with_a_late_node(first_port: int) -> dict:
     manager starts late, so that the lighthouse has not heard from it when node 0 asks for its first quorum."""
     import time
 
-    from lightning_fastdist.parallel.replica_groups.group import (
+    from lightning_fastdist.parallel.across_nodes.group import (
         Membership,
         ReplicaGroup,
         equalize_weights,
         new_manager,
         start_lighthouse,
     )
-    from lightning_fastdist.parallel.replica_groups.rejoin import CountedTransport
+    from lightning_fastdist.parallel.across_nodes.rejoin import CountedTransport
 
     node = int(os.environ["RANK"])
     timeout = timedelta(seconds=60)

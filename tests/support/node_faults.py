@@ -36,9 +36,9 @@ class NodeFaults(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if os.environ.get("NODE_FAULT_KILL_IN") == "backward":
-            replica_groups = getattr(trainer.strategy, "replica_groups", None)
-            if replica_groups is not None and replica_groups.run is not None:
-                replica_groups.run.manager.wait_quorum()  # the step's quorum holds this node
+            run = getattr(getattr(trainer.strategy, "across_nodes", None), "run", None)
+            if run is not None:
+                run.manager.wait_quorum()  # the step's quorum holds this node
             self._kill_if_due(trainer, trainer.global_step + 1)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:

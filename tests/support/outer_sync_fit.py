@@ -34,8 +34,8 @@ from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, SpeedMonitor, 
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
+from lightning_fastdist.parallel.across_nodes.outer_sync.run import OUTER_ALL_REDUCE
 from lightning_fastdist.parallel.fsdp.local_shards import local_part
-from lightning_fastdist.parallel.semi_sync.torchft_run import OUTER_ALL_REDUCE
 from lightning_fastdist.planning.step_memory import optimizer_state_tensors, tensor_bytes
 from tests.support.node_faults import NodeFaults
 from tests.support.workloads import BLOCK_SIZE, LossRecorder, make_trainer, tiny_gpt
@@ -90,7 +90,7 @@ class OuterSyncRecorder(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.first_digest is None:
             self.first_digest = digest(module)
-            run = trainer.strategy.outer_sync.run
+            run = trainer.strategy.across_nodes.run
             joined = run.rejoined if run is not None else None
             if joined is not None:
                 self.rejoined = {"source": joined.source, "step": joined.step, "bytes": joined.received_bytes}
@@ -104,7 +104,7 @@ class OuterSyncRecorder(L.Callback):
         self.training_ranks.append(training_ranks(trainer))
         self.digests.append(digest(module))
         strategy = trainer.strategy
-        run = strategy.outer_sync.run  # on each rank that talks across nodes
+        run = strategy.across_nodes.run  # on each rank that talks across nodes
         self.syncs.append(run.syncs if run is not None else -1)
         self.members.append(len(run.membership.quorum_nodes) if run is not None else -1)
         if self.training_data is not None:
@@ -140,7 +140,7 @@ class HeldBytesRecorder(L.Callback):
         self.held[name] = max(self.held[name], nbytes)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        run = trainer.strategy.outer_sync.run  # started after the callbacks' on_train_start
+        run = trainer.strategy.across_nodes.run  # started after the callbacks' on_train_start
         if self._hooks or run is None:
             return
         for fragment in run.diloco._fragments:
@@ -152,7 +152,7 @@ class HeldBytesRecorder(L.Callback):
         self._keep("applying", tensor_bytes(pseudo_gradient) + tensor_bytes(fragment._local_parameters.values()))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        run = trainer.strategy.outer_sync.run
+        run = trainer.strategy.across_nodes.run
         if run is None:
             return
         fragments = run.diloco._fragments
@@ -199,7 +199,7 @@ def main(
         "outer_bytes": recorder.outer_bytes, "members": recorder.members, "step_ends": recorder.step_ends,
         "validated": recorder.validated, "samples": recorder.samples,
         "val_losses": recorder.val_losses, "host_syncs": recorder.host_syncs, "final": digest(model),
-        "fragment_numels": strategy.outer_sync.fragment_numels, "held_bytes": held.held,
+        "fragment_numels": strategy.across_nodes.fragment_numels, "held_bytes": held.held,
         "steps": recorder.steps, "digests": recorder.digests, "first_digest": recorder.first_digest,
         "rejoined": recorder.rejoined, "training_ranks": recorder.training_ranks,
     }  # fmt: skip

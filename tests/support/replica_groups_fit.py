@@ -40,7 +40,7 @@ from torch.utils.data import Dataset
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, NonFiniteLoss, SpeedMonitor
 from lightning_fastdist.callbacks.speed_monitor import training_ranks
 from lightning_fastdist.data.resumable_loader import ResumableDataLoader
-from lightning_fastdist.parallel.replica_groups.every_step import ACROSS_NODES
+from lightning_fastdist.parallel.across_nodes.replica_groups.run import ACROSS_NODES
 from tests.support.model_zoo import MODELS, HFCausalLM
 from tests.support.node_faults import NodeFaults
 from tests.support.outer_sync_fit import digest
@@ -85,8 +85,8 @@ class StepRecorder(L.Callback):
             self.node_rank_mean.append(float(trainer.callback_metrics["node_rank"]))
         if self.first_digest is None:
             self.first_digest = digest(module)
-            job = getattr(trainer.strategy, "replica_groups", None)
-            joined = job.run.rejoined if job is not None and job.run is not None else None
+            run = getattr(getattr(trainer.strategy, "across_nodes", None), "run", None)
+            joined = run.rejoined if run is not None else None
             if joined is not None:
                 self.rejoined = {"source": joined.source, "step": joined.step, "bytes": joined.received_bytes}
 
@@ -97,11 +97,11 @@ class StepRecorder(L.Callback):
         self.steps.append(trainer.global_step)
         self.digests.append(digest(module))
         self.training_ranks.append(training_ranks(trainer))
-        job = getattr(trainer.strategy, "replica_groups", None)
-        run = job.run if job is not None else None
+        across = getattr(trainer.strategy, "across_nodes", None)  # our strategies'
+        run = getattr(across, "run", None)
         self.members.append(len(run.membership.quorum_nodes) if run is not None else -1)
         self.skipped = list(run.skipped) if run is not None else []
-        sent = trainer.strategy.comm_stats.last_step.get(ACROSS_NODES) if job is not None else None
+        sent = trainer.strategy.comm_stats.last_step.get(ACROSS_NODES) if across and across.option else None
         self.sent.append(sent.bytes if sent is not None else 0)
         self.samples.append((trainer.current_epoch, self.data.served[:]))
         self.data.served.clear()

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from lightning_fastdist.parallel.across_nodes.group import INSTALL_HINT as TORCHFT_HINT
+from lightning_fastdist.parallel.across_nodes.group import torchft_available
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
-from lightning_fastdist.parallel.replica_groups.group import INSTALL_HINT as TORCHFT_HINT
-from lightning_fastdist.parallel.replica_groups.group import torchft_available
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES
 

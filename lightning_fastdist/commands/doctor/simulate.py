@@ -1,15 +1,18 @@
 """The ``--simulate`` part of ``lightning-fastdist doctor``: the table, the JSON, the choice and the tailored recipe.
 
-The tracing is :mod:`lightning_fastdist.planning.simulate`; the choice is the advisor's order (fastest first) applied
+The tracing is :mod:`lightning_fastdist.planning.simulation`; the choice is the advisor's order (fastest first) applied
 to the simulated peaks; the recipe written is the user's own with its strategy, devices and nodes replaced.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.advisor import PREFERENCE, SINGLE_DEVICE_PREFERENCE, describe_setup, recipe_strategy
 from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.planning.setup import Setup
-from lightning_fastdist.planning.simulate import SimulatedSetup, Simulation
+from lightning_fastdist.planning.simulation.result import SimulatedSetup, Simulation
 from lightning_fastdist.recipes.recipe import Recipe
 
 JSON_MARKER = {"written_by": "lightning-fastdist doctor --simulate"}
@@ -18,7 +21,7 @@ OUTER_SYNC_NOTES = {
     "ddp": (
         "  ddp-diloco, ddp-streaming-diloco (outer_sync, never recommended: it changes what is computed): each node's "
         "local rank 0, the ddp row plus torchft's state: the outer momentum in optimizer, a fragment's pseudo-gradient "
-        'in peak, the global copy on the host; the node\'s other ranks are the ddp row (docs/semi-sync.md, "Memory")'
+        'in peak, the global copy on the host; the node\'s other ranks are the ddp row (docs/outer-sync.md, "Memory")'
     ),
     "zero3": (
         "  fsdp-zero3-diloco, fsdp-zero3-streaming-diloco (outer_sync, never recommended): every rank, zero3 sharded "
@@ -31,7 +34,7 @@ OUTER_SYNC_NOTES = {
 def choose(simulation: Simulation, usable_bytes: int) -> tuple[SimulatedSetup, bool]:
     """The fastest simulated setup whose peak fits (the advisor's order), else the most frugal; and whether it fits.
 
-    Never an ``outer_sync`` row: it changes what is computed, so a user names it (docs/semi-sync.md)."""
+    Never an ``outer_sync`` row: it changes what is computed, so a user names it (docs/outer-sync.md)."""
     exact = [row for row in simulation.rows if row.outer_sync is None]
     rows = {row.plan_key: row for row in exact}
     preference = SINGLE_DEVICE_PREFERENCE if simulation.world_size == 1 else PREFERENCE
@@ -100,11 +103,9 @@ def simulation_json(simulation: Simulation, usable_bytes: int, memory_bytes: int
 
 def tailored_recipe(recipe: Recipe, chosen: SimulatedSetup, gpus_per_node: int, nodes: int) -> dict:
     """The user's recipe with the chosen strategy, devices and nodes; the recipe's ``replica_groups`` kept."""
-    strategy = recipe_strategy(Setup.from_plan_key(*chosen.plan_key))
-    replica_groups = recipe.strategy_options.get("replica_groups")
-    if replica_groups is not None:
-        strategy["init_args"]["replica_groups"] = replica_groups
-    tailored = recipe.with_strategy(strategy)
+    replica_groups = ReplicaGroups.of(recipe.strategy_options.get("replica_groups"))
+    setup = replace(Setup.from_plan_key(*chosen.plan_key), replica_groups=replica_groups)
+    tailored = recipe.with_strategy(recipe_strategy(setup))
     tailored["trainer"].update(devices=gpus_per_node, num_nodes=nodes)
     return tailored
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_fastdist.commands.bench.setups import BenchSetup
+from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync, OuterSyncForm, form_of
 from lightning_fastdist.parallel.plan.activation_checkpointing import LEAST_RECOMPUTE_FIRST
-from lightning_fastdist.parallel.semi_sync.settings import OuterSync, OuterSyncForm, form_of
-from lightning_fastdist.planning.advisor import REPLICA_GROUPS_MODES
 from lightning_fastdist.planning.memory_model import GiB
 from lightning_fastdist.planning.setup import Setup
-from lightning_fastdist.planning.simulate import NotTraceable, RecipeRun, Simulation, simulate
+from lightning_fastdist.planning.simulation.recipe_run import NotTraceable, RecipeRun
+from lightning_fastdist.planning.simulation.result import Simulation
+from lightning_fastdist.planning.simulation.simulate import simulate
 from lightning_fastdist.recipes.recipe import STRATEGY_CLASSES, Recipe
 
 # Bench's rows that tune tries by default (``offered`` drops those that cannot run here).
@@ -27,16 +28,11 @@ TUNABLE_CLASSES = tuple(STRATEGY_CLASSES.values())
 def offered(setup: BenchSetup, across_nodes: bool, replica_groups: bool = False) -> bool:
     """Whether tune tries ``setup`` on a job across nodes or on one: ``fsdp-hsdp`` (one node leaves it nothing to
     replicate across) and the ``outer_sync`` rows only across nodes, those only where they can run. Under a recipe's
-    ``replica_groups`` only the rows whose strategies take it, as doctor plans them (DDP without PowerSGD, FSDP's
-    zero2 and zero3): a DeepSpeed winner would drop the option from the recipe written."""
+    ``replica_groups`` only the rows whose strategies take it (``Setup.takes_replica_groups``, as doctor plans
+    them): a DeepSpeed winner would drop the option from the recipe written."""
     if replica_groups:
         planned = Setup.from_strategy(setup.strategy_class, setup.strategy_args)
-        return (
-            planned is not None
-            and planned.mode in REPLICA_GROUPS_MODES
-            and planned.outer_sync is None
-            and planned.comm_hook != "powersgd"
-        )
+        return planned is not None and planned.takes_replica_groups
     if setup.multi_node:
         return across_nodes and setup.needs is None
     return across_nodes or setup.name != "fsdp-hsdp"

@@ -101,3 +101,13 @@ def count_fsdp_communication(
         if replicated:
             unit.set_all_reduce_hook(_all_reduce_hook(stats, reduce_scatter))
     return True
+
+
+def counted_fsdp_communication(
+    units: Sequence[nn.Module], stats: CommStats | None, replicated: bool, device: torch.device
+) -> tuple[CommStats, ExposedCommClock] | tuple[None, None]:
+    """:func:`count_fsdp_communication` into ``stats`` (new ones where ``None``: a second fit counts on) with a clock
+    of ``device``'s: both, or neither where this torch cannot count."""
+    stats = stats if stats is not None else CommStats()
+    clock = ExposedCommClock(device)
+    return (stats, clock) if count_fsdp_communication(units, stats, replicated, clock) else (None, None)

@@ -155,9 +155,11 @@ class FSDPSharding:
         kept = {id(entry.block) for entry in blocks_sharing_parameters(model, blocks)}
         return [*reversed(own_dtype), *reversed([block for block in blocks if id(block) not in kept]), model]
 
-    def unreduced_by_a_step_backward(self, model: nn.Module, block_classes: Sequence[type[nn.Module]]) -> str | None:
-        """The one-line refusal of a model trained with a backward inside its step (manual optimization) that
-        would be one FSDP unit, or ``None``.
+    def refuse_unreduced_root(
+        self, model: nn.Module, block_classes: Sequence[type[nn.Module]], backward_in_step: bool
+    ) -> None:
+        """Refuse in one line a model trained with a backward inside its step (``backward_in_step``: Lightning's manual
+        optimization) that would be one FSDP unit.
 
         FSDP reduces a unit's gradients from hooks on the outputs of its forward. The root's forward is the whole
         step, so a ``manual_backward`` inside it reaches no hook of a one-unit model: the gradients are never
@@ -165,15 +167,19 @@ class FSDPSharding:
         backward reduction, the root's gradients included, so naming the classes of the model's children as
         blocks fixes it.
         """
-        if len(self.units(model, block_classes)) > 1 or not any(True for _ in model.parameters()):
-            return None
+        if (
+            not backward_in_step
+            or len(self.units(model, block_classes)) > 1
+            or not any(True for _ in model.parameters())
+        ):
+            return
         children = sorted({type(child).__name__ for child in model.children() if any(True for _ in child.parameters())})
         fix = (
             f"use blocks: [{', '.join(children)}]"
             if children
             else "move its parameters into a submodule the step calls"
         )
-        return (
+        raise ValueError(
             f"blocks: under manual optimization {type(model).__name__} needs blocks (a backward inside the step "
             f"does not reduce a model sharded as one unit), and none were found; {fix}."
         )

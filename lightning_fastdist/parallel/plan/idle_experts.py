@@ -61,10 +61,15 @@ class IdleExperts:
 
     Args:
         units: the modules that become FSDP units, ``model`` among them.
+
+    Attributes:
+        group: the process group the ranks agree over on which experts were idle (a CPU group, gloo, keeps the flags
+            on the host: no device sync); ``None``: the default group.
     """
 
     def __init__(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+        self.group: dist.ProcessGroup | None = None
         self.trackers: list[_IdleExpertTracker] = []
         for unit in units:
             for container in expert_containers(unit, units):
@@ -84,8 +89,8 @@ class IdleExperts:
             for name, sizes in counts.items()
         )
 
-    def drop_gradients_of_experts_idle_everywhere(self, group: dist.ProcessGroup | None = None) -> int:
-        """Collective over ``group`` (a CPU group: gloo): drop the gradients of experts no rank called since the last
+    def drop_gradients_of_experts_idle_everywhere(self) -> int:
+        """Collective over :attr:`group`: drop the gradients of experts no rank called since the last
         call, as DDP's ``find_unused_parameters`` does, so AdamW's momentum and weight decay leave them alone.
         Returns how many experts that was."""
         experts = [expert for tracker in self.trackers for expert in tracker.experts]
@@ -93,7 +98,7 @@ class IdleExperts:
             [any(id(expert) in tracker.called_this_step for tracker in self.trackers) for expert in experts],
             dtype=torch.uint8,
         )
-        dist.all_reduce(called, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(called, op=dist.ReduceOp.MAX, group=self.group)
         for tracker in self.trackers:
             tracker.called_this_step.clear()
         idle = [expert for expert, used in zip(experts, called.tolist()) if not used]

@@ -1,0 +1,85 @@
+"""What a process that talks across nodes holds for one fit, under either form: torchft's ``Manager`` (a node that
+heals receives a live node's state over a transport whose bytes are counted), who each quorum holds, and the register
+where the nodes meet. Each form builds its own parts on top (``outer_sync/run.py``, ``replica_groups/run.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch import nn
+
+from lightning_fastdist.parallel.across_nodes.group import (
+    FitRegister,
+    Membership,
+    ReplicaGroup,
+    equalize_weights,
+    new_manager,
+)
+from lightning_fastdist.parallel.across_nodes.rejoin import NODE_STATE_KEY, CountedTransport, NodeState, Rejoined
+
+
+class NodeRun:
+    """torchft's ``Manager`` of this process's replica group for one fit.
+
+    Args:
+        option: the form's option, as its lines name it (``"outer_sync"``).
+        meeting: where a node that heartbeats but does not come in time was expected (``"the sync"``).
+        async_quorum: a quorum overlaps the step's compute (a node that heals sits that step out).
+        report: called with the lines saying which nodes left or came back.
+
+    Attributes:
+        steps: optimizer steps of this fit.
+        rejoined: how this node joined the running job, where it did.
+    """
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        timeout: timedelta,
+        option: str,
+        meeting: str,
+        async_quorum: bool,
+        report: Callable[[str], object] | None,
+    ) -> None:
+        self.group = group
+        self.option = option
+        self._transport = CountedTransport(timeout)
+        self.manager = new_manager(group, timeout, self._transport, async_quorum, owner=option)
+        self.steps = 0
+        self.rejoined: Rejoined | None = None
+        self.membership = Membership(option, group.num_nodes, lambda: self.steps, meeting, report)
+        self.membership.watch(self.manager)
+        self._register = FitRegister(group, timeout)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this node started while the others train: it rejoins them instead of starting with them."""
+        return self._register.joining
+
+    def start_with_equal_weights(self, model: nn.Module, timeout: timedelta) -> None:
+        """Give every node the first node's weights, then say in the register that the nodes train."""
+        equalize_weights(self.manager, model, self.option, self.membership, timeout)
+        self._register.training_started()
+
+    def serve_state(self, node_state: NodeState) -> None:
+        """Let torchft send ``node_state`` to a node that heals, and receive one where this node does."""
+        self.manager.register_state_dict_fn(NODE_STATE_KEY, node_state.receive, node_state.snapshot)
+
+    def rejoined_with(self, received: dict[str, Any]) -> Rejoined:
+        """How this node rejoined, from the ``received`` state of a live node (``NodeState.snapshot``'s)."""
+        return Rejoined(
+            source=self.membership.recovery_source or "?",
+            step=self.steps,
+            received_bytes=self._transport.received_bytes,
+            position=received["position"],
+            inner_optimizer=received["optimizer"],
+        )
+
+    def close(self) -> None:
+        """Stop this process's torchft servers and mark the nodes as no longer training in the register, so that a
+        node that starts now starts a fit of its own."""
+        self.manager.shutdown(wait=False)
+        self._register.close(self.membership.quorum_nodes)

@@ -1,0 +1,184 @@
+"""One torch.distributed world per node, for the strategies whose nodes train as torchft replica groups (``outer_sync``,
+``replica_groups``).
+
+A node's ranks rendezvous in a store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's
+lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` unless ``TORCHFT_LIGHTHOUSE`` names one, or a coordinator outside the
+nodes holds both (``LIGHTNING_FASTDIST_COORDINATOR``), so that losing node 0 does not end the job. Lightning keeps the
+job's global ranks and world size; its own collectives are within the node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+
+from lightning_fastdist.parallel.across_nodes.group import (
+    COORDINATOR_VARIABLE,
+    FitRegister,
+    ReplicaGroup,
+    coordinator_at,
+    import_torchft,
+    start_lighthouse,
+)
+
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
+
+
+class NodeWorlds:
+    """The node's own world and, on global rank 0, the lighthouse.
+
+    Args:
+        owner: the strategy, as errors name it; ``option``: its option (``outer_sync``).
+        min_nodes: the fewest nodes the job trains on (``None``: every node).
+        sharded: each rank of a node holds a shard of the weights (FSDP) instead of all of them.
+    """
+
+    def __init__(self, owner: str, option: str, min_nodes: int | None, sharded: bool) -> None:
+        self.owner = owner
+        self.option = option
+        self.min_nodes = min_nodes
+        self.sharded = sharded
+        self.group: ReplicaGroup | None = None  # once joined
+        self.store: dist.Store | None = None  # the node's own store, shared by its ranks
+        self._lighthouse: Any = None
+        self._manager_store: dist.TCPStore | None = None  # this fit's, on local rank 0
+
+    def check_launch(self, num_nodes: int, one_node_hint: str) -> None:
+        """Refuse, before any process starts, what cannot run: one node (``one_node_hint`` says what to do), more
+        ``min_nodes`` than nodes, or no torchft."""
+        if num_nodes < 2:
+            raise ValueError(
+                f"{self.owner}: {self.option} synchronises across nodes and this job has num_nodes={num_nodes}: "
+                f"give Trainer(num_nodes=2 or more), or {one_node_hint}."
+            )
+        if (self.min_nodes or 0) > num_nodes:
+            raise ValueError(
+                f"{self.owner}: {self.option}.min_nodes={self.min_nodes} is more than the job's "
+                f"num_nodes={num_nodes}: give 1 to {num_nodes} (or leave it out: every node)."
+            )
+        import_torchft(f"{self.owner}'s {self.option}")
+        coordinator = os.environ.get(COORDINATOR_VARIABLE)
+        if coordinator is not None:
+            coordinator_at(coordinator)  # a bad address is refused before any process starts
+
+    def join(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
+        """Join this node's own world (and on global rank 0 start the lighthouse), after the strategy set its ranks."""
+        environment = strategy.cluster_environment
+        assert environment is not None and strategy.accelerator is not None
+        strategy.accelerator.setup_device(strategy.root_device)
+        main_port = environment.main_port
+        lighthouse = os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}"
+        first_store = (environment.main_address, main_port + 2)  # node 0's own
+        coordinator = os.environ.get(COORDINATOR_VARIABLE)
+        if coordinator is not None:
+            lighthouse, first_store = coordinator_at(coordinator)
+        self.group = ReplicaGroup(
+            node_rank=strategy.node_rank,
+            num_nodes=strategy.num_nodes,
+            local_rank=strategy.local_rank,
+            sharded=self.sharded,
+            ranks_per_node=strategy.num_processes,
+            min_nodes=self.min_nodes or strategy.num_nodes,
+            store_host=socket.gethostname(),
+            store_port=main_port + 2 + strategy.node_rank,
+            lighthouse=lighthouse,
+            first_store=first_store,
+        )
+        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ and coordinator is None:
+            self._lighthouse = start_lighthouse(main_port + 1, self.group.min_nodes, self.option)
+        if dist.is_initialized():
+            return
+        store = dist.TCPStore(
+            self.group.store_host,
+            self.group.store_port,
+            strategy.num_processes,
+            is_master=strategy.local_rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        self.store = dist.PrefixStore("outer_sync", store)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("default_pg", store),
+            rank=strategy.local_rank,
+            world_size=strategy.num_processes,
+            timeout=timeout,
+        )
+
+    def group_of_this_fit(self) -> ReplicaGroup:
+        """This node's group with a store of this fit's own for torchft's ``Manager``: torchft keys each quorum's
+        rendezvous by a number a new lighthouse counts from 1 again, so a second fit sharing a store would read the
+        first one's addresses. Call on every rank of the node when a fit starts."""
+        group = self.group
+        assert group is not None, "join first"
+        self.close_fit()
+        port = None
+        if group.local_rank == 0:
+            self._manager_store = dist.TCPStore(group.store_host, 0, is_master=True, wait_for_workers=False)
+            port = self._manager_store.port
+        if self.sharded:  # every rank of the node runs a Manager of the same replica group
+            port = share_in_node(port)
+        return dataclasses.replace(group, store_port=port or group.store_port, fit=FitRegister.count_fit())
+
+    def close_fit(self) -> None:
+        """Stop this fit's store (its Managers are shut down)."""
+        self._manager_store = None
+
+    def training_ranks(self, quorum_nodes: tuple[str, ...], world_size: int) -> int:
+        """The ranks of the nodes in ``quorum_nodes``, or ``world_size`` where that is empty (this process does not
+        talk across nodes, or no quorum yet)."""
+        if not quorum_nodes:
+            return world_size
+        assert self.group is not None
+        return len(quorum_nodes) * self.group.ranks_per_node
+
+    def stop_lighthouse(self) -> None:
+        """Stop the lighthouse, where this process started it."""
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+            self._lighthouse = None
+
+
+def broadcast_in_node(tensors: Iterable[torch.Tensor]) -> None:
+    """Give the node's other ranks local rank 0's values of ``tensors`` (a collective of the node's world)."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
+
+
+def decide_in_node(
+    decision: bool,
+    all: bool,  # noqa: A002 - Lightning's name
+    device: torch.device,
+    across_nodes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> bool:
+    """Lightning's ``reduce_boolean_decision`` over the node's ranks (and those of every node, where ``across_nodes``
+    sums the node's counts over them): every rank counted decided yes (``all``), or one did. Lightning's own compares
+    the count with the job's world size, which a world per node never reaches (ModelCheckpoint would save no top-k
+    checkpoint)."""
+    counts = torch.tensor([int(decision), 1], device=device)  # [ranks that decided yes, ranks]
+    if dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    if across_nodes is not None:
+        counts = across_nodes(counts)
+    yes, ranks = counts.tolist()
+    return yes == ranks if all else yes > 0
+
+
+def share_in_node(value: Any) -> Any:
+    """Local rank 0's ``value`` on every rank of the node (a collective of the node's world)."""
+    if dist.get_world_size() == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]

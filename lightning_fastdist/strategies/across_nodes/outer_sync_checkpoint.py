@@ -1,0 +1,199 @@
+"""``outer_sync`` in checkpoints: what the nodes share in the checkpoint, what each node alone holds beside it.
+
+The checkpoint holds the global weights (so it loads into a plain model as what the nodes agreed on), the outer
+optimizers and torchft's step count. Each node's own weights, inner optimizer and random states go beside it, in
+``<checkpoint>.outer_sync/nodeNNNNN.pt`` (DDP) or a distributed checkpoint folder ``nodeNNNNN`` of shards (FSDP),
+written before global rank 0 publishes; the nodes count each other's saves in node 0's store, since a node that
+rejoined at that step has nothing to write and a collective would pair with its next one.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lightning_fastdist.parallel.across_nodes.group import LEFT_OUT_AFTER, ReplicaGroup
+from lightning_fastdist.parallel.across_nodes.outer_sync.run import OuterSyncRun
+from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
+from lightning_fastdist.strategies.checkpoint.side_files import read_side_file, write_side_file
+
+CHECKPOINT_KEY = "fast_outer_sync"
+NODES_SUFFIX = ".outer_sync"  # the folder beside a checkpoint that holds each node's own state
+_NODE_ENTRY = re.compile(r"node(\d{5})(\.pt)?")  # a node's file (DDP) or folder (FSDP)
+_SHARDED_NODE_META = "node.pt"  # in a node's folder: what is not a shard (its step, its ranks' random states)
+
+
+def node_file(checkpoint_path: Any, node: int, sharded: bool = False, follow_link: bool = False) -> str:
+    """Where node ``node``'s state of the checkpoint at ``checkpoint_path`` lives (beside the file a link names): a
+    file, or a folder of shards (``sharded``)."""
+    path = str(checkpoint_path)
+    if follow_link and is_local_path(path):
+        path = str(Path(path).resolve())
+    return f"{path}{NODES_SUFFIX}/node{node:05d}{'' if sharded else '.pt'}"
+
+
+def save_node_state(
+    group: ReplicaGroup,
+    run: OuterSyncRun | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    node_rank_states: list | None,
+    optimizer_steps: int,
+) -> None:
+    """Write this node's own state beside ``filepath`` and the shared part into ``checkpoint``; call on every rank of
+    every node, before rank 0 publishes ``checkpoint``.
+
+    Args:
+        run: ``None`` where this process does not talk across nodes.
+        node_rank_states: the random states of this node's ranks (gathered on its local rank 0), else ``None``.
+    """
+    if run is None:
+        return
+    own = {"node": group.node_rank, "optimizer_steps": optimizer_steps, "rng": node_rank_states}
+    shared = {
+        **run.state_dict(),
+        "num_nodes": group.num_nodes,
+        "optimizer_steps": optimizer_steps,
+        "in_flight": run.settings.in_flight(optimizer_steps),
+        "settings": vars(run.settings).copy(),
+    }
+    path = node_file(filepath, group.node_rank, group.sharded)
+    if group.sharded:  # each rank's shards of the weights and of both optimizers' states
+        shared.pop("outer_optimizers")
+        shared["ranks_per_node"] = group.ranks_per_node
+        ShardedCheckpointWriter().save(
+            _sharded_state(run, model, optimizer),
+            Path(path),
+            write_extra=lambda folder: torch.save(own, folder / _SHARDED_NODE_META),
+        )
+    else:
+        weights = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+        write_side_file({**own, "weights": weights, "inner_optimizer": optimizer.state_dict()}, path)
+    checkpoint[CHECKPOINT_KEY] = shared
+    missing = run.wait_for_saves(optimizer_steps)  # every node's state is complete before global rank 0 publishes
+    if missing and group.node_rank == 0 and group.local_rank == 0:
+        warnings.warn(
+            f"outer_sync: {', '.join(missing)} did not write its state of the checkpoint of step {optimizer_steps} "
+            f"within {LEFT_OUT_AFTER.seconds} s (it left the job since the last sync): a resume gives a node without "
+            "its state another node's.",
+            stacklevel=2,
+        )
+
+
+def _sharded_state(run: OuterSyncRun, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of a node's own state, by name, as ``torch.distributed.checkpoint`` saves and loads them."""
+    return {
+        "model": get_model_state_dict(model),
+        "inner_optimizer": get_optimizer_state_dict(model, optimizer),
+        "outer_optimizers": [
+            get_optimizer_state_dict(fragment, outer) for fragment, outer in zip(run.fragments, run.outer_optimizers)
+        ],
+    }
+
+
+def read_node_state(
+    saved: dict[str, Any], checkpoint_path: Any, node: int, num_nodes: int, ranks_per_node: int
+) -> dict[str, Any]:
+    """This node's state of a checkpoint whose shared part is ``saved``, checked to belong to it (of a sharded node
+    what is not a shard: :func:`restore_node_state` reads those).
+
+    Raises:
+        ValueError: one line saying why this checkpoint cannot resume this run exactly.
+    """
+    if saved.get("written_on_stop"):
+        raise ValueError(
+            "outer_sync: this checkpoint was written when a stop signal ended the fit, and holds the global weights "
+            "only (the nodes do not agree on a step to stop at yet): resume from the last periodic checkpoint, or "
+            "load its weights into a new run."
+        )
+    steps = saved["optimizer_steps"]
+    if saved["in_flight"]:  # the all-reduce's result is not in the checkpoint
+        raise ValueError(
+            f"outer_sync: this checkpoint was written after step {steps}, while a fragment's all-reduce was in flight, "
+            "and cannot resume exactly; resume from a checkpoint at a multiple of every/fragments steps "
+            "(e.g. ModelCheckpoint(every_n_train_steps=...) a multiple of it)."
+        )
+    if saved["num_nodes"] != num_nodes or saved.get("ranks_per_node", ranks_per_node) != ranks_per_node:
+        raise ValueError(
+            f"outer_sync: this checkpoint was written by {saved['num_nodes']} nodes of "
+            f"{saved.get('ranks_per_node', ranks_per_node)} ranks and this run has {num_nodes} of {ranks_per_node}: "
+            "resume on as many nodes and ranks, or load only its weights (the global ones) into a new run."
+        )
+    sharded = "ranks_per_node" in saved
+    source = _node_with_state(checkpoint_path, node, num_nodes, sharded)
+    path = node_file(checkpoint_path, source, sharded, follow_link=True)
+    state = read_side_file(f"{path}/{_SHARDED_NODE_META}" if sharded else path, weights_only=False)
+    state["path"] = path
+    if state.get("optimizer_steps") != steps or state.get("node") != source:
+        found = state.get("optimizer_steps")
+        raise ValueError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
+    if source != node:
+        warnings.warn(
+            f"outer_sync: node{node} has no state in this checkpoint (it had left the job when step {steps} was "
+            f"saved): it resumes from node{source}'s weights and optimizer state, as a node that rejoins a running "
+            "job does, and with random states of its own.",
+            stacklevel=2,
+        )
+        state["rng"] = None  # another node's random states would repeat its draws
+    return state
+
+
+def _node_with_state(checkpoint_path: Any, node: int, num_nodes: int, sharded: bool) -> int:
+    """``node`` if the checkpoint holds its state, else the first node whose state it holds: a node that had left the
+    job (``min_nodes``) when the others saved wrote none."""
+    for candidate in (node, *range(num_nodes)):
+        fs, path = fsspec.core.url_to_fs(node_file(checkpoint_path, candidate, sharded, follow_link=True))
+        if fs.exists(path):
+            return candidate
+    raise ValueError(
+        f"outer_sync: {node_file(checkpoint_path, node, sharded)} is missing, and so is every other node's state "
+        "beside this checkpoint: resume from another checkpoint, or load only its weights (the global ones)."
+    )
+
+
+def restore_node_state(
+    state: dict[str, Any], run: OuterSyncRun | None, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Put this node's own weights and inner optimizer state back (under FSDP this rank's shards, and of the outer
+    optimizers too); its random states: the caller."""
+    if "weights" not in state:  # a folder of shards
+        assert run is not None, "every rank of a node holding shards talks across nodes"
+        shards = _sharded_state(run, model, optimizer)
+        dcp.load(shards, checkpoint_id=state["path"])
+        set_model_state_dict(model, shards["model"])
+        set_optimizer_state_dict(model, optimizer, shards["inner_optimizer"])
+        for fragment, outer, saved in zip(run.fragments, run.outer_optimizers, shards["outer_optimizers"]):
+            set_optimizer_state_dict(fragment, outer, saved)
+        return
+    with torch.no_grad():
+        for parameter, saved in zip(model.parameters(), state["weights"]):
+            parameter.copy_(saved)
+    optimizer.load_state_dict(state["inner_optimizer"])
+
+
+def remove_node_files(checkpoint_path: Any) -> None:
+    """Remove the nodes' files and folders of ``checkpoint_path``, then the folder holding them if empty; nothing else
+    there is touched."""
+    fs, root = fsspec.core.url_to_fs(f"{checkpoint_path}{NODES_SUFFIX}")
+    if not fs.isdir(root):
+        return
+    for entry in fs.ls(root, detail=False):
+        if _NODE_ENTRY.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]):
+            fs.rm(entry, recursive=fs.isdir(entry))
+    if not fs.ls(root, detail=False):
+        fs.rmdir(root)

@@ -1,0 +1,221 @@
+"""FastDDPStrategy's comm hook in checkpoints: ``comm_hook: auto``'s level and decisions, and PowerSGD's state, each
+rank's error feedback in a file of its own, beside the checkpoint.
+
+Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0: the checkpoint
+holds what every rank shares (step count, ``Q`` factors, world size) and each rank writes its error feedback to
+``<checkpoint>.powersgd/rankNNNNN.pt`` before rank 0 publishes the checkpoint (resume pitfalls: ``docs/ddp.md``).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
+from lightning_fastdist.parallel.ddp.auto_comm_hook import AutoCommState
+from lightning_fastdist.parallel.ddp.comm_hooks import HookState
+from lightning_fastdist.parallel.ddp.powersgd import PowerSGDState
+from lightning_fastdist.strategies.checkpoint.side_files import read_side_file, write_side_file
+
+CHECKPOINT_KEY = "fast_ddp_comm_hook"  # PowerSGD's shared state, and where each rank's error feedback is
+AUTO_CHECKPOINT_KEY = "fast_ddp_comm_hook_auto"  # the level auto chose, and its decisions
+SHARDS_SUFFIX = ".powersgd"  # the folder beside a checkpoint that holds each rank's error feedback
+_SHARD_NAME = re.compile(r"rank(\d{5})\.pt")
+LOCATION_KEY = "loaded_from"  # set on load: where the checkpoint was read, so its shards can be found
+
+
+class CommHookCheckpoint:
+    """What a checkpoint holds of one strategy's comm hook: written beside and into each checkpoint, and put back into
+    the hook once it is registered (a checkpoint loaded before DDP wraps the model waits for it)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def save(
+        self, hook_state: HookState | None, checkpoint: dict[str, Any], filepath: Any, world_size: int, rank: int
+    ) -> bool:
+        """Put the hook's state into ``checkpoint`` and each rank's error feedback beside ``filepath``; return whether
+        rank files were written (the caller then waits for every rank before the checkpoint is published)."""
+        powersgd = hook_state
+        if isinstance(powersgd, AutoCommState):
+            checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
+            powersgd = powersgd.powersgd
+        if not isinstance(powersgd, PowerSGDState):
+            return False
+        checkpoint[CHECKPOINT_KEY] = save_hook_state(powersgd, "powersgd", filepath, world_size, rank)
+        return True
+
+    @staticmethod
+    def note_location(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
+        """``checkpoint`` as loaded from ``checkpoint_path``: the ranks' PowerSGD files are found beside the file
+        actually loaded (a fall-back may load another than the one asked for)."""
+        if CHECKPOINT_KEY in checkpoint:
+            checkpoint[CHECKPOINT_KEY] = remember_location(checkpoint[CHECKPOINT_KEY], checkpoint_path)
+        return checkpoint
+
+    def load(
+        self,
+        checkpoint: dict[str, Any],
+        hook_state: HookState | None,
+        comm_hook: str,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        """Put a loaded checkpoint's hook state back into ``hook_state``, or keep it until the hook is registered
+        (``hook_state`` ``None``); the other arguments: :meth:`restore`'s."""
+        saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
+        if saved and hook_state is None:
+            self._pending = saved
+        elif saved:
+            self._restore(saved, hook_state, comm_hook, world_size, rank, device)
+
+    def restore(
+        self, hook_state: HookState | None, comm_hook: str, world_size: int, rank: int, device: torch.device
+    ) -> None:
+        """Once the hook is registered: put back what a checkpoint loaded before held (``comm_hook``: the strategy's
+        option, named where the checkpoint's state does not fit it)."""
+        if self._pending is not None:
+            self._restore(self._pending, hook_state, comm_hook, world_size, rank, device)
+            self._pending = None
+
+    def _restore(
+        self,
+        saved: dict[str, Any],
+        hook_state: HookState | None,
+        comm_hook: str,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        powersgd = hook_state
+        if isinstance(powersgd, AutoCommState) and AUTO_CHECKPOINT_KEY in saved:
+            powersgd.load_state_dict(saved[AUTO_CHECKPOINT_KEY])
+            if powersgd.decisions:
+                rank_zero_info(
+                    f"comm_hook auto: resumed at {powersgd.level} (decided at step {powersgd.decisions[-1].step})."
+                )
+            powersgd = powersgd.powersgd
+        if CHECKPOINT_KEY in saved:
+            name = "powersgd" if isinstance(hook_state, AutoCommState) else comm_hook
+            restore_hook_state(powersgd, name, saved[CHECKPOINT_KEY], world_size, rank, device)
+
+
+def gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] | None:
+    """Every rank's ``state`` as a list on rank 0 (``None`` elsewhere); a collective on all ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        return [state]
+    gathered: list[dict] | None = [{} for _ in range(world_size)] if rank == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def shard_folder(checkpoint_path: Any, follow_link: bool = False) -> str:
+    """Where the ranks' files of a checkpoint live: a load follows a link (``last.ckpt`` under Lightning's
+    ``save_last="link"``) to the checkpoint it names, whose files are beside it."""
+    path = str(checkpoint_path)
+    if follow_link and is_local_path(path):
+        path = str(Path(path).resolve())
+    return path + SHARDS_SUFFIX
+
+
+def shard_path(checkpoint_path: Any, rank: int, follow_link: bool = False) -> str:
+    return f"{shard_folder(checkpoint_path, follow_link)}/rank{rank:05d}.pt"
+
+
+def save_hook_state(
+    hook_state: PowerSGDState, comm_hook: str, checkpoint_path: Any, world_size: int, rank: int
+) -> dict[str, Any]:
+    """Write this rank's error feedback beside ``checkpoint_path``; return what the checkpoint itself holds.
+
+    Call on every rank, then a barrier, then publish the checkpoint (rank 0). Rank 0 also removes files
+    of ranks beyond ``world_size`` left there by an earlier, larger run.
+    """
+    state = hook_state.state_dict()
+    shard = {"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]}
+    write_side_file(shard, shard_path(checkpoint_path, rank))
+    if rank == 0:
+        remove_shards(checkpoint_path, keep=world_size)
+    return {
+        "comm_hook": comm_hook,
+        "world_size": world_size,
+        "iteration": state["iteration"],
+        "q_memory": state["q_memory"],
+        "errors_in": SHARDS_SUFFIX,
+    }
+
+
+def remember_location(saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
+    """``saved`` with the path it was loaded from, to find its shards later."""
+    return {**saved, LOCATION_KEY: str(checkpoint_path)}
+
+
+def restore_hook_state(
+    hook_state: HookState | None, comm_hook: str, saved: dict, world_size: int, rank: int, device: torch.device
+) -> None:
+    """Load the part of a checkpoint's hook state that belongs to this rank into ``hook_state``.
+
+    Args:
+        comm_hook: the strategy's ``comm_hook`` option (named in the warning when it ignores the state).
+        saved: what :func:`save_hook_state` and :func:`remember_location` left, or an older checkpoint's
+            ``{"comm_hook": name, "per_rank": [state, ...]}``.
+    """
+    if not isinstance(hook_state, PowerSGDState) or saved["comm_hook"] != "powersgd":
+        rank_zero_warn(f"The checkpoint holds {saved['comm_hook']!r} hook state; comm_hook={comm_hook!r} ignores it.")
+        return
+    if "per_rank" in saved:  # written before each rank had its own file
+        per_rank = saved["per_rank"]
+        shared = {"iteration": per_rank[0]["iteration"], "q_memory": per_rank[0]["q_memory"]}
+        errors = per_rank[rank]["errors"] if len(per_rank) == world_size else None
+        saved_by = len(per_rank)
+    else:
+        shared = {"iteration": saved["iteration"], "q_memory": saved["q_memory"]}
+        saved_by = saved["world_size"]
+        errors = _read_own_errors(saved, rank) if saved_by == world_size else None
+    if saved_by != world_size:
+        rank_zero_warn(
+            f"PowerSGD state was saved by {saved_by} ranks and is resumed by {world_size}: "
+            "keeping the step count and Q factors, restarting error feedback from zero."
+        )
+    hook_state.load_state_dict({**shared, "errors": errors or {}}, device)
+
+
+def _read_own_errors(saved: dict, rank: int) -> dict | None:
+    """This rank's error feedback from its file beside the checkpoint, or ``None`` (with one line) if unusable."""
+    if LOCATION_KEY not in saved:
+        warnings.warn(f"[rank {rank}] PowerSGD error feedback: the checkpoint's location is unknown; restarting it.")
+        return None
+    path = shard_path(saved[LOCATION_KEY], rank, follow_link=True)
+    try:
+        shard = read_side_file(path)
+    except (OSError, RuntimeError, EOFError) as error:
+        problem = f"cannot be read ({type(error).__name__})"
+    else:
+        if shard.get("iteration") == saved["iteration"] and shard.get("rank") == rank:
+            return shard["errors"]
+        problem = f"belongs to another save (step count {shard.get('iteration')}, not {saved['iteration']})"
+    warnings.warn(f"[rank {rank}] PowerSGD error feedback at {path} {problem}: restarting it from zero on this rank.")
+    return None
+
+
+def remove_shards(checkpoint_path: Any, keep: int = 0) -> None:
+    """Remove the ranks' files of ``checkpoint_path`` from rank ``keep`` on (all by default), then the folder if empty.
+
+    Only ``rankNNNNN.pt`` files are touched: anything else in the folder stays, and so does the folder.
+    """
+    fs, root = fsspec.core.url_to_fs(shard_folder(checkpoint_path))
+    if not fs.isdir(root):
+        return
+    for entry in fs.ls(root, detail=False):
+        match = _SHARD_NAME.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
+        if match and int(match.group(1)) >= keep:
+            fs.rm(entry)
+    if keep == 0 and not fs.ls(root, detail=False):
+        fs.rmdir(root)
