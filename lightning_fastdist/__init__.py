@@ -13,6 +13,7 @@ from lightning_fastdist.callbacks import (
 )
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
+from lightning_fastdist.parallel.grad_norm import grad_norm
 from lightning_fastdist.precision import FastMixedPrecision
 from lightning_fastdist.strategies import FastDDPStrategy, FastDeepSpeedStrategy, FastFSDPStrategy
 
@@ -30,4 +31,5 @@ __all__ = [
     "SpeedMonitor",
     "SyncFreeLogging",
     "count_host_syncs",
+    "grad_norm",
 ]

@@ -70,9 +70,10 @@ def is_encoder_decoder(module: Any) -> bool:
 
 
 def training_ranks(trainer: Trainer) -> int:
-    """The ranks training now: the strategy's ``training_ranks`` where it has one (under ``outer_sync`` with
-    ``min_nodes``, those of the nodes still in the job), else the trainer's world size."""
-    return getattr(trainer.strategy, "training_ranks", trainer.world_size)
+    """The ranks training now: where the strategy trains across nodes (our ``across_nodes``), those of the nodes still
+    in the job (``min_nodes``), else the trainer's world size."""
+    across_nodes = getattr(trainer.strategy, "across_nodes", None)
+    return across_nodes.training_ranks(trainer.world_size) if across_nodes is not None else trainer.world_size
 
 
 @dataclass

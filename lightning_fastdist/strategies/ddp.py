@@ -19,6 +19,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -35,6 +36,7 @@ from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
+from lightning_fastdist.parallel.plan.compile import compiled_by_user
 from lightning_fastdist.parallel.plan.parallel_plan import (
     BlocksOption,
     CheckpointingOption,
@@ -43,6 +45,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
+from lightning_fastdist.parallel.trainable import TrainableSet
 from lightning_fastdist.strategies.across_nodes import across_nodes
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.checkpoint.comm_hook_checkpoint import CommHookCheckpoint, remove_shards
@@ -71,8 +74,7 @@ class FastDDPStrategy(DDPStrategy):
     Args:
         comm_hook: how gradients are averaged: ``"auto"``, ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
         comm_hook_window: optimizer steps ``"auto"`` measures per decision.
-        powersgd_rank: the ``powersgd_*`` options are described and defaulted once, in
-            :class:`~lightning_fastdist.parallel.ddp.powersgd.PowerSGDSettings`.
+        powersgd_rank: the ``powersgd_*`` options are described and defaulted once, in ``PowerSGDSettings``.
         bucket_cap_mb: DDP gradient bucket size in MB, or ``"auto"``: gradient MB / 8 clamped to [0.25, 100] MB, so
             communication overlaps the backward without paying per-message latency on tiny buckets.
         gradient_as_bucket_view: let gradients live in DDP's buckets (saves one copy and memory).
@@ -80,13 +82,12 @@ class FastDDPStrategy(DDPStrategy):
         find_unused_parameters: search for parameters without gradients every step; costs a graph traversal.
         log_comm_bytes: log ``comm/allreduce_bytes_per_step`` (host-side, no device sync) and the time the last
             step waited for the all-reduces after its backward, ``comm/exposed_s``.
-        activation_checkpointing: with ``blocks``, ``compile`` and ``compile_scope``, the plan's
-            (:class:`~lightning_fastdist.parallel.plan.parallel_plan.ParallelPlan`), applied before DDP wraps the model.
+        activation_checkpointing: with ``blocks``, ``compile`` and ``compile_scope``, the plan's (``ParallelPlan``),
+            applied before DDP wraps the model.
         outer_sync: synchronise across nodes every ``every`` steps with DiLoCo instead of every step (``OuterSync``'s
             options, a mapping in a recipe); inside a node every step stays synchronous. ``None``: every step, exact.
-        replica_groups: train each node as a torchft replica group, the gradients averaged across the nodes every
-            step, so that a lost node leaves the others training on and a restarted one joins them
-            (``ReplicaGroups``' options: ``{min_nodes: 1}`` in a recipe). ``None``: one world, a lost node ends the job.
+        replica_groups: each node a torchft replica group, the gradients averaged across nodes every step: a lost node
+            leaves the others training (``ReplicaGroups``' options, ``{min_nodes: 1}``). ``None``: one world.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
         accelerator: with ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``: set
@@ -173,6 +174,7 @@ class FastDDPStrategy(DDPStrategy):
         self.recompiles = RecompileWatcher(report=rank_zero_warn)
         self.exposed_comm: ExposedCommClock | None = None  # set when DDP wraps the model
         self._backward_tail: BackwardTail | None = None
+        self._trainable = TrainableSet(nn.Module())  # the parameters DDP averages (set when it wraps the model)
 
     @override
     def _configure_launcher(self) -> None:
@@ -209,8 +211,10 @@ class FastDDPStrategy(DDPStrategy):
 
     def _wrap_in_ddp(self, model: torch.nn.Module, prepared: PreparedBlocks) -> DistributedDataParallel:
         """Size the buckets, wrap ``model`` (``self.model``) in DDP as Lightning does, register the comm hook."""
-        if self.bucket_cap_mb == "auto":
-            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model, compiled=self.plan.compile_config is not None)
+        if self.bucket_cap_mb == "auto":  # compiled by the plan or by the user (Lightning unwraps torch.compile(model))
+            by_user = compiled_by_user(model) or getattr(model, "_compiler_ctx", None) is not None
+            compiled = self.plan.compile_config is not None or by_user
+            self._ddp_kwargs["bucket_cap_mb"] = auto_bucket_cap_mb(model, compiled=compiled)
         super().configure_ddp()
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state = self.comm.register(self.model)
@@ -218,6 +222,7 @@ class FastDDPStrategy(DDPStrategy):
             self._backward_tail.remove()
         self.exposed_comm = ExposedCommClock(self.root_device)  # comm/exposed_s
         self._backward_tail = watch_ddp(self.model, self.exposed_comm)
+        self._trainable = TrainableSet(model)
         self._hook_checkpoint.restore(
             self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device
         )
@@ -229,11 +234,6 @@ class FastDDPStrategy(DDPStrategy):
         if self.plan.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
-
-    @property
-    def training_ranks(self) -> int:
-        """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
-        return self.across_nodes.training_ranks(self.world_size)
 
     @override
     def on_train_start(self) -> None:
@@ -258,9 +258,23 @@ class FastDDPStrategy(DDPStrategy):
         super().on_train_end()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.shared.before_batch()
+        changed = self._trainable.changed(self.lightning_module)  # since DDP wrapped the model (BackboneFinetuning)
+        if changed is not None:
+            self._wrap_again(changed)
         super().on_train_batch_start(batch, batch_idx)
+
+    def _wrap_again(self, changed: str) -> None:
+        """DDP's reducer averages the gradients of the parameters trainable when it was built: one unfrozen after would
+        train on each rank's own gradients (as under Lightning's DDPStrategy)."""
+        rank_zero_info(f"FastDDPStrategy: {changed}; DDP wraps the model again to average their gradients too.")
+        self.model = self.model.module
+        self._wrap_in_ddp(self.model, self.prepared)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,14 +291,10 @@ class FastDDPStrategy(DDPStrategy):
         self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
         state, clock = self.hook_state, self.exposed_comm
         if isinstance(state, AutoCommState) and clock is not None and state.measuring:
-            decision = state.on_optimizer_step(lambda: clock.total_s, self._synchronize_device)
+            decision = state.on_optimizer_step(lambda: clock.total_s, clock.synchronize)
             if decision is not None:
                 rank_zero_info(decision.line(state.policy))
         return output
-
-    def _synchronize_device(self) -> None:
-        if self.root_device.type == "cuda":
-            torch.cuda.synchronize(self.root_device)
 
     @property
     @override
@@ -293,8 +303,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduction (``self.log(sync_dist=True)``) over the world, then as the job reduces it across
-        nodes, where they train one model every step."""
+        """Lightning's reduction over the world, then across nodes where they train one model every step."""
         reduced = super().reduce(tensor, group, reduce_op)
         return reduced if group is not None else self.across_nodes.reduce(self.lightning_module, reduced, reduce_op)
 

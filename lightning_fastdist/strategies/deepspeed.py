@@ -48,7 +48,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.strategies.checkpoint.exact_resume import RNG_KEY
+from lightning_fastdist.strategies.checkpoint.exact_resume import RESUME_KEYS
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
 from lightning_fastdist.strategies.common.comm_metrics import one_gradient_round
 from lightning_fastdist.strategies.common.job import (
@@ -59,6 +59,7 @@ from lightning_fastdist.strategies.common.job import (
 )
 from lightning_fastdist.strategies.common.options import named_errors
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
+from lightning_fastdist.strategies.common.unsupported import DEEPSPEED_REFUSALS, refuse_unsupported
 from lightning_fastdist.strategies.deepspeed_checkpoint import full_weights_of_folder
 from lightning_fastdist.strategies.registry import register_once
 
@@ -198,6 +199,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        refuse_unsupported(trainer, type(self).__name__, DEEPSPEED_REFUSALS)
         self.shared.setup(trainer, self.timeout)
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
@@ -306,6 +308,10 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         broadcast_buffers(self.model)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.shared.before_batch()
         super().on_train_batch_start(batch, batch_idx)
@@ -351,8 +357,8 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         if self._full_weights_to_load:
             load = full_weights_of_folder
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
-        # Under ZeRO-3 every rank reads its own file, where only rank 0's holds every rank's random states.
-        checkpoint[RNG_KEY] = self.broadcast(checkpoint.get(RNG_KEY))
+        # Under ZeRO-3 every rank reads its own file, where only rank 0's holds the resume state of every rank.
+        checkpoint.update(self.broadcast({key: checkpoint.get(key) for key in RESUME_KEYS}))
         self.shared.take_loaded(self, checkpoint, checkpoint_path)
         return checkpoint
 

@@ -59,6 +59,7 @@ from lightning_fastdist.strategies.common.job import (
 )
 from lightning_fastdist.strategies.common.options import blocks_option, check_checkpoint_format, named_errors
 from lightning_fastdist.strategies.common.sharded_module import (
+    drop_group_keys_not_saved,
     materialize,
     move_all_but_parameters,
     refuse_fsdp1,
@@ -67,6 +68,7 @@ from lightning_fastdist.strategies.common.sharded_module import (
     under_module_names,
 )
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
+from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refuse_unsupported
 from lightning_fastdist.strategies.registry import register_once
 
 
@@ -76,13 +78,12 @@ class FastFSDPStrategy(ModelParallelStrategy):
     Args:
         blocks: with ``activation_checkpointing``, ``compile`` and ``compile_scope``, the plan's (``ParallelPlan``):
             each block is an FSDP unit; parameters outside every block belong to the root, sharded last.
-        sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``; with ``hsdp_group_size``, ``cpu_offload`` and ``keep_fp32``
-            described in :class:`~lightning_fastdist.parallel.fsdp.sharding.FSDPSharding`.
+        sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``; it and ``hsdp_group_size``, ``cpu_offload``, ``keep_fp32``
+            are described in ``FSDPSharding``.
         checkpoint_format: ``"sharded"`` (per-rank shards, loadable at any world size) or ``"full"`` (one file).
         async_checkpointing: write sharded checkpoints in a background thread, once the state is in host memory.
-        outer_sync: as FastDDPStrategy's, sharded inside each node: each rank crosses nodes with the ranks holding
-            the same shard. Not with ``sharding="hsdp"``.
-        replica_groups: as FastDDPStrategy's, sharded inside each node, as ``outer_sync``. Not with it or HSDP.
+        outer_sync: as FastDDPStrategy's, each rank crossing nodes with the same shard's ranks. Not with HSDP.
+        replica_groups: as FastDDPStrategy's, each rank crossing nodes as under ``outer_sync``. Not with HSDP.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
         log_comm_bytes: as FastDDPStrategy's, for each collective (FSDP2's custom collectives: torch >= 2.9).
@@ -140,8 +141,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # The world size is known here, before any process starts: fix and check HSDP's split now.
-        self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, devices_per_node=self.num_processes)
+        self.fsdp = self.fsdp.for_world(self.num_nodes * self.num_processes, self.num_processes)  # HSDP's split, now
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
         self.across_nodes.check_launch(self.num_nodes)
@@ -177,12 +177,13 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         refuse_fsdp1(self.model, type(self).__name__)  # as Lightning's ModelParallelStrategy, whose setup this replaces
+        refuse_unsupported(trainer, type(self).__name__, FSDP_REFUSALS)
         self.shared.setup(trainer, self.timeout)
         if self.plan.compile_config is not None:
             self.recompiles.start()
         self.accelerator.setup(trainer)
-        # Trainer(sync_batchnorm=True): BatchNorm is SyncBatchNorm while fitting, as under Lightning's strategies.
-        self._synced_batchnorm = trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING  # Trainer(sync_batchnorm=True): SyncBatchNorm while fitting
+        self._synced_batchnorm = fitting and self._layer_sync is not None
         if self._root is None or self._root.module is not self.lightning_module:  # a second fit reuses the root
             module = self.precision_plugin.convert_module(self.lightning_module)
             if self._synced_batchnorm:
@@ -194,10 +195,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.model = self._root  # Lightning's forward redirection runs each step through it: inside the root's hooks
         self.model_to_device()  # as in Lightning: move all that is left (parameterless modules, .device)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -239,11 +240,6 @@ class FastFSDPStrategy(ModelParallelStrategy):
         """The modules whose ``forward`` is compiled (empty until the plan is applied)."""
         return self.prepared.compiled if self.prepared is not None else ()
 
-    @property
-    def training_ranks(self) -> int:
-        """The ranks training now (what SpeedMonitor counts): under a world per node those of the nodes still in."""
-        return self.across_nodes.training_ranks(self.world_size)
-
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -276,6 +272,10 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def on_predict_start(self) -> None:
         super().on_predict_start()
         broadcast_buffers(self.model)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -334,8 +334,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        # Never delete the previous checkpoint before the one replacing it is published.
-        self._checkpoint_writer.wait()
+        self._checkpoint_writer.wait()  # never delete the previous checkpoint before the one replacing it is written
         if self.across_nodes.writes_files(self):  # the rank that wrote the checkpoint
             self.checkpoint_io.remove_checkpoint(filepath)
             remove_node_files(filepath)  # the nodes' own states beside a checkpoint written across nodes, if any
@@ -344,6 +343,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
+        drop_group_keys_not_saved(checkpoint_path, self.optimizers)
         load = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
         self.shared.take_loaded(self, checkpoint, checkpoint_path)
@@ -351,14 +351,12 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduction (``self.log(sync_dist=True)``) over the world, then as the job reduces it across
-        nodes, where they train one model every step."""
+        """Lightning's reduction over the world, then across nodes where they train one model every step."""
         reduced = super().reduce(tensor, group, reduce_op)
         return reduced if group is not None else self.across_nodes.reduce(self.lightning_module, reduced, reduce_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``'s maximum over every rank training, in place (read by NonFiniteLoss, so that every rank skips a
-        step alike)."""
+        """``tensor``'s maximum over every rank training, in place (NonFiniteLoss: every rank skips a step alike)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return self.across_nodes.reduce(self.lightning_module, tensor, "max")
 
@@ -371,8 +369,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # A checkpoint holds rank 0's buffers, as DDP's does: a sharded save writes each from any one rank.
-        broadcast_buffers(self.model)
+        broadcast_buffers(self.model)  # rank 0's in the checkpoint, as DDP's (a sharded save writes any rank's)
         return self.across_nodes.weights_to_save(
             self.model, under_module_names(self, super().lightning_module_state_dict)
         )

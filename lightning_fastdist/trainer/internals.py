@@ -88,6 +88,15 @@ PRIVATE_IMPORTS = {
     f"{FABRIC}.types._PATH": PrivateName(
         ("strategies.deepspeed_checkpoint", "strategies.fsdp"), "type checkpoint paths as Lightning's hooks do"
     ),
+    f"{FABRIC}.data._set_sampler_epoch": PrivateName(
+        ("strategies.common.shared_hooks",), "set a resumed epoch's sampler before its loader starts"
+    ),
+    "lightning.pytorch.loops.loop._Loop": PrivateName(
+        ("trainer.loop_state",), "set a max_steps fit resumed at an epoch's end to start the next epoch"
+    ),
+    "lightning.pytorch.utilities.data._update_dataloader": PrivateName(
+        ("data.plain_resume",), "rebuild a plain training loader with a sampler that skips what an epoch read"
+    ),
     "lightning.fabric.strategies.deepspeed._validate_device_index_selection": PrivateName(
         ("strategies.deepspeed",), "validate GPU indices, skipped on CPU"
     ),
@@ -187,6 +196,9 @@ PRIVATE_ATTRIBUTES = {
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer": PrivateName(
         ("strategies.deepspeed",), "build the DeepSpeed engine with a torch optimizer"
+    ),
+    "lightning.pytorch.core.module.LightningModule._compiler_ctx": PrivateName(
+        ("strategies.ddp",), "know a module the user compiled: Lightning unwraps torch.compile(model) into it"
     ),
     "lightning.fabric.utilities.device_dtype_mixin._DeviceDtypeModuleMixin._device": PrivateName(
         ("strategies.common.sharded_module",), "what LightningModule.device reports"

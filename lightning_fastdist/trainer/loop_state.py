@@ -8,32 +8,72 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loops.loop import _Loop
 
 from lightning_fastdist.data import ResumableDataLoader, ResumeRefusedError
 
 
-def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
-    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place), the form Lightning gives
-    a checkpoint taken inside an epoch."""
+def epoch_cut_short(checkpoint: dict[str, Any]) -> tuple[int, int] | None:
+    """``(epoch, batches run)`` of the checkpoint's epoch if it ended before its last batch (a ``max_steps`` stop),
+    which Lightning marks finished: a resume would go on with the next epoch."""
     loop = checkpoint.get("loops", {}).get("fit_loop")
     if loop is None:
-        return
+        return None
     epochs, batches = loop["epoch_progress"], loop["epoch_loop.batch_progress"]
     ran_batches = batches["current"]["ready"] > 0
     marked_processed = epochs["current"]["processed"] == epochs["current"]["started"] > 0
     if not (ran_batches and marked_processed and not batches["is_last_batch"]):
+        return None
+    return epochs["current"]["processed"] - 1, batches["current"]["ready"]
+
+
+def ends_an_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether the next training batch after this checkpoint opens a new epoch (its epoch's last batch ran)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    return loop is not None and bool(loop["epoch_loop.batch_progress"]["is_last_batch"])
+
+
+def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
+    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place), the form Lightning gives
+    a checkpoint taken inside an epoch: a resume continues it."""
+    if epoch_cut_short(checkpoint) is None:
         return
+    epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
     for tracker in (epochs["current"], epochs["total"]):
         tracker["processed"] -= 1
         tracker["completed"] = tracker["processed"]
     checkpoint["epoch"] = epochs["current"]["completed"]
 
 
-def _training_loaders(trainer: pl.Trainer) -> list[Any]:
+def training_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The fit's training loaders (none before they are set up)."""
     loaders = trainer.train_dataloader
+    if loaders is None:
+        return []
     if isinstance(loaders, dict):
         return list(loaders.values())
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def start_the_next_epoch(trainer: pl.Trainer) -> None:
+    """A fit limited by ``max_steps`` that resumes from a checkpoint taken at an epoch's end: Lightning takes it as a
+    restart inside that epoch, which runs one batch past the epoch's end from a new loader (under DDPStrategy too),
+    where a fit limited by epochs starts the next epoch. Make it start the next epoch (before the fit loop runs)."""
+    fit_loop = trainer.fit_loop
+    epochs = fit_loop.epoch_progress.current
+    ended = epochs.ready == epochs.started == epochs.processed
+    if trainer.max_steps != -1 and fit_loop.restarting and ended:
+        _Loop.restarting.fset(fit_loop, False)  # the loops' own setter: the epoch-limited fit's state (children too)
+
+
+def resumed_mid_epoch(trainer: pl.Trainer) -> tuple[int, int] | None:
+    """``(epoch, batches done)`` where this fit resumes inside an epoch (from a restored checkpoint), else ``None``.
+    Readable before the fit loop runs: Lightning's restart stage is worked out from the restored progress."""
+    fit_loop = trainer.fit_loop
+    fit_loop.update_restart_stage()
+    if not fit_loop.restarted_mid_epoch:
+        return None
+    return fit_loop.epoch_progress.current.processed, fit_loop.epoch_loop.batch_progress.current.ready
 
 
 def align_resumed_batch_count(trainer: pl.Trainer) -> None:
@@ -45,7 +85,7 @@ def align_resumed_batch_count(trainer: pl.Trainer) -> None:
     epoch = trainer.fit_loop.epoch_progress.current.processed
     counts = {
         count
-        for loader in _training_loaders(trainer)
+        for loader in training_loaders(trainer)
         if isinstance(loader, ResumableDataLoader) and (count := loader.resume_batch_count(epoch)) is not None
     }
     if not counts:
@@ -113,4 +153,4 @@ def continue_after(trainer: pl.Trainer, position: dict[str, Any], optimizer_step
 
 
 def _resumable(trainer: pl.Trainer) -> list[ResumableDataLoader]:
-    return [loader for loader in _training_loaders(trainer) if isinstance(loader, ResumableDataLoader)]
+    return [loader for loader in training_loaders(trainer) if isinstance(loader, ResumableDataLoader)]

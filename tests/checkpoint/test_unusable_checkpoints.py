@@ -158,3 +158,20 @@ def test_a_deepspeed_folder_is_read_as_deepspeeds_layout_not_as_a_sharded_folder
     assert describe_unloadable(folder, KeyError("module"), True).endswith(
         "last.ckpt' (a DeepSpeed folder written at ZeRO stage 1 or 2) cannot be loaded: KeyError: 'module'."
     )
+
+
+
+def test_a_sharded_load_that_fails_keeps_torchs_reason_from_the_first_rank_that_failed(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_fastdist.parallel.checkpoint.problems import describe_unloadable
+
+    checkpoint = tmp_path / "step=3.ckpt"
+    torch.save({"state_dict": {}}, checkpoint)  # a sound file: the line gives the load's own reason
+    missing = RuntimeError("Missing key in checkpoint state_dict: optimizer_0.param_groups.0.initial_lr.")
+    failures = {2: (KeyError("optimizer_1"), None), 1: (missing, None)}
+    line = describe_unloadable(checkpoint, CheckpointException("CheckpointException ranks:dict_keys([1, 2])", failures))
+    assert line == (
+        f"checkpoint '{checkpoint}' cannot be loaded: RuntimeError: Missing key in checkpoint state_dict: "
+        "optimizer_0.param_groups.0.initial_lr. (rank 1)."
+    )

@@ -266,3 +266,14 @@ def test_inductor_with_checkpointing_trains_a_huggingface_decoder_like_eager():
         return losses
 
     assert two_steps(compiled=True) == pytest.approx(two_steps(compiled=False), rel=1e-4)
+
+
+def test_a_module_the_user_compiled_is_told_from_one_nobody_compiled():
+    from lightning_fastdist.parallel.plan.compile import compiled_by_user
+
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not compiled_by_user(plain)
+    plain.compile(backend="eager")  # module.compile(): the call compiled in place
+    assert compiled_by_user(plain)
+    outer = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend="eager"))  # a compiled submodule
+    assert compiled_by_user(outer)

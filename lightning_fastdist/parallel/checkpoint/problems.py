@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fastdist.parallel.checkpoint.atomic import DEEPSPEED_INDEX
 
@@ -29,7 +30,11 @@ class UnusableCheckpointError(RuntimeError, ValueError):
 
 
 def _first_line(error: BaseException) -> str:
-    """The error's type and first line; for an error without a message (a bare ``assert``), where it was raised."""
+    """The error's type and first line; for an error without a message (a bare ``assert``), where it was raised; for
+    ``torch.distributed.checkpoint``'s, which says only which ranks failed, the first rank's own reason."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"{_first_line(cause)} (rank {rank})"
     text = str(error).strip().splitlines()
     if text:
         return f"{type(error).__name__}: {text[0]}"

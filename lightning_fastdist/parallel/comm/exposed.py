@@ -52,6 +52,11 @@ class ExposedCommClock:
         self._total_s = 0.0
         self._unread: list[Interval] = []  # CUDA intervals not yet in _total_s
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (its events complete), where it has a queue: CUDA."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+
     def mark(self, reuse: Mark | None = None) -> Mark:
         """A ``now()`` reading, or a CUDA event recorded on the current stream (``reuse`` re-recorded)."""
         if not self.on_cuda:

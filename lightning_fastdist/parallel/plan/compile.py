@@ -24,6 +24,15 @@ CUDA_GRAPH_BACKEND = "cudagraphs"
 DEBUG_BACKENDS_OFFERED = ("eager", "aot_eager")
 
 
+def compiled_by_user(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it was compiled before the plan saw it: ``torch.compile(module)`` (an
+    ``OptimizedModule``) or ``module.compile()`` (its call compiled in place)."""
+    return any(
+        isinstance(inner, torch._dynamo.eval_frame.OptimizedModule) or getattr(inner, "_compiled_call_impl", None)
+        for inner in module.modules()
+    )
+
+
 def compile_backends() -> list[str]:
     """Names ``torch.compile`` accepts as ``backend`` in this installation (its test-only ones too)."""
     import torch._dynamo  # noqa: PLC0415 - heavy import, only when compiling

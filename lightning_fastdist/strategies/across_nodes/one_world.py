@@ -16,7 +16,6 @@ from torch import nn
 
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
-from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 
 
 class OneWorld:
@@ -60,12 +59,11 @@ class OneWorld:
         module: pl.LightningModule,
         optimizers: Sequence[torch.optim.Optimizer],
         timeout: timedelta,
-        resume: ResumeState,
         stats: CommStats | None,
         clock: ExposedCommClock | None,
     ) -> None:
         """Start training across nodes, after Lightning restored a checkpoint's state (``model``: as trained, wrapped or
-        sharded; ``resume``: where a node's own random states go; ``stats``/``clock``: where bytes and waits count)."""
+        sharded; ``stats``/``clock``: where bytes and waits count)."""
 
     def before_batch(self) -> None:
         """At each training batch's start."""

@@ -37,7 +37,7 @@ from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import (
     save_node_state,
 )
 from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
-from lightning_fastdist.strategies.checkpoint.exact_resume import RNG_KEY, ResumeState
+from lightning_fastdist.strategies.checkpoint.exact_resume import RNG_KEY
 from lightning_fastdist.trainer.loop_state import training_position
 
 
@@ -99,20 +99,16 @@ class OuterSyncJob(WorldPerNode):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         rejoined: Rejoined | None,
-        resume: ResumeState,
     ) -> None:
-        """Under DDP, hook the optimizer to share each outer step in the node; put back what :meth:`load` read (this
-        node's random states into ``resume``), unless a live node's state replaced it."""
+        """Under DDP, hook the optimizer to share each outer step in the node; put back what :meth:`load` read, unless
+        a live node's state replaced it."""
         if not self.sharded:
             self._hook = optimizer.register_step_post_hook(self._after_step)  # runs after DiLoCo's own
         self._steps = rejoined.step if rejoined is not None else 0
         if rejoined is not None:
             self._pending_resume = None
             return
-        node_rng = self._resume(model, optimizer)
-        if node_rng is not None:
-            assert self.group is not None
-            resume.take_from(node_rng, self.group.local_rank, self.group.ranks_per_node)
+        self._resume(model, optimizer)
 
     def _after_step(self, *_: Any) -> None:
         """After each optimizer step that applied a fragment's outer step, local rank 0 tells the node's other ranks
@@ -217,28 +213,29 @@ class OuterSyncJob(WorldPerNode):
         return self.wrote_last_checkpoint
 
     def load(self, checkpoint: dict[str, Any], checkpoint_path: Any, trainer: pl.Trainer) -> None:
-        """Read this node's own state of a checkpoint a fit resumes from (refusing one that cannot resume exactly);
-        applied by :meth:`start`. A checkpoint of a run without outer_sync starts it afresh from its weights."""
+        """Read this node's own state of a checkpoint a fit resumes from (refusing one that cannot resume exactly):
+        its ranks' random states replace node 0's in ``checkpoint`` at once, the rest is applied by :meth:`start`. A
+        checkpoint of a run without outer_sync starts it afresh from its weights."""
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None or not trainer.training:
             return
         group = self.group
         assert group is not None
         node = read_node_state(saved, checkpoint_path, group.node_rank, group.num_nodes, group.ranks_per_node)
+        checkpoint[RNG_KEY] = node["rng"]  # None where the node wrote no state: it keeps random states of its own
         self._pending_resume = (saved, node)
 
-    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Put back what :meth:`load` read: this node's weights and inner optimizer, the outer optimizers and the
         schedule (the model held the checkpoint's global weights when DiLoCo copied them)."""
         if self._pending_resume is None:
-            return None
+            return
         saved, node = self._pending_resume
         self._pending_resume = None
         restore_node_state(node, self.run, model, optimizer)
         self._steps = saved["optimizer_steps"]
         if self.run is not None:
             self.run.load_state_dict(saved, self._steps)
-        return {RNG_KEY: node["rng"]} if node["rng"] is not None else None
 
     def close_run(self) -> None:
         """Unhook the optimizer and stop this rank's torchft servers; the model keeps its weights."""

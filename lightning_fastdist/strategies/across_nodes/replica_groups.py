@@ -25,6 +25,7 @@ from lightning_fastdist.parallel.across_nodes.replica_groups.run import ACROSS_N
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+from lightning_fastdist.parallel.trainable import TrainableSet
 from lightning_fastdist.strategies.across_nodes.node_worlds import broadcast_in_node, share_in_node
 from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
 from lightning_fastdist.trainer.loop_state import training_position
@@ -47,6 +48,8 @@ class ReplicaGroupsJob(WorldPerNode):
         self.settings = settings
         self.broadcast_buffers = broadcast_buffers
         self._gradients: FlatGradients | None = None  # while fitting
+        self._model: nn.Module | None = None  # while fitting
+        self._trainable = TrainableSet(nn.Module())  # the parameters whose gradients cross nodes
         self._buffers: FlatTensors | None = None  # while fitting, where the model has buffers DDP would broadcast
 
     def _check_optimizers(self, module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -58,6 +61,7 @@ class ReplicaGroupsJob(WorldPerNode):
             )
 
     def _prepare(self, model: nn.Module, module: pl.LightningModule) -> None:
+        self._model, self._trainable = model, TrainableSet(model)
         self._gradients = FlatGradients([p for p in model.parameters() if p.requires_grad])
         buffers = self._synced_buffers(model)
         self._buffers = FlatTensors(buffers) if buffers and self.broadcast_buffers else None
@@ -84,7 +88,10 @@ class ReplicaGroupsJob(WorldPerNode):
         return [*model.parameters(), *self._synced_buffers(model)]
 
     def before_batch(self) -> None:
-        """Start the step's quorum (it overlaps the forward and backward)."""
+        """Start the step's quorum (it overlaps the forward and backward); where a callback froze or unfroze parameters
+        since (``BackboneFinetuning``), the gradients sent across nodes follow."""
+        if self._model is not None and self._trainable.changed(self._model) is not None:
+            self._gradients = FlatGradients([p for p in self._model.parameters() if p.requires_grad])
         if self.run is not None:
             self.run.start_step()
 

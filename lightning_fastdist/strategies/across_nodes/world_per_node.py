@@ -29,7 +29,6 @@ from lightning_fastdist.strategies.across_nodes.node_worlds import (
     share_in_node,
 )
 from lightning_fastdist.strategies.across_nodes.one_world import OneWorld
-from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from lightning_fastdist.trainer.loop_state import continue_after
 
 
@@ -97,7 +96,6 @@ class WorldPerNode(OneWorld):
         module: pl.LightningModule,
         optimizers: Sequence[torch.optim.Optimizer],
         timeout: timedelta,
-        resume: ResumeState,
         stats: CommStats | None,
         clock: ExposedCommClock | None,
     ) -> None:
@@ -119,7 +117,7 @@ class WorldPerNode(OneWorld):
             if self.run is None:  # local rank 0 loaded it; its weights came with the broadcast above
                 load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
             continue_after(module.trainer, rejoined.position, rejoined.step)
-        self._started(model, optimizers[0], rejoined, resume)
+        self._started(model, optimizers[0], rejoined)
 
     def _check_optimizers(self, module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Refuse, in one line, optimizers this form cannot step."""
@@ -150,7 +148,6 @@ class WorldPerNode(OneWorld):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         rejoined: Rejoined | None,
-        resume: ResumeState,
     ) -> None:
         """After the run started (``rejoined``: how this node joined a running job, where it did)."""
 

@@ -1,6 +1,7 @@
 """What FastFSDPStrategy does to the LightningModule it shards where Lightning's own helpers assume an unsharded one:
-refuse one already wrapped in FSDP1, save and load it under its own names and in Lightning's layout, materialise it
-from the meta device, move what FSDP did not place, and switch its BatchNorm layers to SyncBatchNorm and back in place.
+refuse one already wrapped in FSDP1, save and load it under its own names and in Lightning's layout (optimizer groups
+as saved), materialise it from the meta device, move what FSDP did not place, and switch its BatchNorm layers to
+SyncBatchNorm and back in place.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.layer_sync import _BatchNormXd
 from lightning.pytorch.strategies import Strategy
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
+from lightning_fastdist.parallel.checkpoint.problems import SHARDED_METADATA
 
 T = TypeVar("T")
 
@@ -95,3 +98,21 @@ def save_sharded(writer: ShardedCheckpointWriter, checkpoint: dict[str, Any], pa
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
     writer.save(tensors, path, write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME))
+
+
+def drop_group_keys_not_saved(checkpoint_path: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Remove from each optimizer's param groups the keys the sharded checkpoint at ``checkpoint_path`` does not hold
+    (a scheduler adds ``initial_lr`` after a save, as ``lr_find`` does between its save and its restore): torch's own
+    load replaces the groups with the saved ones, where ``torch.distributed.checkpoint`` loads the keys the live
+    groups have, and fails on one the checkpoint lacks."""
+    path = Path(checkpoint_path)
+    if not (path / SHARDED_METADATA).is_file():
+        return
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    for index, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{index}.param_groups"
+        if not any(key.startswith(prefix) for key in saved):
+            continue
+        for number, group in enumerate(optimizer.param_groups):
+            for key in [key for key in group if key != "params" and f"{prefix}.{number}.{key}" not in saved]:
+                del group[key]

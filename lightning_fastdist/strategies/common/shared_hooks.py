@@ -12,9 +12,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_fastdist.data.plain_resume import continue_epoch
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.strategies.across_nodes import OneWorld
@@ -22,7 +25,12 @@ from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import refuse_non_finite
 from lightning_fastdist.strategies.common.comm_metrics import CommMetricsLog, end_comm_step
 from lightning_fastdist.strategies.common.job import explain_lost_peer_of_job
-from lightning_fastdist.trainer.loop_state import align_resumed_batch_count
+from lightning_fastdist.trainer.loop_state import (
+    align_resumed_batch_count,
+    resumed_mid_epoch,
+    start_the_next_epoch,
+    training_loaders,
+)
 from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 
@@ -34,7 +42,7 @@ class SharedHooks:
         log_comm_bytes: log each collective's bytes per optimizer step and the exposed wait (``comm/*``).
 
     Attributes:
-        resume: this rank's random states for the first training batch after a checkpoint was saved or loaded.
+        resume: this rank's random states of a loaded checkpoint, until the point of the data where they apply.
     """
 
     def __init__(self, across_nodes: OneWorld | None = None, log_comm_bytes: bool = True) -> None:
@@ -61,7 +69,7 @@ class SharedHooks:
         """A new fit logs into new results; training across nodes starts once Lightning restored a checkpoint's state
         (a node's own state goes on top of it); the resumed epoch's batch count follows its training loader."""
         self._comm_log.new_fit()
-        self.across_nodes.start(model, module, optimizers, timeout, self.resume, stats, clock)
+        self.across_nodes.start(model, module, optimizers, timeout, stats, clock)
         align_resumed_batch_count(module.trainer)
 
     def before_batch(self) -> None:
@@ -97,16 +105,35 @@ class SharedHooks:
         the random states an exact resume needs, and let the form across nodes write its own part. Return whether
         this process's world writes the checkpoint (one node writes what the nodes share)."""
         refuse_non_finite(strategy, checkpoint, filepath)
-        self.resume.add_to(checkpoint, *self.across_nodes.resume_ranks(strategy))
         trainer = strategy.lightning_module.trainer
+        ranks = self.across_nodes.resume_ranks(strategy)
+        self.resume.add_to(checkpoint, *ranks, training_loaders(trainer), trainer.num_training_batches)
         self.across_nodes.save(strategy.model, strategy.optimizers, checkpoint, filepath, trainer)
         return self.across_nodes.writes_checkpoint(strategy.node_rank)
 
     def take_loaded(self, strategy: ParallelStrategy, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
         """After a strategy loaded ``checkpoint``: keep its random states for the next training batch (a node's own
         under a world per node), and what the form across nodes keeps of it (applied when training starts)."""
-        self.resume.take_from(checkpoint, *self.across_nodes.resume_ranks(strategy))
-        self.across_nodes.load(checkpoint, checkpoint_path, strategy.lightning_module.trainer)
+        trainer = strategy.lightning_module.trainer
+        self.across_nodes.load(
+            checkpoint, checkpoint_path, trainer
+        )  # first: a node's own random states replace node 0's
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.resume.take_from(checkpoint, *self.across_nodes.resume_ranks(strategy), fitting)
+
+    def training_data(self, dataloader: object, module: pl.LightningModule | None) -> object:
+        """In ``process_dataloader``: as a fit sets up its training loaders, before Lightning starts them, the random
+        states of a checkpoint that ended an epoch go back, a ``max_steps`` fit resumed there starts the next epoch,
+        the sampler is set to the epoch the fit starts in (Lightning
+        sets it only after starting the loader, whose workers already drew a resumed epoch's first indices from the
+        epoch before), and a plain loader resumed inside an epoch continues where the checkpoint's run stopped."""
+        if module is None or not module.trainer.training:
+            return dataloader
+        self.resume.before_training_data()
+        start_the_next_epoch(module.trainer)
+        _set_sampler_epoch(dataloader, module.trainer.fit_loop.epoch_progress.current.processed)
+        resumed = resumed_mid_epoch(module.trainer)
+        return continue_epoch(dataloader, *resumed) if resumed is not None else dataloader
 
     def on_exception(self, exception: BaseException, timeout: timedelta, rank: int) -> None:
         """Name a peer lost during a collective in one line."""
