@@ -68,7 +68,7 @@ clean:
 # at the versions this .venv runs. benchmarks/gpu_check.sh installs them there with pip --no-index.
 GPU_WHEELS ?= .gpu-wheels
 GPU_WHEEL_PACKAGES := pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson \
-	jsonargparse docstring-parser typeshed-client
+	jsonargparse docstring-parser typeshed-client torchao
 VERSIONS_OF = $(BIN)/python -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))'
 gpu-wheels: install
 	mkdir -p $(GPU_WHEELS) && rm -f $(GPU_WHEELS)/*.whl

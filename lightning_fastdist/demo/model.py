@@ -12,7 +12,22 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchmetrics.text import Perplexity
+
+from lightning_fastdist.demo.loss import chunked_cross_entropy
+
+# The loss of a training step: "full" materialises the logits and calls F.cross_entropy; "chunked" never holds them
+# all (lightning_fastdist.demo.loss). Both are computed in forward(idx, targets), inside a whole-model compile.
+LOSS_PATHS = ("full", "chunked")
+# SDPA kernels by name; "auto" lets torch choose. Which is fastest on a GPU is measured (benchmarks/gpu_bench.py).
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -21,12 +36,14 @@ class CausalSelfAttention(nn.Module):
     Args:
         n_head: must divide ``n_embd``.
         dropout: probability, on the attention weights and the output projection.
+        attention: a key of ``ATTENTION_BACKENDS``: the SDPA kernel to pin, or ``"auto"``.
     """
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, attention: str = "auto") -> None:
         super().__init__()
         self.n_head = n_head
         self.dropout = dropout
+        self.backend = ATTENTION_BACKENDS[attention]
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.proj_dropout = nn.Dropout(dropout)
@@ -37,7 +54,11 @@ class CausalSelfAttention(nn.Module):
         # (batch, seq, width) -> (batch, heads, seq, head_width)
         q, k, v = (t.view(batch, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         attention_dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=attention_dropout, is_causal=True)
+        if self.backend is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=attention_dropout, is_causal=True)
+        else:
+            with sdpa_kernel(self.backend):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=attention_dropout, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, seq_len, width)
         return self.proj_dropout(self.proj(y))
 
@@ -58,10 +79,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, attention: str = "auto") -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, attention)
         self.ln_mlp = nn.LayerNorm(n_embd)
         self.mlp = MLP(n_embd, dropout)
 
@@ -99,6 +120,11 @@ class TinyGPT(LightningModule):
         warmup_steps: optimizer steps over which the learning rate rises linearly from ``learning_rate /
             warmup_steps`` to ``learning_rate`` (0 disables warm-up); it keeps the first steps from spiking.
         max_new_tokens: bytes ``predict_step`` generates after each prompt.
+        loss_path: how a training step computes its loss, one of ``LOSS_PATHS``: ``"full"`` (the logits, then
+            ``F.cross_entropy``) or ``"chunked"`` (the same mean loss without ever holding the batch's logits:
+            ``lightning_fastdist.demo.loss``).
+        attention: the SDPA kernel of every block, one of ``ATTENTION_BACKENDS`` (``"auto"``: torch's choice;
+            ``"cudnn"`` or ``"flash"`` pin one, e.g. to measure which is faster on a GPU).
     """
 
     def __init__(
@@ -114,6 +140,8 @@ class TinyGPT(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,
         max_new_tokens: int = 32,
+        loss_path: str = "full",
+        attention: str = "auto",
     ) -> None:
         super().__init__()
         for name, value, minimum in (
@@ -130,11 +158,15 @@ class TinyGPT(LightningModule):
             raise ValueError(f"TinyGPT: n_embd ({n_embd}) must be divisible by n_head ({n_head}).")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"TinyGPT: dropout must be in [0, 1), got {dropout}.")
+        choices = (("loss_path", loss_path, LOSS_PATHS), ("attention", attention, ATTENTION_BACKENDS))
+        for name, value, accepted in choices:
+            if value not in accepted:
+                raise ValueError(f"TinyGPT: {name} must be one of {', '.join(accepted)}; got {value!r}.")
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(vocab_size, n_embd)
         self.position_embedding = nn.Embedding(block_size, n_embd)
         self.embedding_dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, attention) for _ in range(n_layer))
         self.ln_final = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
@@ -155,8 +187,12 @@ class TinyGPT(LightningModule):
             else:
                 nn.init.normal_(parameter, mean=0.0, std=0.02)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """Return next-token logits of shape ``(batch, seq, vocab_size)`` for token ids ``idx``."""
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Next-token logits ``(batch, seq, vocab_size)`` for token ids ``idx``; with ``targets``, the mean loss.
+
+        The loss is computed here rather than in ``training_step`` so that a whole-model compile (``compile_scope:
+        model``) covers the head and the cross-entropy too, the largest matmul and tensor of a step at GPT-2's shape.
+        """
         seq_len = idx.shape[1]
         if seq_len > self.hparams.block_size:
             raise ValueError(f"TinyGPT: sequence length {seq_len} exceeds block_size {self.hparams.block_size}.")
@@ -164,7 +200,12 @@ class TinyGPT(LightningModule):
         x = self.embedding_dropout(self.token_embedding(idx) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_final(x))
+        x = self.ln_final(x)
+        if targets is None:
+            return self.lm_head(x)
+        if self.hparams.loss_path == "chunked":
+            return chunked_cross_entropy(x, self.lm_head.weight, targets)
+        return self._loss(self.lm_head(x), targets)
 
     @staticmethod
     def _loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -172,7 +213,7 @@ class TinyGPT(LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch
-        loss = self._loss(self(inputs), targets)
+        loss = self(inputs, targets)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

@@ -2,7 +2,10 @@
 
 The first row of :data:`PREFERENCE` (fastest first) whose estimated peak fits in ``(1 - HEADROOM)`` of a device wins;
 if none fits, the micro-batch is halved (accumulation keeps the global batch) down to 1, where the most frugal row is
-recommended with a warning. Why that order, and why FSDP2 unless only DeepSpeed's ZeRO-Offload fits: docs/doctor.md.
+recommended with a warning. On GPUs with memory to spare, the micro-batch is then doubled while the same setup still
+fits, accumulation lowered to keep the global batch, up to :data:`GPU_TOKENS_PER_MICRO_BATCH`: fewer, larger
+micro-batches keep a GPU busier. Why that order, and why FSDP2 unless only DeepSpeed's ZeRO-Offload fits:
+docs/doctor.md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import set_strategy
 
 HEADROOM = 0.15  # CUDA context, allocator fragmentation, temporary buffers
+# Tokens per micro-batch up to which a GPU's micro-batch is raised: llm.c's and the nanoGPT records' 64 x 1024.
+GPU_TOKENS_PER_MICRO_BATCH = 64 * 1024
 PREFERENCE = (  # (mode, activation checkpointing, cpu offload), fastest first
     ("ddp", "none", False),
     ("zero2", "none", False),
@@ -141,6 +146,11 @@ def recommend(
                     f"{describe_setup(mode, checkpointing, offload)}: the fastest option whose estimated peak "
                     f"({estimate.total / 2**30:.2f} GiB) fits in {usable / 2**30:.2f} GiB usable per device"
                 )
+                if target.accelerator == "gpu" and micro_batch == shape.micro_batch:  # nothing was lowered
+                    trial, estimate, raised = _raise_micro_batch(
+                        trial, estimate, sharded_over, global_batch, target, usable, kept_copy
+                    )
+                    reasons.extend([raised] if raised else [])
                 return _finish(estimate, trial, global_batch, target, True, usable, reasons, replica_groups)
         if micro_batch == 1:
             break
@@ -154,6 +164,43 @@ def recommend(
         f"{estimate.total / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB; use more or larger devices"
     )
     return _finish(estimate, trial, global_batch, target, False, usable, reasons, replica_groups)
+
+
+def _raise_micro_batch(
+    shape: TrainingShape,
+    chosen: MemoryEstimate,
+    sharded_over: int,
+    global_batch: int,
+    target: Target,
+    usable: int,
+    kept_copy: bool,
+) -> tuple[TrainingShape, MemoryEstimate, str | None]:
+    """Double ``shape``'s micro-batch while the ``chosen`` setup still fits, the global batch stays a whole number of
+    micro-batches per rank and a micro-batch holds at most ``GPU_TOKENS_PER_MICRO_BATCH`` tokens; the shape, its
+    estimate and the reason (``None``: not raised)."""
+    estimate = chosen
+    while True:
+        larger = replace(shape, micro_batch=shape.micro_batch * 2)
+        tokens = larger.micro_batch * larger.seq_len
+        if global_batch % (larger.micro_batch * target.world_size) or tokens > GPU_TOKENS_PER_MICRO_BATCH:
+            break
+        trial = estimate_memory(
+            replace(larger, world_size=sharded_over), chosen.mode, chosen.activation_checkpointing,
+            cpu_offload=chosen.cpu_offload, kept_gradient_copy=kept_copy,
+        )  # fmt: skip
+        if trial.total > usable:
+            break
+        shape, estimate = larger, trial
+    if estimate is chosen:
+        return shape, chosen, None
+    return (
+        shape,
+        estimate,
+        (
+            f"micro-batch raised to {shape.micro_batch}: it still fits ({estimate.total / 2**30:.2f} GiB), and fewer, "
+            "larger micro-batches keep a GPU busier"
+        ),
+    )
 
 
 def _finish(

@@ -197,6 +197,9 @@ PRIVATE_ATTRIBUTES = {
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer": PrivateName(
         ("strategies.deepspeed",), "build the DeepSpeed engine with a torch optimizer"
     ),
+    "lightning.pytorch.core.module.LightningModule._trainer": PrivateName(
+        ("precision",), "know, when converting a module, that FSDP2 shards it next (fp8 weights gathered in fp8)"
+    ),
     "lightning.pytorch.core.module.LightningModule._compiler_ctx": PrivateName(
         ("strategies.ddp",), "know a module the user compiled: Lightning unwraps torch.compile(model) into it"
     ),

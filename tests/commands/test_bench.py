@@ -7,12 +7,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from lightning_fastdist.commands.bench.command import _overlay, add_baseline_ratio, loss_spread, main, parse_args
+from lightning_fastdist.commands.bench.command import (
+    _base_config,
+    _overlay,
+    add_baseline_ratio,
+    loss_spread,
+    main,
+    parse_args,
+)
 from lightning_fastdist.commands.bench.probe import BenchProbe
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
+from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN
 from tests.support.harness import cli_command, run_function, run_launcher
 from tests.support.workloads import LossRecorder, distinct_batches, make_trainer, repeated_batches, tiny_gpt
 
@@ -158,9 +167,68 @@ def test_under_accumulation_the_probe_measures_optimizer_steps_and_the_tail_is_t
     row = json.loads(output.read_text())
     # One validation, after the last step, on the 3 batches asked for: what validating the trained model gives.
     assert row["held_out_batches"] == 3 and row["held_out_loss"] == pytest.approx(validated, rel=1e-6)
-    assert len(losses) == 16 and row["final_loss"] == pytest.approx(losses[-1])
-    assert row["tail_loss"] == pytest.approx(sum(losses[-4:]) / 4)  # the last 2 steps' 4 micro-batches
+    # Lightning hands on_train_batch_end each micro-batch's loss divided by accumulate_grad_batches (2): the probe
+    # reports the loss itself, as the model computed it.
+    assert len(losses) == 16 and row["final_loss"] == pytest.approx(2 * losses[-1])
+    assert row["tail_loss"] == pytest.approx(2 * sum(losses[-4:]) / 4)  # the last 2 steps' 4 micro-batches
     assert row["tail_loss"] != pytest.approx(row["final_loss"])  # the loss moves: a mean, not the last one
     # 2 micro-batches of 4 sequences of 16 tokens per optimizer step, on one rank.
     assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(2 * 4 * 16)
     assert row["host_syncs_per_step"] is not None
+
+
+TINY_GPT = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+            "--data.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_hand_written_loop_and_our_default_compute_what_lightnings_ddp_computes_in_fp32(in_tmp_dir):
+    # One process each, fp32 (cpu_smoke), 2 micro-batches per step: the Trainer path and a plain loop over the same
+    # model, data, seed and AdamW (fused in the loop) take the same steps, so every loss agrees.
+    setups = "lightning-ddp,fast-default,hand-loop"
+    command = cli_command("bench", "--devices", "1", "--steps", "7", "--setups", setups, "--compile-backend", "eager",
+                          "--", *TINY_GPT, "--trainer.accumulate_grad_batches", "2")  # fmt: skip
+    result = run_launcher(command, timeout=300)
+    assert "MFU" in result.stdout.splitlines()[1]
+    rows = {row["setup"]: row for row in json.loads((in_tmp_dir / "bench_results" / "bench.json").read_text())}
+    assert set(rows) == set(setups.split(","))
+    for name in ("fast-default", "hand-loop"):
+        for loss in ("final_loss", "tail_loss", "held_out_loss"):
+            assert rows[name][loss] == pytest.approx(rows["lightning-ddp"][loss], rel=1e-6), (name, loss)
+        # The same work per optimizer step: 2 micro-batches of 4 sequences of 32 tokens.
+        assert rows[name]["tokens_per_s"] * rows[name]["step_time_s"] == pytest.approx(2 * 4 * 32)
+        assert rows[name]["host_syncs_per_step"] == 0
+        assert rows[name]["mfu"] is None  # no GPU, no peak to measure against
+    assert rows["hand-loop"]["optimizer_fused"] is True and rows["hand-loop"]["held_out_batches"] == 8
+    assert rows["hand-loop"]["vs_lightning"] is not None
+
+
+def test_lightnings_rows_train_in_lightnings_precision_and_ours_default_in_ours_with_no_option(in_tmp_dir):
+    args = parse_args(["--config", "single_node", "--devices", "1"])  # FastMixedPrecision bf16-mixed, compile on
+    setups = all_setups()
+    lightning = _overlay(setups["lightning-ddp"], in_tmp_dir / "a.json", in_tmp_dir, args)["trainer"]
+    assert (lightning["plugins"], lightning["precision"]) == ([], "bf16-mixed")
+    ours = _overlay(setups["fast-default"], in_tmp_dir / "b.json", in_tmp_dir, args)["trainer"]
+    assert ours["plugins"] == [{"class_path": MIXED_PRECISION_PLUGIN, "init_args": {"precision": "bf16-mixed"}}]
+    assert ours["precision"] is None and ours["strategy"]["init_args"] == {}
+    # An overlay cannot take the recipe's strategy options away (LightningCLI merges one class's init_args): a bare
+    # row trains a copy of the recipe whose strategy has none; other rows train the recipe itself.
+    base = yaml.safe_load(Path(_base_config(setups["fast-default"], args, in_tmp_dir)).read_text())
+    assert base["trainer"]["strategy"] == {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {}}
+    assert base["model"] == args.recipe.config["model"]
+    assert _base_config(setups["ddp"], args, in_tmp_dir) == "single_node"
+    assert _base_config(setups["lightning-ddp"], args, in_tmp_dir) != "single_node"
+
+
+def test_the_hand_written_loop_says_in_one_line_what_it_cannot_train():
+    loop = all_setups()["hand-loop"]
+    assert loop.unavailable({}, 2) == "the hand-written loop runs one process: give --devices 1 (this run has 2 ranks)"
+    other = {"model": {"class_path": "my_pkg.Model"}}
+    assert loop.unavailable(other, 1).startswith("the hand-written loop calls lightning_fastdist.demo.TinyGPT's")
+    assert loop.unavailable({}, 1) is None
+
+
+def test_profile_needs_its_steps_after_the_measured_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["--profile", "--steps", "7"])
+    assert "--steps: must be >= 8" in capsys.readouterr().err

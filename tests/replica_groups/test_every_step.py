@@ -19,6 +19,7 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.parallel.across_nodes.replica_groups.gradients import FlatGradients
 from lightning_fastdist.planning.fsdp_shards import shard_numel
+from lightning_fastdist.strategies.across_nodes import TrainingStart
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import cli_command, free_port_span, run_function, run_processes
 from tests.support.lost_node_runs import fit_reports
@@ -48,7 +49,7 @@ def test_a_lightning_module_that_steps_its_optimizers_itself_is_refused_in_one_l
     module.automatic_optimization = False
     with pytest.raises(ValueError, match=r"replica_groups averages the gradients of Lightning's automatic optimi"):
         optimizers = [torch.optim.SGD(module.parameters(), lr=0.1)]
-        strategy.across_nodes.start(module, module, optimizers, timedelta(1), None, None)
+        strategy.across_nodes.start(TrainingStart(module, module, optimizers, timedelta(1)))
 
 
 def test_fsdp_names_itself_and_refuses_replica_groups_beside_outer_sync_in_one_line():

@@ -1,19 +1,22 @@
 """``lightning-fastdist bench``: train one model under several setups, side by side.
 
 Each setup (our DDP with and without compression or compile, FSDP2 ZeRO-2/3 with and without activation
-checkpointing, DeepSpeed ZeRO-1/2/3 with and without offload, and Lightning's own DDP, FSDP2 and DeepSpeed
-strategies as baselines) trains the same recipe for --steps steps in fresh processes, with SyncFreeLogging as our
-recipes do. The command prints a table as rows finish (throughput also as a ratio to the engine's Lightning
-baseline, when that ran first), then how far apart the exact setups' final losses are, and writes bench.json and
-bench.png (tokens/s and peak memory per setup, coloured by engine) into --output, with each setup's log, overlay
-recipe and resolved config; nothing else is written.
+checkpointing, DeepSpeed ZeRO-1/2/3 with and without offload, Lightning's own DDP, FSDP2 and DeepSpeed
+strategies as baselines, our strategy with no option set, and a hand-written loop) trains the same recipe for --steps
+steps in fresh processes, with SyncFreeLogging as our recipes do. The command prints a table as rows finish
+(throughput also as a ratio to the engine's Lightning baseline, when that ran first, and MFU on a known GPU), then how
+far apart the exact setups' final losses are, and writes bench.json and bench.png (tokens/s and peak memory per setup,
+coloured by engine) into --output, with each setup's log, overlay recipe and resolved config; nothing else is
+written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -31,8 +34,9 @@ from lightning_fastdist.commands.arguments import (
     split_passthrough,
 )
 from lightning_fastdist.commands.bench.setups import ENGINES, BenchSetup, all_setups, recipe_setup
+from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS
 from lightning_fastdist.commands.local_ranks import run_local_ranks
-from lightning_fastdist.recipes.recipe import deepspeed_precision
+from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN, deepspeed_precision
 
 DEFAULT_SETUPS = (
     "lightning-ddp,lightning-fsdp2,lightning-deepspeed,ddp,ddp-bf16,fsdp-zero2,fsdp-zero3,"
@@ -42,6 +46,7 @@ COLUMNS = (
     ("setup", 23, "{}"),
     ("step ms", 9, "{:.1f}"),
     ("tokens/s", 10, "{:,.0f}"),
+    ("MFU", 6, "{:.1%}"),
     ("vs Lightning", 12, "{:.2f}x"),
     ("peak MiB", 9, "{:.0f}"),
     ("comm B/step", 12, "{:,.0f}"),
@@ -84,13 +89,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "NODE_RANK set (the emulated cluster's 'python -m tests.support.emulated_cluster ... --') or once per rank "
         "(SLURM's 'srun --ntasks-per-node=8' with --devices 8)",
     )
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of ddp-compile")
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of ddp-compile and hand-loop"
+    )
     parser.add_argument("--output", default="bench_results", help="folder for bench.json, bench.png and logs")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"record {PROFILE_STEPS} steps of each row with torch.profiler after its measurements: "
+        "SETUP.trace.json.gz and SETUP.ops.txt in --output",
+    )
     own, passthrough = split_passthrough(argv)
     args = parser.parse_args(own)
     args.passthrough = passthrough
     args.setup_list = setup_names(parser, args.setups, [*all_setups(args.compile_backend), "recipe"])
-    check_steps(parser, args.steps, args.warmup_steps)
+    check_steps(parser, args.steps, args.warmup_steps + (PROFILE_STEPS if args.profile else 0))
     args.recipe = read_recipe(parser, args.config)
     return args
 
@@ -109,7 +122,28 @@ def node_count(args: argparse.Namespace) -> object:
     return args.nodes or args.recipe.trainer.get("num_nodes") or 1
 
 
+def profiling(args: argparse.Namespace) -> bool:
+    """Whether ``--profile`` was given (``tune`` measures through ``run_setup`` too, with no such flag)."""
+    return getattr(args, "profile", False)
+
+
+def precision_options(setup: BenchSetup, trainer: dict) -> dict:
+    """The trainer options that give ``setup`` its precision (``setup.precision``) for the recipe's ``trainer``."""
+    if setup.uses_deepspeed or setup.precision == "lightning":  # Lightning's (or DeepSpeed's) own mixed precision
+        return deepspeed_precision(trainer)
+    if setup.precision == "ours":
+        options = deepspeed_precision(trainer)  # the recipe's plugins, ours removed, and its precision
+        if options["precision"] != "32-true":
+            plugin = {"class_path": MIXED_PRECISION_PLUGIN, "init_args": {"precision": options["precision"]}}
+            options = {"plugins": [*options["plugins"], plugin], "precision": None}  # the plugin decides it
+        return options
+    return {}
+
+
 def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argparse.Namespace) -> dict:
+    if setup.runner == "hand-loop":
+        return {"trainer": {"strategy": "auto", "devices": 1, "num_nodes": 1, "default_root_dir": str(run_folder),
+                            "logger": False, "enable_checkpointing": False, "callbacks": []}}  # fmt: skip
     overlay = {
         "trainer": {
             "strategy": setup.strategy_config(world_size(args)),
@@ -122,16 +156,34 @@ def _overlay(setup: BenchSetup, probe_output: Path, run_folder: Path, args: argp
                 {"class_path": "lightning_fastdist.SyncFreeLogging"},
                 {
                     "class_path": "lightning_fastdist.commands.bench.probe.BenchProbe",
-                    "init_args": {"output": str(probe_output), "warmup_steps": args.warmup_steps},
+                    "init_args": {
+                        "output": str(probe_output),
+                        "warmup_steps": args.warmup_steps,
+                        "profile": profiling(args),
+                    },
                 },
             ],
         }
     }
-    if setup.uses_deepspeed:
-        overlay["trainer"].update(deepspeed_precision(args.recipe.trainer))
+    overlay["trainer"].update(precision_options(setup, args.recipe.trainer))
     if setup.model_class is not None:
         overlay["model"] = {"class_path": setup.model_class}  # the recipe's init_args are kept
     return overlay
+
+
+def _base_config(setup: BenchSetup, args: argparse.Namespace, output: Path) -> str:
+    """The recipe a setup's overlay goes on: the recipe as given; for a ``bare`` row a copy whose strategy has no
+    option (an overlay could not remove the recipe's: LightningCLI merges the ``init_args`` of one class); for the
+    hand-written loop the recipe's file (it is read without the CLI's packaged names)."""
+    if setup.bare:
+        config = dict(args.recipe.config)
+        config["trainer"] = {**args.recipe.trainer, "strategy": setup.strategy_config(world_size(args))}
+        base = output / f"{setup.name}.recipe.yaml"
+        base.write_text(yaml.safe_dump(config, sort_keys=False))
+        return str(base)
+    if setup.runner == "hand-loop" and args.recipe.path is not None:
+        return str(args.recipe.path)
+    return args.config
 
 
 def _modified_ns(path: Path) -> int | None:
@@ -140,10 +192,16 @@ def _modified_ns(path: Path) -> int | None:
 
 
 def run_setup(
-    setup: BenchSetup, args: argparse.Namespace, output: Path, steps: int | None = None, extra_args: Sequence[str] = ()
+    setup: BenchSetup,
+    args: argparse.Namespace,
+    output: Path,
+    steps: int | None = None,
+    extra_args: Sequence[str] = (),
+    timeout_s: float | None = None,
 ) -> dict:
     """Train ``setup`` in fresh processes for ``steps`` (default ``args.steps``), with ``extra_args`` given to
-    ``fit``; return its measurements, or why it did not run."""
+    ``fit``; return its measurements, or why it did not run. ``timeout_s`` (one process per run only: one device and
+    no launcher) ends a run that outlasts it, with everything it started."""
     row = {"setup": setup.name, "engine": setup.engine}
     nodes = node_count(args)
     unavailable = setup.unavailable(args.recipe.config, world_size(args), nodes if isinstance(nodes, int) else 1)
@@ -153,30 +211,47 @@ def run_setup(
     earlier = _modified_ns(probe_output)  # an earlier run's numbers must not pass for this one's
     overlay = output / f"{setup.name}.yaml"
     overlay.write_text(yaml.safe_dump(_overlay(setup, probe_output, output / setup.name, args)))
-    command = [
-        sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", args.config, "--config", str(overlay),
+    fit_arguments = [
+        "--config", _base_config(setup, args, output), "--config", str(overlay),
         "--trainer.max_steps", str(steps or args.steps), *extra_args,
     ]  # fmt: skip
-    if args.devices:
-        command += ["--trainer.devices", args.devices]
-    if args.nodes:
-        command += ["--trainer.num_nodes", str(args.nodes)]
-    command = [*shlex.split(args.launcher), *command, *args.passthrough]
+    if setup.runner == "hand-loop":
+        command = [sys.executable, "-m", "lightning_fastdist.commands.bench.hand_loop", "--output", str(probe_output),
+                   "--warmup-steps", str(args.warmup_steps), "--compile", json.dumps(setup.strategy_args["compile"]),
+                   *(["--profile"] if profiling(args) else []), "--", *fit_arguments, *args.passthrough]  # fmt: skip
+    else:
+        command = [sys.executable, "-m", "lightning_fastdist.cli", "fit", *fit_arguments]
+        if args.devices:
+            command += ["--trainer.devices", args.devices]
+        if args.nodes:
+            command += ["--trainer.num_nodes", str(args.nodes)]
+        command = [*shlex.split(args.launcher), *command, *args.passthrough]
     log = output / f"{setup.name}.log"
     with open(log, "w") as handle:
-        returncode = _run_training(command, args, handle)
+        returncode = _run_training(command, args, handle, timeout_s)
+    if returncode is None:
+        return {**row, "failed": f"cut after {timeout_s:.0f} s; see {log}", "log_tail": log.read_text()[-1500:]}
     if returncode != 0 or _modified_ns(probe_output) in (None, earlier):
         return {**row, "failed": f"exit {returncode}; see {log}", "log_tail": log.read_text()[-1500:]}
     return {**row, "exact": setup.exact, **json.loads(probe_output.read_text())}
 
 
-def _run_training(command: list[str], args: argparse.Namespace, log: IO) -> int:
-    """Run one setup's training; its exit status. Without a launcher, a one-node run's ranks start together;
-    otherwise the launcher or Lightning starts them."""
+def _run_training(command: list[str], args: argparse.Namespace, log: IO, timeout_s: float | None = None) -> int | None:
+    """Run one setup's training; its exit status (``None``: cut at ``timeout_s``). Without a launcher, a one-node run's
+    ranks start together; otherwise the launcher or Lightning starts them."""
     ranks = world_size(args)
     if not args.launcher and ranks and ranks > 1 and node_count(args) == 1:
         return run_local_ranks(command, ranks, log)
-    return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    if timeout_s is None:
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    # A session of its own, so that the loader workers and compile workers it starts end with it.
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
 
 
 def throughput(row: dict) -> float | None:
@@ -210,6 +285,7 @@ def format_row(row: dict) -> str:
         row["setup"],
         1000 * row["step_time_s"] if row["step_time_s"] else None,
         row["tokens_per_s"],
+        row.get("mfu"),
         row.get("vs_lightning"),
         row["peak_memory_bytes_max_rank"] / 2**20,
         row["comm_bytes_per_step"],

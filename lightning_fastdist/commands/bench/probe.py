@@ -9,7 +9,6 @@ so the probe attaches our counters to them without changing what they compute.
 from __future__ import annotations
 
 import json
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastdist.callbacks.speed_monitor import default_units
+from lightning_fastdist.commands.bench.measures import (
+    model_flops_utilization,
+    peak_flops_per_device,
+    peak_memory_bytes,
+    synchronize,
+)
+from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS, StepProfile
 from lightning_fastdist.diagnostics.host_syncs import HostSyncCounter, count_host_syncs
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, watch_ddp
@@ -35,18 +41,6 @@ HELD_OUT_BATCHES = 8  # micro-batches of held-out data per rank of the job, eval
 HELD_OUT_METRIC = "val_loss"  # what the model logs in validation_step (TinyGPT's name)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """Peak memory of this rank and what it measures (CUDA allocator peak, or peak process RSS on CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
-
-
 class BenchProbe(L.Callback):
     """Measure one benchmark setup and write its numbers to ``output`` (rank 0).
 
@@ -55,11 +49,17 @@ class BenchProbe(L.Callback):
         warmup_steps: steps left out of the timing window (compilation, allocator warm-up).
         held_out_batches: micro-batches of held-out data per rank evaluated after the last step (0: none); the
             job evaluates ``held_out_batches x world size`` in all, the same samples for every setup.
+        profile: record ``PROFILE_STEPS`` steps after the host-sync count with ``torch.profiler``, beside ``output``
+            (``step_profile.py``).
     """
 
-    def __init__(self, output: str, warmup_steps: int = 2, held_out_batches: int = HELD_OUT_BATCHES) -> None:
+    def __init__(
+        self, output: str, warmup_steps: int = 2, held_out_batches: int = HELD_OUT_BATCHES, profile: bool = False
+    ) -> None:
         self.output = Path(output)
         self.warmup_steps = warmup_steps
+        self.profile_steps = PROFILE_STEPS if profile else 0
+        self._profile: StepProfile | None = None
         self.held_out_batches = held_out_batches
         self._held_out_loss: torch.Tensor | None = None
         self._held_out_seen = 0  # batches this rank evaluated
@@ -110,7 +110,7 @@ class BenchProbe(L.Callback):
         self._clock = self._own_clock = clock
 
     def _timing_ends_at(self, trainer: L.Trainer) -> int:
-        return max(trainer.max_steps - SYNC_COUNT_STEPS - 1, self.warmup_steps + 1)
+        return max(trainer.max_steps - SYNC_COUNT_STEPS - self.profile_steps - 1, self.warmup_steps + 1)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -122,13 +122,19 @@ class BenchProbe(L.Callback):
         if self._syncs is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS:
             self._syncs.__exit__(None, None, None)
             self._sync_count = self._syncs.count
+            if self.profile_steps:
+                self._profile = StepProfile(self.output.with_suffix(""), pl_module.device)
+                self._profile.start()
+        if self._profile is not None and step == self._timing_ends_at(trainer) + SYNC_COUNT_STEPS + self.profile_steps:
+            self._profile.stop(write=trainer.is_global_zero)
+            self._profile = None
         if step == self.warmup_steps:
-            _synchronize(pl_module.device)
+            synchronize(pl_module.device)
             self._window_start = time.perf_counter()
             self._exposed_at_start = self._clock.total_s if self._clock is not None else None  # the events are done
             self._bytes_at_start = _bytes_so_far(self._comm_stats(trainer))
         elif step == self._timing_ends_at(trainer) and self._window_start is not None:
-            _synchronize(pl_module.device)
+            synchronize(pl_module.device)
             self._step_time = (time.perf_counter() - self._window_start) / self._window_steps
             if self._exposed_at_start is not None:
                 self._exposed_per_step = (self._clock.total_s - self._exposed_at_start) / self._window_steps
@@ -152,7 +158,9 @@ class BenchProbe(L.Callback):
             for own in (self._own_stats, self._own_clock):
                 if own is not None:
                     own.end_step()
-        self._last_loss = outputs["loss"].detach() if isinstance(outputs, dict) else outputs.detach()
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        # Lightning hands this hook the loss divided by accumulate_grad_batches (what the backward sees): undo it.
+        self._last_loss = loss.detach() * trainer.accumulate_grad_batches
         if self._started_step >= trainer.max_steps - max(1, trainer.max_steps // TAIL_FRACTION):  # the last quarter
             loss = self._last_loss.float()
             self._tail_sum = loss if self._tail_sum is None else self._tail_sum + loss
@@ -192,11 +200,16 @@ class BenchProbe(L.Callback):
         peak, peak_kind = peak_memory_bytes(pl_module.device)
         if self._stop_measuring is not None:
             self._stop_measuring()
+        flops_per_token = getattr(pl_module, "flops_per_token", None)
+        peak_flops = peak_flops_per_device(pl_module.device)
         result = {
             "steps": trainer.global_step,
             "step_time_s": self._step_time,
             "samples_per_s": self._per_second("samples"),
             "tokens_per_s": self._per_second("tokens"),
+            "flops_per_token": flops_per_token,
+            "peak_flops_per_device": peak_flops,
+            "mfu": model_flops_utilization(self._per_second("tokens"), flops_per_token, trainer.world_size, peak_flops),
             "peak_memory_bytes": peak,
             "peak_memory_kind": peak_kind,
             "comm_bytes_per_step": sum(per_step.values()) if (per_step := self._bytes_per_step) is not None else None,

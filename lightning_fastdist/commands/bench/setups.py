@@ -1,6 +1,9 @@
 """The setups ``lightning-fastdist bench`` compares, as strategy overrides of one recipe: three engines (DDP, FSDP2,
 DeepSpeed ZeRO), each as our strategy in several configurations and as Lightning's own strategy unchanged (the
-``lightning-*`` baselines, what a user has without this package), which the engine's rows are compared with.
+``lightning-*`` baselines, what a user has without this package, in Lightning's own precision plugin), which the
+engine's rows are compared with. Two rows measure the ends of the scale on one GPU: ``fast-default`` (our strategy and
+precision plugin with no option set) and ``hand-loop`` (the same model, data and optimizer in a plain PyTorch loop,
+compiled whole, no Trainer: ``hand_loop.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ ENGINES = tuple(STRATEGY_CLASSES)
 COMPARED_OPTIONS = {STRATEGY_CLASSES["DDP"]: {"compile": False}, STRATEGY_CLASSES["FSDP2"]: {"compile": False}}
 DEEPSPEED_ROWS = (("zero1", False), ("zero2", False), ("zero3", False), ("zero2", True), ("zero3", True))  # offload
 BASELINES = {"DDP": "lightning-ddp", "FSDP2": "lightning-fsdp2", "DeepSpeed": "lightning-deepspeed"}
+# Where a row's precision comes from: the recipe's trainer options as written; Lightning's own plugin for the recipe's
+# precision (``trainer.precision``, our FastMixedPrecision removed); or our FastMixedPrecision with no other option.
+PRECISION_SOURCES = ("recipe", "lightning", "ours")
+RUNNERS = ("fit", "hand-loop")  # lightning-fastdist fit, or the hand-written loop (hand_loop.py)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,10 @@ class BenchSetup:
         multi_node: synchronises across nodes (``outer_sync``): it needs ``--nodes 2`` or more.
         keeps_recipe_options: the recipe's strategy options reach this row as they are; otherwise those in
             ``COMPARED_OPTIONS`` are the row's own or their defaults (the recipe's others are kept either way).
+        bare: the strategy gets ``strategy_args`` only, none of the recipe's options: Lightning's strategies as
+            Lightning has them, ours with our defaults (as a user who writes ``FastDDPStrategy()`` has them).
+        precision: one of ``PRECISION_SOURCES``.
+        runner: one of ``RUNNERS``.
     """
 
     name: str
@@ -56,6 +67,9 @@ class BenchSetup:
     needs: str | None = None
     multi_node: bool = False
     keeps_recipe_options: bool = False
+    bare: bool = False
+    precision: str = "recipe"
+    runner: str = "fit"
 
     @property
     def baseline(self) -> str:
@@ -69,7 +83,7 @@ class BenchSetup:
     def strategy_config(self, world_size: int | None) -> dict[str, Any]:
         """The ``trainer.strategy`` entry for a run of ``world_size`` ranks."""
         init_args = dict(self.strategy_args)
-        if not self.keeps_recipe_options:
+        if not self.keeps_recipe_options and not self.bare:
             init_args = {**COMPARED_OPTIONS.get(self.strategy_class, {}), **init_args}
         if self.all_ranks_data_parallel:
             init_args.update(data_parallel_size=world_size, tensor_parallel_size=1)
@@ -82,11 +96,15 @@ class BenchSetup:
             return self.needs
         if self.multi_node and nodes < 2:
             return "synchronises across nodes: give --nodes 2 or more (and a --launcher that starts them)"
+        if self.runner == "hand-loop" and (world_size != 1 or nodes != 1):
+            return f"the hand-written loop runs one process: give --devices 1 (this run has {world_size} ranks)"
         if self.all_ranks_data_parallel and world_size is None:
             return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
         model = (recipe.get("model") or {}).get("class_path", DEFAULT_MODEL)
         if self.model_class is not None and model != DEFAULT_MODEL:
             return f"its configure_model is written for {DEFAULT_MODEL}, the recipe trains {model}"
+        if self.runner == "hand-loop" and model != DEFAULT_MODEL:
+            return f"the hand-written loop calls {DEFAULT_MODEL}'s forward(inputs, targets), the recipe trains {model}"
         accelerator = (recipe.get("trainer") or {}).get("accelerator", "auto")
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
         if self.strategy_class == LIGHTNING_DEEPSPEED and on_cpu:
@@ -133,11 +151,25 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
     no_deepspeed = None if deepspeed_available() else f"deepspeed is not installed ({INSTALL_HINT})"
     no_torchft = None if torchft_available() else f"torchft is not installed ({TORCHFT_HINT})"
     setups = [
-        BenchSetup("lightning-ddp", "DDP", LIGHTNING_DDP),
+        BenchSetup("lightning-ddp", "DDP", LIGHTNING_DDP, bare=True, precision="lightning"),
         BenchSetup(
-            "lightning-fsdp2", "FSDP2", LIGHTNING_FSDP2, model_class=HAND_SHARDED_MODEL, all_ranks_data_parallel=True
+            "lightning-fsdp2",
+            "FSDP2",
+            LIGHTNING_FSDP2,
+            model_class=HAND_SHARDED_MODEL,
+            all_ranks_data_parallel=True,
+            bare=True,
+            precision="lightning",
         ),
-        BenchSetup("lightning-deepspeed", "DeepSpeed", LIGHTNING_DEEPSPEED, {"stage": 2}, needs=no_deepspeed),
+        BenchSetup(
+            "lightning-deepspeed",
+            "DeepSpeed",
+            LIGHTNING_DEEPSPEED,
+            {"stage": 2},
+            needs=no_deepspeed,
+            bare=True,
+            precision="lightning",
+        ),
         ours(Setup("DDP", comm_hook="none")),  # exact: fp32 gradients always
         ours(Setup("DDP", comm_hook="auto"), exact=False),  # the default: may compress
         ours(Setup("DDP", comm_hook="fp16"), exact=False),
@@ -145,6 +177,11 @@ def all_setups(compile_backend: str = "inductor") -> dict[str, BenchSetup]:
         # PowerSGD at its default rank, compressing from step 2: a few steps show its steady state.
         ours(Setup("DDP", comm_hook="powersgd"), exact=False, powersgd_start_iter=2),
         ours(Setup("DDP", comm_hook="none"), name="ddp-compile", compile={"backend": compile_backend}),
+        # FastDDPStrategy() + FastMixedPrecision(the recipe's precision): what a user gets without setting anything.
+        BenchSetup("fast-default", "DDP", STRATEGY_CLASSES["DDP"], exact=False, bare=True, precision="ours"),
+        # The same model, data, optimizer and precision in a plain PyTorch loop compiled whole: the ceiling. Exact: one
+        # process, gradients as computed.
+        BenchSetup("hand-loop", "DDP", "torch", {"compile": {"backend": compile_backend}}, runner="hand-loop"),
         ours(Setup("FSDP2", "zero2")),
         ours(Setup("FSDP2", "zero3")),
         ours(Setup("FSDP2", "zero3", activation_checkpointing="full")),

@@ -58,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=PASSTHROUGH_EPILOG,
     )
-    tunable = [name for name, setup in all_setups().items() if setup.strategy_class in TUNABLE_CLASSES]
+    # Not the bare rows (our defaults with none of the recipe's options): tune keeps the recipe's options.
+    tunable = [name for name, s in all_setups().items() if s.strategy_class in TUNABLE_CLASSES and not s.bare]
     parser.add_argument("--config", required=True, help="recipe to tune (a path or a packaged name)")
     parser.add_argument("--output", default="tuned.yaml", help="the winning recipe (default tuned.yaml)")
     parser.add_argument("--json", default=None, help="also write every candidate's numbers here")

@@ -15,12 +15,12 @@ from typing import Any
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
-from lightning_fastdist.strategies.across_nodes.one_world import OneWorld
+from lightning_fastdist.strategies.across_nodes.one_world import OneWorld, TrainingStart
 from lightning_fastdist.strategies.across_nodes.outer_sync import OuterSyncJob
 from lightning_fastdist.strategies.across_nodes.replica_groups import ReplicaGroupsJob
 from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
 
-__all__ = ["OneWorld", "OuterSyncJob", "ReplicaGroupsJob", "WorldPerNode", "across_nodes"]
+__all__ = ["OneWorld", "OuterSyncJob", "ReplicaGroupsJob", "TrainingStart", "WorldPerNode", "across_nodes"]
 
 
 def across_nodes(

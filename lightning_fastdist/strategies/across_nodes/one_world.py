@@ -6,6 +6,7 @@ so that each strategy calls the same methods from its own hooks whichever form, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -16,6 +17,23 @@ from torch import nn
 
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+
+
+@dataclass(frozen=True)
+class TrainingStart:
+    """What a strategy hands its across-nodes object when training starts.
+
+    Attributes:
+        model: the model as trained (wrapped or sharded); ``module``: the LightningModule in it.
+        stats: with ``clock``, where the bytes sent across nodes and the waits for them count.
+    """
+
+    model: nn.Module
+    module: pl.LightningModule
+    optimizers: Sequence[torch.optim.Optimizer]
+    timeout: timedelta
+    stats: CommStats | None = None
+    clock: ExposedCommClock | None = None
 
 
 class OneWorld:
@@ -53,17 +71,8 @@ class OneWorld:
         """The ranks training now (what SpeedMonitor counts)."""
         return world_size
 
-    def start(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizers: Sequence[torch.optim.Optimizer],
-        timeout: timedelta,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
-    ) -> None:
-        """Start training across nodes, after Lightning restored a checkpoint's state (``model``: as trained, wrapped or
-        sharded; ``stats``/``clock``: where bytes and waits count)."""
+    def start(self, training: TrainingStart) -> None:
+        """Start training across nodes, after Lightning restored a checkpoint's state."""
 
     def before_batch(self) -> None:
         """At each training batch's start."""

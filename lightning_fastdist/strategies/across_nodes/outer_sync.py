@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,12 +23,11 @@ from lightning_fastdist.parallel.across_nodes.outer_sync.fragments import split_
 from lightning_fastdist.parallel.across_nodes.outer_sync.run import OUTER_ALL_REDUCE, OuterSyncRun
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.parallel.across_nodes.rejoin import Rejoined
-from lightning_fastdist.parallel.comm.accounting import CommStats
-from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.fsdp.sharding import reshard_everywhere
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
 from lightning_fastdist.strategies.across_nodes.node_worlds import broadcast_in_node
+from lightning_fastdist.strategies.across_nodes.one_world import TrainingStart
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
@@ -66,40 +64,36 @@ class OuterSyncJob(WorldPerNode):
         """Raise the one-line ``ValueError`` of ``fragments`` that do not divide ``model``'s blocks."""
         split_into_fragments(model, blocks, self.settings.fragments)
 
-    def _check_optimizers(self, module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        if len(optimizers) != 1:
+    def _check_optimizers(self, training: TrainingStart) -> None:
+        if len(training.optimizers) != 1:
             raise ValueError(
-                f"{self.owner}: outer_sync steps one optimizer and configure_optimizers returned {len(optimizers)}: "
-                "return one optimizer, or remove outer_sync."
+                f"{self.owner}: outer_sync steps one optimizer and configure_optimizers returned "
+                f"{len(training.optimizers)}: return one optimizer, or remove outer_sync."
             )
 
-    def _prepare(self, model: nn.Module, module: pl.LightningModule) -> None:
-        block_modules = outermost_block_modules(module, resolve_blocks(module, self.blocks))
-        self._fragments = split_into_fragments(model, block_modules, self.settings.fragments)
+    def _prepare(self, training: TrainingStart) -> None:
+        block_modules = outermost_block_modules(training.module, resolve_blocks(training.module, self.blocks))
+        self._fragments = split_into_fragments(training.model, block_modules, self.settings.fragments)
         self.fragment_numels = [sum(p.numel() for p in fragment.parameters()) for fragment in self._fragments]
 
     def _new_run(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizer: torch.optim.Optimizer,
-        group: ReplicaGroup,
-        timeout: timedelta,
-        report: Callable[[str], None] | None,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
+        self, training: TrainingStart, group: ReplicaGroup, report: Callable[[str], None] | None
     ) -> OuterSyncRun:
-        position = functools.partial(training_position, module.trainer)
+        position = functools.partial(training_position, training.module.trainer)
         return OuterSyncRun(
-            self.settings, model, self._fragments, optimizer, group, timeout, stats, clock, report, position
+            self.settings,
+            training.model,
+            self._fragments,
+            training.optimizers[0],
+            group,
+            training.timeout,
+            training.stats,
+            training.clock,
+            report,
+            position,
         )
 
-    def _started(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        rejoined: Rejoined | None,
-    ) -> None:
+    def _started(self, model: nn.Module, optimizer: torch.optim.Optimizer, rejoined: Rejoined | None) -> None:
         """Under DDP, hook the optimizer to share each outer step in the node; put back what :meth:`load` read, unless
         a live node's state replaced it."""
         if not self.sharded:

@@ -10,8 +10,7 @@ did not commit leaves every gradient ``None`` and the optimizer skips it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,10 +22,9 @@ from lightning_fastdist.parallel.across_nodes.group import ReplicaGroup, is_firs
 from lightning_fastdist.parallel.across_nodes.replica_groups.gradients import FlatGradients, FlatTensors
 from lightning_fastdist.parallel.across_nodes.replica_groups.run import ACROSS_NODES, OPTION, EveryStepRun
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
-from lightning_fastdist.parallel.comm.accounting import CommStats
-from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.trainable import TrainableSet
 from lightning_fastdist.strategies.across_nodes.node_worlds import broadcast_in_node, share_in_node
+from lightning_fastdist.strategies.across_nodes.one_world import TrainingStart
 from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
 from lightning_fastdist.trainer.loop_state import training_position
 
@@ -52,15 +50,16 @@ class ReplicaGroupsJob(WorldPerNode):
         self._trainable = TrainableSet(nn.Module())  # the parameters whose gradients cross nodes
         self._buffers: FlatTensors | None = None  # while fitting, where the model has buffers DDP would broadcast
 
-    def _check_optimizers(self, module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        if not module.automatic_optimization or len(optimizers) != 1:
+    def _check_optimizers(self, training: TrainingStart) -> None:
+        if not training.module.automatic_optimization or len(training.optimizers) != 1:
             raise ValueError(
                 f"{self.owner}: {OPTION} averages the gradients of Lightning's automatic optimization, one optimizer, "
                 "and this LightningModule steps its optimizers itself: remove replica_groups (or use outer_sync "
                 "with min_nodes, which hooks any single optimizer's step)."
             )
 
-    def _prepare(self, model: nn.Module, module: pl.LightningModule) -> None:
+    def _prepare(self, training: TrainingStart) -> None:
+        model = training.model
         self._model, self._trainable = model, TrainableSet(model)
         self._gradients = FlatGradients([p for p in model.parameters() if p.requires_grad])
         buffers = self._synced_buffers(model)
@@ -71,17 +70,10 @@ class ReplicaGroupsJob(WorldPerNode):
         return [buffer for buffer in model.buffers() if buffer.dtype != torch.bool]  # gloo sums no booleans
 
     def _new_run(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizer: torch.optim.Optimizer,
-        group: ReplicaGroup,
-        timeout: timedelta,
-        report: Callable[[str], None] | None,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
+        self, training: TrainingStart, group: ReplicaGroup, report: Callable[[str], None] | None
     ) -> EveryStepRun:
-        return EveryStepRun(model, optimizer, group, timeout, stats, clock, report)
+        model, optimizer = training.model, training.optimizers[0]
+        return EveryStepRun(model, optimizer, group, training.timeout, training.stats, training.clock, report)
 
     def _shared_in_node(self, model: nn.Module) -> list[torch.Tensor]:
         """The weights and buffers local rank 0 agreed on with the other nodes."""

@@ -9,7 +9,7 @@ keeps the job's global ranks and world size; its own collectives stay within the
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -20,15 +20,13 @@ from torch import nn
 
 from lightning_fastdist.parallel.across_nodes.group import ReplicaGroup
 from lightning_fastdist.parallel.across_nodes.rejoin import Rejoined, load_optimizer_snapshot
-from lightning_fastdist.parallel.comm.accounting import CommStats
-from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.strategies.across_nodes.node_worlds import (
     NodeWorlds,
     broadcast_in_node,
     decide_in_node,
     share_in_node,
 )
-from lightning_fastdist.strategies.across_nodes.one_world import OneWorld
+from lightning_fastdist.strategies.across_nodes.one_world import OneWorld, TrainingStart
 from lightning_fastdist.trainer.loop_state import continue_after
 
 
@@ -90,52 +88,35 @@ class WorldPerNode(OneWorld):
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
         return self.nodes.training_ranks(quorum_nodes, world_size)
 
-    def start(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizers: Sequence[torch.optim.Optimizer],
-        timeout: timedelta,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
-    ) -> None:
+    def start(self, training: TrainingStart) -> None:
         """Start this node's side of the job (call when training starts, after Lightning restored a checkpoint's
         state): the weights made equal across nodes or, on a node restarted while the others train, a live node's
         state taken, and the loops set to where that node stands."""
-        self._check_optimizers(module, optimizers)
+        self._check_optimizers(training)
         self.close_run()  # a second fit in the same process starts afresh
         group = self.nodes.group_of_this_fit()
-        self._prepare(model, module)
+        self._prepare(training)
         if group.talks_across_nodes:
             report = _warn if group.local_rank == 0 else None  # once per node
-            self.run = self._new_run(model, module, optimizers[0], group, timeout, report, stats, clock)
+            self.run = self._new_run(training, group, report)
         rejoined: Rejoined | None = self.run.rejoined if self.run is not None else None
+        optimizer = training.optimizers[0]
         if not self.sharded:  # local rank 0 agreed with the other nodes: it tells the node's other ranks
             rejoined = share_in_node(rejoined)
-            broadcast_in_node(self._shared_in_node(model))
+            broadcast_in_node(self._shared_in_node(training.model))
         if rejoined is not None:  # a live node's state, newer than any checkpoint this fit was given
             if self.run is None:  # local rank 0 loaded it; its weights came with the broadcast above
-                load_optimizer_snapshot(optimizers[0], rejoined.inner_optimizer)
-            continue_after(module.trainer, rejoined.position, rejoined.step)
-        self._started(model, optimizers[0], rejoined)
+                load_optimizer_snapshot(optimizer, rejoined.inner_optimizer)
+            continue_after(training.module.trainer, rejoined.position, rejoined.step)
+        self._started(training.model, optimizer, rejoined)
 
-    def _check_optimizers(self, module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def _check_optimizers(self, training: TrainingStart) -> None:
         """Refuse, in one line, optimizers this form cannot step."""
 
-    def _prepare(self, model: nn.Module, module: pl.LightningModule) -> None:
+    def _prepare(self, training: TrainingStart) -> None:
         """What every rank of the node sets up before its run starts."""
 
-    def _new_run(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizer: torch.optim.Optimizer,
-        group: ReplicaGroup,
-        timeout: timedelta,
-        report: Callable[[str], None] | None,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
-    ) -> Any:
+    def _new_run(self, training: TrainingStart, group: ReplicaGroup, report: Callable[[str], None] | None) -> Any:
         """This process's torchft run (it talks across nodes)."""
         raise NotImplementedError
 
@@ -143,12 +124,7 @@ class WorldPerNode(OneWorld):
         """The tensors local rank 0 sends the node's other ranks once its run started (not ``sharded``)."""
         return list(model.parameters())
 
-    def _started(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        rejoined: Rejoined | None,
-    ) -> None:
+    def _started(self, model: nn.Module, optimizer: torch.optim.Optimizer, rejoined: Rejoined | None) -> None:
         """After the run started (``rejoined``: how this node joined a running job, where it did)."""
 
     def evaluation_sampler(self, strategy: ParallelStrategy) -> dict[str, int] | None:

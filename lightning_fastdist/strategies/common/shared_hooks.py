@@ -20,7 +20,7 @@ from torch import nn
 from lightning_fastdist.data.plain_resume import continue_epoch
 from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
-from lightning_fastdist.strategies.across_nodes import OneWorld
+from lightning_fastdist.strategies.across_nodes import OneWorld, TrainingStart
 from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import refuse_non_finite
 from lightning_fastdist.strategies.common.comm_metrics import CommMetricsLog, end_comm_step
@@ -69,7 +69,7 @@ class SharedHooks:
         """A new fit logs into new results; training across nodes starts once Lightning restored a checkpoint's state
         (a node's own state goes on top of it); the resumed epoch's batch count follows its training loader."""
         self._comm_log.new_fit()
-        self.across_nodes.start(model, module, optimizers, timeout, stats, clock)
+        self.across_nodes.start(TrainingStart(model, module, optimizers, timeout, stats, clock))
         align_resumed_batch_count(module.trainer)
 
     def before_batch(self) -> None:
