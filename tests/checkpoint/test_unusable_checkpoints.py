@@ -160,7 +160,6 @@ def test_a_deepspeed_folder_is_read_as_deepspeeds_layout_not_as_a_sharded_folder
     )
 
 
-
 def test_a_sharded_load_that_fails_keeps_torchs_reason_from_the_first_rank_that_failed(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
