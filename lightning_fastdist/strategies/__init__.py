@@ -1,10 +1,10 @@
 """Lightning strategies that compose :mod:`lightning_fastdist.parallel` in the right order.
 
-Each strategy inherits from its Lightning strategy only and calls the helpers the three share from its own
-``@override`` hooks, so one strategy file shows everything it does on each hook: :mod:`.job` (launch, joining, a lost
-peer), :mod:`.fault_tolerance` (no torn or non-finite checkpoint), :mod:`.exact_resume` (a bit-for-bit resume),
-:mod:`.comm_metrics` (bytes per collective, exposed time). ``tests/project/test_layering.py`` holds the import
-direction.
+Each strategy inherits from its Lightning strategy only and calls, from its own ``@override`` hooks, the helpers it
+owns, so one strategy file shows everything it does on each hook: ``common/`` (what every strategy does on its hooks,
+``SharedHooks``; how options are checked; the patterns an engine refuses), ``checkpoint/`` (no torn or non-finite
+checkpoint, a bit-for-bit resume), ``across_nodes/`` (one object for training across nodes, whichever form).
+``tests/project/test_layering.py`` holds the import direction, ``tests/project/test_strategy_modules.py`` the shape.
 """
 
 from lightning_fastdist.strategies.ddp import FastDDPStrategy
