@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import run_function
+from tests.support.shared_runs import once_per_session
 
 WORLD, STEPS = 2, 3
 EXACT = 1e-5  # fp32 (and fp64): the same sums in another order
@@ -356,7 +357,11 @@ def run_the_matrix(checkpoints: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     checkpoints = tmp_path_factory.mktemp("contract")
-    return run_function(run_the_matrix, WORLD, args=(str(checkpoints),), init_process_group=False, timeout=500)
+    return once_per_session(
+        tmp_path_factory,
+        "contract_matrix",
+        lambda: run_function(run_the_matrix, WORLD, args=(str(checkpoints),), init_process_group=False, timeout=500),
+    )
 
 
 def _assert_all_close(ours: list, expected: list, rel: float, what: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import run_function
+from tests.support.shared_runs import once_per_session
 
 WORLD, EXACT = 2, 1e-5
 SAMPLES, BATCH = 32, 4  # 4 batches per rank per epoch
@@ -265,7 +266,11 @@ def run_part_four(root: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("contract_part_four")
-    return run_function(run_part_four, WORLD, args=(str(root),), init_process_group=False, timeout=600)
+    return once_per_session(
+        tmp_path_factory,
+        "contract_part_four",
+        lambda: run_function(run_part_four, WORLD, args=(str(root),), init_process_group=False, timeout=600),
+    )
 
 
 def _close(ours: list, reference: list, what: str) -> None:

@@ -28,6 +28,7 @@ from lightning_fastdist.planning.memory_model import TrainingShape, estimate_mem
 from lightning_fastdist.strategies.deepspeed_checkpoint import consolidate_checkpoint
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
+from tests.support.shared_runs import once_per_session
 
 WORLD = 2
 TOTAL_STEPS, RESUME_AT = 6, 3
@@ -142,8 +143,11 @@ def deepspeed_cases(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[list[dict], Path]:
-    tmp_path = tmp_path_factory.mktemp("deepspeed")
-    return run_function(deepspeed_cases, WORLD, args=(str(tmp_path),), init_process_group=False, timeout=300), tmp_path
+    def run_in(tmp_path: Path) -> tuple[list[dict], Path]:  # the folder of the worker that made the run comes with it
+        records = run_function(deepspeed_cases, WORLD, args=(str(tmp_path),), init_process_group=False, timeout=300)
+        return records, tmp_path
+
+    return once_per_session(tmp_path_factory, "deepspeed_resume", lambda: run_in(tmp_path_factory.mktemp("deepspeed")))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fastdist import FastDeepSpeedStrategy
 from tests.support.harness import run_function
 from tests.support.model_zoo import HFCausalLM, _tokens
+from tests.support.shared_runs import once_per_session
 from tests.support.workloads import LossRecorder
 
 WORLD, STEPS, ACCUMULATION = 2, 3, 2
@@ -83,8 +84,12 @@ def contract_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_function(contract_cases, WORLD, init_process_group=False, timeout=400)
+def runs(tmp_path_factory) -> list[dict]:
+    return once_per_session(
+        tmp_path_factory,
+        "deepspeed_contract",
+        lambda: run_function(contract_cases, WORLD, init_process_group=False, timeout=400),
+    )
 
 
 @pytest.mark.slow

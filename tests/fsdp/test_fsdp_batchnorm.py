@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fastdist import FastFSDPStrategy
 from tests.support.harness import run_function
 from tests.support.model_zoo import ResidualCNN
+from tests.support.shared_runs import once_per_session
 from tests.support.workloads import LossRecorder
 
 WORLD, STEPS = 2, 3
@@ -133,8 +134,12 @@ def batchnorm_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_function(batchnorm_cases, WORLD, init_process_group=False, timeout=400)
+def runs(tmp_path_factory) -> list[dict]:
+    return once_per_session(
+        tmp_path_factory,
+        "fsdp_batchnorm",
+        lambda: run_function(batchnorm_cases, WORLD, init_process_group=False, timeout=400),
+    )
 
 
 @pytest.mark.slow
