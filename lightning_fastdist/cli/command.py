@@ -3,7 +3,8 @@
 The help and the extra subcommands (each ``main(argv)`` in ``commands/``) are answered here; ``fit``, ``validate``,
 ``test`` and ``predict`` have their arguments prepared (``args.py``) and run through ``FastDistCLI`` (``app.py``),
 then rank 0 prints the final numbers and where everything went (``report.py``). A ``UsageError`` (``errors.py``)
-ends with exit status 2 and one of the ``EXPLAINED_FAILURES`` with 1, each as one line on stderr, no traceback.
+or a Trainer that does not fit its SLURM allocation ends with exit status 2 and one of the ``EXPLAINED_FAILURES``
+with 1, each as one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning_fastdist.cli.errors import UsageError
 from lightning_fastdist.cli.quiet import silence_known_noise
 from lightning_fastdist.cli.report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
+from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import NonFiniteCheckpointError
@@ -138,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UsageError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         print(f"Run '{PROGRAM} {subcommand} --help'.".replace("  ", " "), file=sys.stderr)
+        raise SystemExit(2) from None
+    except LaunchMismatchError as error:
+        # A usage mistake found once the launcher's allocation is known (every rank says it, before any collective).
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except EXPLAINED_FAILURES as error:
         # The message says what happened and what to do; a traceback would bury it.

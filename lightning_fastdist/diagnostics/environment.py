@@ -1,4 +1,5 @@
-"""What this machine offers for distributed training: versions, GPUs, interconnect, CPU cores, backends.
+"""What this machine offers for distributed training: versions, GPUs, interconnect, CPU cores, backends, and the
+SLURM allocation it runs in, if any.
 
 Everything is read locally and nothing fails: what cannot be detected (NVLink without ``nvidia-smi``, InfiniBand
 without ``/sys/class/infiniband``) is reported as ``None`` (unknown) rather than guessed.
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from lightning_fastdist.diagnostics.slurm_allocation import SlurmAllocation
 
 INFINIBAND_DIR = Path("/sys/class/infiniband")
 NVIDIA_SMI_TIMEOUT_S = 10
@@ -42,6 +45,7 @@ class Environment:
         infiniband_devices: names under ``/sys/class/infiniband`` (``None`` if the directory is missing).
         cpu_cores: cores this process may run on.
         backends: the torch.distributed backends available (``nccl``, ``gloo``, ``mpi``, ``ucc``).
+        slurm: the SLURM allocation this process runs in (a batch script, ``salloc``'s shell, an ``srun`` task).
     """
 
     torch_version: str
@@ -55,6 +59,7 @@ class Environment:
     host_memory_bytes: int | None = None
     backends: list[str] = field(default_factory=list)
     cpu_bf16_autocast: bool = False
+    slurm: SlurmAllocation | None = None
 
     def as_dict(self) -> dict:
         """Plain data for JSON."""
@@ -155,4 +160,5 @@ def detect_environment() -> Environment:
         host_memory_bytes=host_memory_bytes(),
         backends=_backends(),
         cpu_bf16_autocast=cpu_bf16_autocast_available(),
+        slurm=SlurmAllocation.from_environment(),
     )

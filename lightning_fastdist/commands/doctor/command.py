@@ -34,6 +34,7 @@ from lightning_fastdist.commands.doctor.plan_inputs import (
     what_to_plan,
 )
 from lightning_fastdist.commands.doctor.report import format_environment, format_estimates
+from lightning_fastdist.commands.doctor.slurm import format_allocation
 from lightning_fastdist.commands.written_marks import write_json, write_recipe
 from lightning_fastdist.diagnostics.environment import Environment, detect_environment
 from lightning_fastdist.planning.advisor import HEADROOM, build_recipe, recommend
@@ -160,6 +161,10 @@ def run(argv: list[str]) -> int:
     check_ours(output, json=False)
     environment = detect_environment()
     print(format_environment(environment))
+    if environment.slurm is not None:
+        recipe = read_recipe(args.config) if args.config is not None else None
+        print()
+        print(format_allocation(environment.slurm, recipe, args.config))
     if args.simulate:
         status = run_simulation(args, argv, environment)
         if status is not None:

@@ -94,8 +94,10 @@ def what_to_plan(
 
 
 def resolve_target(args: argparse.Namespace, environment: Environment, recipe: Recipe | None) -> Target:
-    """The devices to plan for: flags first, then the recipe's, then this machine's GPUs, then its CPU."""
-    nodes = args.nodes or (recipe.nodes if recipe is not None else None) or 1
+    """The devices to plan for: flags first, then the SLURM allocation's nodes (``train.sbatch`` runs any recipe on
+    them), then the recipe's, then this machine's GPUs, then its CPU."""
+    allocation_nodes = environment.slurm.nodes if environment.slurm is not None else None
+    nodes = args.nodes or allocation_nodes or (recipe.nodes if recipe is not None else None) or 1
     if args.gpus is not None or environment.gpus:
         devices = args.gpus or (recipe.devices if recipe is not None else None) or len(environment.gpus)
         memory = device_memory(args.gpu_memory, environment)
@@ -104,7 +106,8 @@ def resolve_target(args: argparse.Namespace, environment: Environment, recipe: R
         # planned GPUs (--gpus) are taken to have bf16 unless --no-bf16; this machine's must all have it
         bf16 = not args.no_bf16 and (args.gpus is not None or all(gpu.bf16 for gpu in environment.gpus))
         return Target("gpu", devices, memory, bf16, environment.cpu_cores, nodes)
-    devices = min(CPU_PROCESSES, environment.cpu_cores)
+    allocation_tasks = environment.slurm.uniform_tasks_per_node if environment.slurm is not None else None
+    devices = allocation_tasks or min(CPU_PROCESSES, environment.cpu_cores)
     memory = (environment.host_memory_bytes or 8 * GiB) // devices
     return Target("cpu", devices, memory, environment.cpu_bf16_autocast, environment.cpu_cores, nodes)
 

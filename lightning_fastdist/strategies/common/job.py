@@ -1,6 +1,7 @@
 """How a strategy's processes start, join and fail as one job: the options' class names checked before another
-process starts, a fresh run id where Lightning starts every rank (a hand-made multi-node launch would draw one id
-per node, refused by the others), the process group joined once, a lost peer named in one line.
+process starts, the Trainer's nodes and devices checked against a SLURM allocation before any rank waits for another,
+a fresh run id where Lightning starts every rank (a hand-made multi-node launch would draw one id per node, refused by
+the others), the process group joined once, a lost peer named in one line.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from datetime import timedelta
 from typing import Any, TypeGuard
 
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError, SlurmAllocation, launch_mismatches
 from lightning_fastdist.parallel.faults.collective_timeout import explain_lost_peer
 from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
 
@@ -37,9 +39,10 @@ def check_names_at_launch(
     check_names: Callable[[LightningModule | None], None],
     num_nodes: int,
 ) -> None:
-    """Make ``launcher.launch`` call ``check_names(strategy.lightning_module)`` first and run under the launch's
-    run id; an instance attribute, so the launcher's class (and isinstance checks) stay Lightning's. Call once
-    Lightning configured the launcher: ``strategy``'s cluster environment and ``num_nodes`` are final."""
+    """Make ``launcher.launch`` check the Trainer against a SLURM allocation (:func:`check_slurm_allocation`), call
+    ``check_names(strategy.lightning_module)`` and only then launch, under the launch's run id; an instance
+    attribute, so the launcher's class (and isinstance checks) stay Lightning's. Call once Lightning configured the
+    launcher: ``strategy``'s cluster environment and ``num_nodes`` are final."""
     if launcher is None:
         return
     environment = strategy.cluster_environment
@@ -51,11 +54,30 @@ def check_names_at_launch(
 def check_names_before_joining(
     launcher: _Launcher | None, strategy: ParallelStrategy, check_names: Callable[[LightningModule | None], None]
 ) -> None:
-    """Where the processes were started outside Lightning (torchrun, SLURM: no ``launcher``), call
-    ``check_names(strategy.lightning_module)`` before the first collective: every rank then refuses at the same point,
-    and none is cut off inside a collective by a peer that refused and left first."""
+    """Where the processes were started outside Lightning (torchrun, SLURM: no ``launcher``), check the launch
+    against a SLURM allocation (:func:`check_slurm_allocation`) and call ``check_names(strategy.lightning_module)``
+    before the first collective: every rank then refuses at the same point, and none is cut off inside a collective
+    by a peer that refused and left first."""
     if launcher is None:
+        check_slurm_allocation(strategy)
         check_names(strategy.lightning_module)
+
+
+def check_slurm_allocation(strategy: ParallelStrategy) -> None:
+    """Under SLURM, raise :class:`LaunchMismatchError` (one line naming both values) when the Trainer's
+    ``num_nodes`` or ``devices`` is not the allocation's: a rank would otherwise wait for ranks SLURM never starts
+    (FSDP2's strategy does not check; Lightning's DDP check misses ``--ntasks`` without ``--ntasks-per-node``)."""
+    if not isinstance(strategy.cluster_environment, SLURMEnvironment):
+        return
+    allocation = SlurmAllocation.from_environment()
+    if allocation is None:
+        return
+    mismatches = launch_mismatches(allocation, strategy.num_nodes, strategy.num_processes)
+    if mismatches:
+        raise LaunchMismatchError(
+            f"[rank {strategy.cluster_environment.global_rank()}] the Trainer does not fit SLURM job "
+            f"{allocation.job_id}: " + "; and ".join(mismatches) + "."
+        )
 
 
 def _checked_launch(
@@ -67,6 +89,7 @@ def _checked_launch(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
+    check_slurm_allocation(strategy)  # before Lightning's launch: its own check is a traceback, where it checks
     check_names(strategy.lightning_module)
     with _fresh_run_id(fresh_run_id):
         return launch(function, *args, **kwargs)
