@@ -2,17 +2,17 @@
 
 Lightning broadcasts from inside its signal handler (a deadlock when the other ranks are in an all-reduce) and before
 every batch (a host sync per step), saves nothing and exits 0. Here, during ``fit``, the handler only records the
-signal; at optimizer-step boundaries (so the checkpoint holds a whole step) the ranks agree without waiting, then
-each saves that step and exits with ``128 + signal``. Other stages keep the signal's default action.
+signal; before every batch the ranks agree without waiting, and at the next optimizer-step boundary (so the
+checkpoint holds a whole step) each saves that step and exits with ``128 + signal``. Under SLURM, rank 0 then
+requeues the job where SLURM would not (:mod:`.slurm_requeue`: SIGUSR1, and the SIGTERM of a preemption with a
+grace time). Other stages keep the signal's default action.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import signal
-import subprocess
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.parallel.faults.stop_agreement import NO_REQUEST, StopAgreement, new_agreement_group
 from lightning_fastdist.trainer.internals import InstancePatches, missing_internals_line
+from lightning_fastdist.trainer.slurm_requeue import requeue, requeue_reason, slurm_job_id
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,13 @@ class PreemptionHandler:
 
     def _check_then(self, advance: Any) -> Any:
         def advance_after_check(data_fetcher: Any) -> None:
+            # Polled before every batch, acted on before the first batch of an optimizer step: a request is agreed one
+            # batch after the next (not one optimizer step), and the checkpoint still holds whole steps. With gradient
+            # accumulation that halves the time from the signal to the save (the scheduler's grace time is short).
+            signum = self.agreement.poll()
             progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-            if progress.ready % self.trainer.accumulate_grad_batches == 0:  # the next batch starts an optimizer step
-                signum = self.agreement.poll()
-                if signum != NO_REQUEST:
-                    self._stop(signum)
+            if signum != NO_REQUEST and progress.ready % self.trainer.accumulate_grad_batches == 0:
+                self._stop(signum)
             advance(data_fetcher)
 
         return advance_after_check
@@ -128,8 +131,8 @@ class PreemptionHandler:
             )
         else:
             log.warning(f"{stopped}: saved {path}; exiting with status {status} (resume with --ckpt_path last).")
-        if signum == signal.SIGUSR1 and trainer.is_global_zero:
-            requeue_slurm_job(trainer)
+        if trainer.is_global_zero:  # after save_checkpoint's barrier: every rank has saved
+            requeue_slurm_job(trainer, signum)
         raise Preempted(signum)
 
 
@@ -152,13 +155,14 @@ def checkpoint_path_on_stop(trainer: Trainer) -> str:
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
-def requeue_slurm_job(trainer: Trainer) -> None:
-    """``scontrol requeue`` this SLURM job when its environment asks for auto-requeue (Lightning's SIGUSR1 contract)."""
+def requeue_slurm_job(trainer: Trainer, signum: int) -> None:
+    """Under SLURM, ``scontrol requeue`` the job where SLURM would not requeue it by itself (:mod:`.slurm_requeue`):
+    after SIGUSR1, and after the SIGTERM of a preemption with a grace time. Off with Lightning's
+    ``SLURMEnvironment(auto_requeue=False)``."""
     environment = trainer._accelerator_connector.cluster_environment
-    if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+    job = slurm_job_id()
+    if not isinstance(environment, SLURMEnvironment) or job is None:
         return
-    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
-    result = subprocess.run(["scontrol", "requeue", job], check=False)
-    if result.returncode != 0:
-        log.warning(f"scontrol requeue {job} failed with status {result.returncode}")
+    reason = requeue_reason(signum, environment.auto_requeue, job)
+    if reason is not None:
+        requeue(job, reason, trainer.global_rank)

@@ -1,8 +1,9 @@
 """Agree across ranks on a stop request (a signal one rank received) without synchronising any device.
 
 A signal handler may not run collectives (the others would not be in it), so it only records the request; every rank
-polls at the same step boundaries, each poll starting an asynchronous gloo all-reduce and returning the previous
-one's result, long completed. The value is read from a host NumPy array, never through a tensor, so nothing syncs.
+polls at the same points (before each batch), each poll starting an asynchronous gloo all-reduce and returning the
+previous one's result, long completed. The value is read from a host NumPy array, never through a tensor, so nothing
+syncs.
 """
 
 from __future__ import annotations
