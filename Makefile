@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test test-fast test-versions install clean gpu-wheels
+.PHONY: demo lint test test-fast test-versions install clean gpu-wheels slurm-daemons
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,19 @@ lint: install
 # otherwise compile the package again (about 1 s of each start-up here); pip compiled the dependencies.
 # Two workers: a multi-process test spends much of its time starting processes one after another (Lightning
 # starts rank 1 once rank 0 has imported everything) and waiting for them, which leaves a core idle.
-test: lint
+test: lint slurm-daemons
 	$(BIN)/python -m compileall -q lightning_fastdist tests
 	$(BIN)/python -m pytest -q -n 2 --durations=15
+
+# The daemons of tests/slurm (a real SLURM cluster on this machine): Debian's slurm-wlm and munge, installed where they
+# are missing and this is root with apt-get (as on CI). Elsewhere nothing is installed and those tests skip, each with
+# one line saying why. The packages start no daemon and write no configuration the tests read (tests/slurm/conftest.py).
+slurm-daemons:
+	@missing=$$(for tool in munged slurmctld slurmd sbatch; do command -v $$tool >/dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing slurm-wlm and munge (apt-get) for tests/slurm"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
+	fi
 
 # One process, no network namespaces: what the markers in pyproject.toml say takes long or needs root is left out.
 test-fast: install

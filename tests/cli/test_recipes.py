@@ -55,7 +55,7 @@ RESUMED = ("cpu_smoke",)
 def test_the_documented_recipes_are_packaged():
     assert set(RECIPES) <= set(available_recipes())
     sbatch = (recipes_dir() / "slurm" / "train.sbatch").read_text()
-    assert "srun lightning-fastdist fit --config multi_node" in sbatch
+    assert "srun --no-kill lightning-fastdist fit --config multi_node" in sbatch
 
 
 @pytest.mark.parametrize("name", RECIPES)

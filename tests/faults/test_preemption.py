@@ -95,14 +95,14 @@ def make_strategy(kind: str):
     return FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(timeout=60)
 
 
-def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool) -> L.Trainer:
+def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool, accumulate: int = 1) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     strategy = make_strategy(kind)
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=MAX_STEPS, deterministic=True, logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[checkpoints, *callbacks],
+        callbacks=[checkpoints, *callbacks], accumulate_grad_batches=accumulate,
     )  # fmt: skip
     model = TinyGPT(n_layer=2, n_embd=32, n_head=2, block_size=BLOCK, dropout=0.1, warmup_steps=2)
     data = TextDataModule(batch_size=BATCH, block_size=BLOCK, corpus_path=corpus, val_fraction=0.1)
@@ -110,19 +110,19 @@ def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool) -> L
     return trainer
 
 
-def interrupt_and_resume(kind: str, corpus: str, root: str, cases: list[dict]) -> list[dict]:
+def interrupt_and_resume(kind: str, corpus: str, root: str, cases: list[dict], accumulate: int = 1) -> list[dict]:
     """On this rank: an uninterrupted run, then each case interrupted by its signal and resumed from last.ckpt."""
-    straight = local_weights(fit(kind, corpus, f"{root}/straight", [], resume=False).lightning_module)
+    straight = local_weights(fit(kind, corpus, f"{root}/straight", [], False, accumulate).lightning_module)
     results = []
     for index, case in enumerate(cases):
         folder = f"{root}/case{index}"
         sender = SignalAt(case["step"], tuple(case["ranks"]), case["moment"], case["signum"])
         try:
-            fit(kind, corpus, folder, [sender], resume=False)
+            fit(kind, corpus, folder, [sender], False, accumulate)
             stopped = {"status": "finished"}
         except Preempted as stop:
             stopped = {"status": stop.code, "saved_step": saved_step(Path(folder, "last.ckpt"))}
-        resumed = fit(kind, corpus, folder, [], resume=True)
+        resumed = fit(kind, corpus, folder, [], True, accumulate)
         equal = all(
             torch.equal(weight, straight[name]) for name, weight in local_weights(resumed.lightning_module).items()
         )
@@ -180,6 +180,23 @@ def test_sharded_engines_stop_on_signals_save_and_resume_exactly(tmp_path, kind)
         interrupt_and_resume, 2, args=(kind, corpus, str(tmp_path), cases), init_process_group=False, timeout=300
     )
     check(cases, ranks)
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_the_ranks_agree_within_the_step_and_stop_at_its_end(tmp_path):
+    """Accumulation 4: a signal during the first micro-batch of an optimizer step is agreed two micro-batches later,
+    so every rank stops at the end of that same step (not one step later, as a poll per step would), saves it whole,
+    and the run resumed from it ends equal to an uninterrupted one."""
+    corpus = str(write_corpus(tmp_path / "corpus.bin", train_batches_per_rank=8))
+    cases = [
+        {"ranks": [1], "step": 3, "moment": "forward", "signum": signal.SIGTERM},
+        {"ranks": [0], "step": 5, "moment": "backward", "signum": signal.SIGUSR1},
+    ]
+    ranks = run_function(
+        interrupt_and_resume, 2, args=("ddp", corpus, str(tmp_path), cases, 4), init_process_group=False, timeout=300
+    )
+    check(cases, ranks)
+    assert [rank0["saved_step"] for rank0 in ranks[0]] == [case["step"] + 1 for case in cases]
 
 
 class ProgressFile(L.Callback):
