@@ -29,7 +29,7 @@ from lightning_fastdist.planning.simulation.recipe_run import RecipeRun, first_b
 from lightning_fastdist.planning.simulation.simulate import simulate
 from lightning_fastdist.planning.simulation.trace import measure_setup
 from lightning_fastdist.recipes.recipe import Recipe
-from tests.support.harness import cli_command, run_cli, run_function, run_launcher
+from tests.support.harness import run_cli_forked, run_function
 
 TINY_GPT = {"class_path": "lightning_fastdist.demo.TinyGPT", "init_args": {"n_layer": 2, "n_embd": 64, "n_head": 4}}
 TEXT = {"class_path": "lightning_fastdist.demo.TextDataModule", "init_args": {"batch_size": 4, "num_workers": 0}}
@@ -229,16 +229,16 @@ def test_a_model_in_the_working_directory_is_simulated_and_the_recipe_it_gets_tr
         strategy={"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}},
     )  # fmt: skip
     argv = ["doctor", "--config", "recipe.yaml", "--simulate", "--world-size", "2", "--gpu-memory", "1"]
-    run_launcher([*cli_command(*argv)], cwd=tmp_path, timeout=120)
+    run_cli_forked(argv, world_size=1, cwd=tmp_path, timeout=120)  # a simulation makes its own process group
     plan = yaml.safe_load((tmp_path / "doctor-recipe.yaml").read_text())
     assert plan["trainer"]["strategy"] == {
         "class_path": "lightning_fastdist.FastDDPStrategy",
         "init_args": {"bucket_cap_mb": "auto", "activation_checkpointing": "none", "timeout": 60},
     }
     assert (plan["trainer"]["devices"], plan["trainer"]["num_nodes"]) == (2, 1)
-    # Its 2 ranks started at once, as torchrun would: half the start-up time of Lightning starting rank 1 after
-    # rank 0 (that launch is held by test_cli.py).
-    run_cli(["fit", "--config", "doctor-recipe.yaml"], world_size=2, cwd=tmp_path, timeout=180)
+    # Its 2 ranks with torchrun's environment, forked without a start-up of their own (a model from the working
+    # directory in freshly started ranks, under both launches: test_cli.py).
+    run_cli_forked(["fit", "--config", "doctor-recipe.yaml"], world_size=2, cwd=tmp_path, timeout=180)
 
 
 def test_a_step_that_reads_a_value_falls_back_to_the_formula_with_one_line(tmp_path, monkeypatch, capsys):
