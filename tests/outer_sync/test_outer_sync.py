@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import lightning as L
@@ -23,7 +22,7 @@ from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
-from tests.support.harness import free_port_span, run_processes
+from tests.support.harness import ForkedModule, free_port_span, run_processes
 from tests.support.node_faults import start_again_once_held
 from tests.support.workloads import tiny_gpt
 
@@ -112,7 +111,7 @@ def _node_fits(
         options, steps, *checkpointing, EMULATED_RANKS_PER_NODE=str(ranks_per_node), OUTER_SYNC_FIT_ENGINE=engine,
         **environment,
     )  # fmt: skip
-    outputs = run_processes(commands, environments, timeout=240)
+    outputs = run_processes(commands, environments, timeout=240, forked=True)
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
     assert len(reports) == 2 * ranks_per_node, "\n".join(f"--- node {o.rank}:\n{o.stdout[-3000:]}" for o in outputs)
     return sorted(reports, key=lambda report: (report["node"], report["local_rank"]))
@@ -248,10 +247,7 @@ def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_r
     """Each node stops on its own (no agreement across nodes yet): its checkpoint holds the global weights only."""
     options = {"every": 4, "fragments": 2, "delay": 1}
     commands, environments = _node_commands(options, 12, str(tmp_path), "100", NODE_FAULT_SIGTERM_AT="5")
-    nodes = [
-        subprocess.Popen(command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for command, extra in zip(commands, environments)
-    ]
+    nodes = [ForkedModule(command, {**os.environ, **extra}) for command, extra in zip(commands, environments)]
     assert [node.wait(timeout=240) for node in nodes] == [143, 143]
     (stopped,) = tmp_path.glob("*.ckpt")
     assert torch.load(stopped, weights_only=False)["fast_outer_sync"] == {"written_on_stop": True}
@@ -281,16 +277,11 @@ def test_with_min_nodes_a_lost_node_is_left_out_and_rejoins_from_a_live_peer_whe
     commands, environments = _node_commands(
         options, steps, str(saved), "4", nodes=3, OUTER_SYNC_FIT_NODES="3", OUTER_SYNC_FIT_ENGINE=engine, **faults
     )
-    nodes = [
-        subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for command, extra in zip(commands, environments)
-    ]
+    nodes = [ForkedModule(command, {**os.environ, **extra}) for command, extra in zip(commands, environments)]
     # Under DDP it is given the checkpoint of step 4 to resume from as well (as `--ckpt_path last` would): the live
     # state replaces it.
     again = [*commands[2], str(saved / "step=4.ckpt")] if engine == "ddp" else commands[2]
-    nodes[2] = start_again_once_held(nodes[2], again, environments[2], started)  # once the others did step 10
+    nodes[2] = start_again_once_held(nodes[2], again, environments[2], started, start=ForkedModule)  # after step 10
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0, 0], "\n".join(err[-3000:] for _, err in outputs)
     *survivors, restarted = [
@@ -334,7 +325,7 @@ def test_with_min_nodes_a_lost_node_is_left_out_and_rejoins_from_a_live_peer_whe
         options, 10, str(tmp_path / "resumed"), "100", str(saved / "step=8.ckpt"), nodes=3, OUTER_SYNC_FIT_NODES="3",
         OUTER_SYNC_FIT_ENGINE=engine,
     )  # fmt: skip
-    resumed = run_processes(commands, environments, timeout=240)
+    resumed = run_processes(commands, environments, timeout=240, forked=True)
     reports = [json.loads(line[4:]) for o in resumed for line in o.stdout.splitlines() if line.startswith("FIT ")]
     assert [report["steps"] for report in reports] == [[9, 10]] * 3
     assert len({report["final"] for report in reports}) == 1

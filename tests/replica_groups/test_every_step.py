@@ -21,7 +21,7 @@ from lightning_fastdist.parallel.across_nodes.replica_groups.gradients import Fl
 from lightning_fastdist.planning.fsdp_shards import shard_numel
 from lightning_fastdist.strategies.across_nodes import TrainingStart
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
-from tests.support.harness import cli_command, free_port_span, run_function, run_processes
+from tests.support.harness import ForkedModule, cli_command, free_port_span, run_function, run_processes
 from tests.support.lost_node_runs import fit_reports
 from tests.support.model_zoo import HFCausalLM
 from tests.support.node_faults import start_again_once_held, wait_until_held
@@ -169,7 +169,7 @@ def test_two_nodes_compute_what_lightning_ddp_computes_bit_for_bit_on_models_we_
         commands, environments = _node_commands(
             engines, "gpt2,resnet,t5", 6, nodes=2, REPLICA_FIT_CHECKPOINTS=str(tmp_path), REPLICA_FIT_NAN="t5:1:3"
         )
-        outputs = run_processes(commands, environments, timeout=300)
+        outputs = run_processes(commands, environments, timeout=300, forked=True)
         runs[engines] = [_reports(output.stdout) for output in outputs]
     for ours_node, lightning_node in zip(runs["fast,fsdp"], runs["lightning"], strict=True):
         assert [(r["engine"], r["model"]) for r in ours_node] == [
@@ -206,7 +206,7 @@ def test_two_ranks_per_node_average_in_the_node_then_across_nodes_as_lightning_d
     runs = {}
     for engine in ("fast", "lightning"):
         commands, environments = _node_commands(engine, "gpt2", 3, nodes=2, EMULATED_RANKS_PER_NODE="2")
-        outputs = run_processes(commands, environments, timeout=240)
+        outputs = run_processes(commands, environments, timeout=240, forked=True)
         runs[engine] = sorted(
             (report for output in outputs for report in _reports(output.stdout)),
             key=lambda report: (report["node"], report["local_rank"]),
@@ -248,14 +248,9 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
         "fsdp", "gpt2", steps, nodes=2, EMULATED_RANKS_PER_NODE="2",
         LIGHTNING_FASTDIST_COORDINATOR=f"127.0.0.1:{port}", **faults,
     )  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for command, extra in zip(commands, environments)
-    ]
+    nodes = [ForkedModule(command, {**os.environ, **extra}) for command, extra in zip(commands, environments)]
     try:
-        nodes[0] = start_again_once_held(nodes[0], commands[0], environments[0], started)
+        nodes[0] = start_again_once_held(nodes[0], commands[0], environments[0], started, start=ForkedModule)
         outputs = [node.communicate(timeout=240) for node in nodes]
     finally:
         coordinator.terminate()

@@ -21,7 +21,9 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 
@@ -70,19 +72,28 @@ def wait_until_held(started: Path, timeout: float = 240) -> None:
 
 
 def start_again_once_held(
-    killed: subprocess.Popen, command: list[str], environment: dict[str, str], started: Path, timeout: float = 240
-) -> subprocess.Popen:
+    killed: subprocess.Popen,
+    command: list[str],
+    environment: dict[str, str],
+    started: Path,
+    timeout: float = 240,
+    start: Callable[[list[str], dict[str, str]], Any] | None = None,
+) -> Any:
     """Wait until the node ``killed`` ended (``NODE_FAULT_KILL``: SIGKILLed, or stopped by SIGTERM with exit status
     143) and the others hold (``NODE_FAULT_HOLD=S:started``), then start it again with the same ``command`` and
-    ``environment``, without the kill and announcing itself (``NODE_FAULT_ANNOUNCE``); its output is piped, as text."""
+    ``environment``, without the kill and announcing itself (``NODE_FAULT_ANNOUNCE``): by ``start(command, its whole
+    environment)`` where given (as the test started the others), else with its output piped, as text."""
     ended = killed.wait(timeout=timeout)
     expected = 128 + signal.SIGTERM if environment.get("NODE_FAULT_KILL_SIGNAL") == "SIGTERM" else -signal.SIGKILL
     assert ended == expected, killed.stderr.read()[-3000:] if killed.stderr else ended
     wait_until_held(started, timeout)
     again = {name: value for name, value in environment.items() if name != "NODE_FAULT_KILL"}
+    again = {**os.environ, **again, "NODE_FAULT_ANNOUNCE": str(started)}
+    if start is not None:
+        return start(command, again)
     return subprocess.Popen(
         command,
-        env={**os.environ, **again, "NODE_FAULT_ANNOUNCE": str(started)},
+        env=again,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
