@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -9,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.harness import DistributedRunError, run_command, run_function
+from tests.support.harness import DistributedRunError, ForkedModule, run_command, run_function
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -61,3 +64,21 @@ def test_run_command_gives_torchrun_environment_and_shows_failing_output():
     assert "rank 0 (exit" not in message  # the rank that succeeded is not blamed
     outputs = run_command([sys.executable, "-c", script.replace("int(r) * 3", "0")], world_size=2, timeout=60)
     assert [o.stdout.strip() for o in outputs] == ["rank 0 of 2", "rank 1 of 2"]
+
+
+def test_a_forked_module_runs_as_python_m_with_its_directory_environment_output_and_exit_status(tmp_path):
+    (tmp_path / "good.json").write_text('{"b": 1}')
+    (tmp_path / "bad.json").write_text("{")
+    environment = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    good = ForkedModule([sys.executable, "-m", "json.tool", "--sort-keys", "good.json"], environment, cwd=tmp_path)
+    assert good.communicate(timeout=60) == ('{\n    "b": 1\n}\n', "") and good.returncode == 0
+    bad = ForkedModule([sys.executable, "-m", "json.tool", "bad.json"], environment, cwd=tmp_path)
+    out, err = bad.communicate(timeout=60)
+    assert (bad.returncode, out) == (1, "") and "Expecting property name" in err  # as `python -m json.tool` exits
+    killed = ForkedModule([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], environment, cwd=tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        killed.wait(timeout=0.5)
+    os.killpg(killed.pid, signal.SIGKILL)  # its own session, as run_processes kills it
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(ValueError, match="ForkedModule runs .* -m MODULE"):
+        ForkedModule(["echo", "hi"], environment)

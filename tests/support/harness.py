@@ -232,8 +232,9 @@ def _module_entry(module: str, args: list[str], environment: dict[str, str], cwd
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if not stream.closed:  # a module may close them, as json.tool does
+                stream.flush()
 
 
 class ForkedModule:
