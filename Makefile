@@ -32,9 +32,11 @@ lint: install
 # otherwise compile the package again (about 1 s of each start-up here); pip compiled the dependencies.
 # Two workers: a multi-process test spends much of its time starting processes one after another (Lightning
 # starts rank 1 once rank 0 has imported everything) and waiting for them, which leaves a core idle.
+# One intra-op thread per process: two workers share two cores, and torch's default (a thread per core in every
+# process, the ranks each test starts included) made them wait on each other's threads: 739 s, with one 685 s.
 test: lint slurm-daemons
 	$(BIN)/python -m compileall -q lightning_fastdist tests
-	$(BIN)/python -m pytest -q -n 2 --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=15
 
 # The daemons of tests/slurm (a real SLURM cluster on this machine): Debian's slurm-wlm and munge, installed where they
 # are missing and this is root with apt-get (as on CI). Elsewhere nothing is installed and those tests skip, each with
