@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.support.offline_gpu_script import offline_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.sh"
@@ -71,35 +71,15 @@ def test_the_recipe_of_a_setting_keeps_the_global_batch_and_sets_each_lever():
     ] == {"backend": "eager"}  # inductor costs ~15 s a graph on this CPU
 
 
-def tiny_wheel(folder: Path) -> Path:
-    """A one-module wheel made here, to show the script installs what it is given without an index."""
-    wheel = folder / "fastdist_offline_probe-0.1-py3-none-any.whl"
-    files = {
-        "fastdist_offline_probe/__init__.py": "VALUE = 1\n",
-        "fastdist_offline_probe-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: fastdist-offline-probe\n"
-        "Version: 0.1\n",
-        "fastdist_offline_probe-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-    }
-    record = "".join(f"{name},," + "\n" for name in files) + "fastdist_offline_probe-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for name, text in {**files, "fastdist_offline_probe-0.1.dist-info/RECORD": record}.items():
-            archive.writestr(name, text)
-    return wheel
-
-
 @pytest.mark.slow
 def test_the_script_runs_the_rows_and_a_lever_on_cpu_offline_and_writes_its_report(tmp_path):
-    wheels, site, out = tmp_path / "wheels", tmp_path / "site", tmp_path / "out"
-    wheels.mkdir()
-    tiny_wheel(wheels)
-    environment = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(site),
-                   "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}  # fmt: skip
+    out = tmp_path / "out"
+    environment, probe = offline_environment(tmp_path)
     command = ["bash", str(SCRIPT), "--device", "cpu", "--out", str(out), "--work", str(tmp_path / "work"),
                "--levers", "fp8,attention"]  # fmt: skip
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (site / "fastdist_offline_probe" / "__init__.py").exists()  # installed with --no-index
+    assert (probe / "__init__.py").exists()  # installed with --no-index
     report = json.loads((out / "gpu_bench.json").read_text())
     rows = {row["label"]: row for row in report["rows"]}
     assert list(rows) == ["lightning-ddp", "fast-default", "recipe", "hand-loop"]

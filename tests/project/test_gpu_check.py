@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.support.offline_gpu_script import offline_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -72,36 +72,16 @@ def test_a_check_the_budget_cut_short_is_skipped_and_one_past_its_own_limit_fail
     assert cut.detail.startswith("cut short by the budget after 0 s (its limit: 120 s)")
 
 
-def tiny_wheel(folder: Path) -> Path:
-    """A one-module wheel made here, to show the script installs what it is given without an index."""
-    wheel = folder / "fastdist_offline_probe-0.1-py3-none-any.whl"
-    files = {
-        "fastdist_offline_probe/__init__.py": "VALUE = 1\n",
-        "fastdist_offline_probe-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: fastdist-offline-probe\n"
-        "Version: 0.1\n",
-        "fastdist_offline_probe-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-    }
-    record = "".join(f"{name},," + "\n" for name in files) + "fastdist_offline_probe-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for name, text in {**files, "fastdist_offline_probe-0.1.dist-info/RECORD": record}.items():
-            archive.writestr(name, text)
-    return wheel
-
-
 @pytest.mark.slow
 def test_the_script_runs_on_cpu_offline_with_one_report_and_a_line_per_check(tmp_path):
-    wheels, site, out = tmp_path / "wheels", tmp_path / "site", tmp_path / "out"
-    wheels.mkdir()
-    tiny_wheel(wheels)
-    environment = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(site),
-                   "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}  # fmt: skip
+    out = tmp_path / "out"
+    environment, probe = offline_environment(tmp_path)
     command = ["bash", str(SCRIPT), "--device", "cpu", "--out", str(out), "--only", "mfu,cuda_graph_modes,rng_states",
                "--inject-failure"]  # fmt: skip
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if re.match(r"\[(PASS|FAIL|SKIP)\] ", line)]
     assert done.returncode == 1, done.stdout + done.stderr  # the injected failure, and nothing else, failed
-    assert (site / "fastdist_offline_probe" / "__init__.py").exists()  # installed with --no-index
+    assert (probe / "__init__.py").exists()  # installed with --no-index
     assert lines[0] == "[SKIP] mfu: needs CUDA: MFU is measured against a GPU's peak FLOPs"
     assert "[SKIP] host_syncs: not selected (--only)" in lines
     assert "[SKIP] rng_states: needs CUDA: it restores a CUDA generator" in lines

@@ -1,0 +1,39 @@
+"""What the tests of the prepared GPU scripts (``benchmarks/gpu_check.sh``, ``gpu_bench.sh``) give them on CPU: a
+folder of wheels holding one wheel made here, a site folder to install it into, and an index no request can reach,
+so that a run shows the script installs what it is given and fetches nothing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+PROBE = "fastdist_offline_probe"
+
+
+def tiny_wheel(folder: Path) -> Path:
+    """A one-module wheel (``fastdist_offline_probe``) written into ``folder``."""
+    wheel = folder / f"{PROBE}-0.1-py3-none-any.whl"
+    files = {
+        f"{PROBE}/__init__.py": "VALUE = 1\n",
+        f"{PROBE}-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: fastdist-offline-probe\nVersion: 0.1\n",
+        f"{PROBE}-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{PROBE}-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, f"{PROBE}-0.1.dist-info/RECORD": record}.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def offline_environment(folder: Path) -> tuple[dict[str, str], Path]:
+    """The environment of a script run offline from ``folder``, and the site folder it installs the probe into
+    (``site / "fastdist_offline_probe"`` exists after an install with ``--no-index``)."""
+    wheels, site = folder / "wheels", folder / "site"
+    wheels.mkdir()
+    tiny_wheel(wheels)
+    environment = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(site),
+                   "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}  # fmt: skip
+    return environment, site / PROBE
