@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_fastdist.commands.bench.command import (
@@ -19,6 +21,7 @@ from lightning_fastdist.commands.bench.command import (
 )
 from lightning_fastdist.commands.bench.probe import BenchProbe
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
+from lightning_fastdist.commands.bench.step_profile import StepProfile
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
 from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN
@@ -232,3 +235,17 @@ def test_profile_needs_its_steps_after_the_measured_ones(capsys):
     with pytest.raises(SystemExit):
         main(["--profile", "--steps", "7"])
     assert "--steps: must be >= 8" in capsys.readouterr().err
+
+
+def test_a_profile_writes_its_table_and_packed_trace_and_leaves_a_file_of_the_unpacked_name_alone(tmp_path):
+    users = tmp_path / "ddp.trace.json"
+    users.write_text("the user's own trace")
+    recorder = StepProfile(tmp_path / "ddp", torch.device("cpu"))
+    recorder.start()
+    torch.ones(4, 4).matmul(torch.ones(4, 4))
+    recorder.stop()
+    assert "aten::" in (tmp_path / "ddp.ops.txt").read_text()
+    with gzip.open(tmp_path / "ddp.trace.json.gz") as packed:
+        assert "traceEvents" in json.load(packed)
+    assert users.read_text() == "the user's own trace"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ddp.ops.txt", "ddp.trace.json", "ddp.trace.json.gz"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -41,8 +42,11 @@ class StepProfile:
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self._profile.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
         self.stem.with_name(self.stem.name + ".ops.txt").write_text(table + "\n")
-        trace = self.stem.with_name(self.stem.name + ".trace.json")
-        self._profile.export_chrome_trace(str(trace))
-        with open(trace, "rb") as plain, gzip.open(trace.with_name(trace.name + ".gz"), "wb") as packed:
-            shutil.copyfileobj(plain, packed)
-        trace.unlink()
+        # torch writes the trace uncompressed: into a temporary folder of our own, so that only the .gz lands beside
+        # the stem and no file of that name is overwritten or removed there.
+        with tempfile.TemporaryDirectory(prefix="fastdist-trace-") as folder:
+            trace = Path(folder, "trace.json")
+            self._profile.export_chrome_trace(str(trace))
+            packed_path = self.stem.with_name(self.stem.name + ".trace.json.gz")
+            with open(trace, "rb") as plain, gzip.open(packed_path, "wb") as packed:
+                shutil.copyfileobj(plain, packed)
