@@ -7,28 +7,18 @@ and the report, the plot, the best recipe and the profile are written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.offline_gpu_script import offline_environment
+from tests.support.offline_gpu_script import load_driver, offline_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.sh"
-
-
-def load_driver():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_pip_install_is_offline_and_nothing_else_fetches():
@@ -41,7 +31,7 @@ def test_every_pip_install_is_offline_and_nothing_else_fetches():
 
 
 def test_the_driver_lists_rows_and_levers_and_refuses_an_unknown_lever_in_one_line(capsys):
-    driver = load_driver()
+    driver = load_driver("gpu_bench")
     assert driver.main(["--list"]) == 0
     listed = capsys.readouterr().out
     assert listed.startswith("rows: lightning-ddp, fast-default, recipe, hand-loop\n")
@@ -53,7 +43,7 @@ def test_the_driver_lists_rows_and_levers_and_refuses_an_unknown_lever_in_one_li
 
 
 def test_the_recipe_of_a_setting_keeps_the_global_batch_and_sets_each_lever():
-    driver = load_driver()
+    driver = load_driver("gpu_bench")
     shape = driver.SHAPES["gpt2-small"]
     levers = dict(compile_scope="model", loss_path="chunked", fuse_optimizers="always", attention="cudnn")
     setting = driver.Setting(micro_batch=64, fp8="tensorwise", compile_mode="max-autotune-no-cudagraphs", **levers)

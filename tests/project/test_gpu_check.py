@@ -7,27 +7,17 @@ CUDA-only ones with their reason, and leaves the JSON report and the log.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.offline_gpu_script import offline_environment
+from tests.support.offline_gpu_script import load_driver, offline_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-
-
-def load_runner():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def shell_commands(path: Path) -> list[str]:
@@ -51,7 +41,7 @@ def test_the_make_target_prepares_python_312_wheels_into_an_ignored_folder():
 
 
 def test_the_runner_lists_its_checks_and_refuses_an_unknown_one_in_one_line(capsys):
-    runner = load_runner()
+    runner = load_driver("gpu_check")
     assert runner.main(["--list"]) == 0
     listed = capsys.readouterr().out
     for name in ("mfu", "host_syncs", "amp_fp16", "comm_hooks", "powersgd_resume", "fsdp_modes", "fsdp_checkpoints",
@@ -63,7 +53,7 @@ def test_the_runner_lists_its_checks_and_refuses_an_unknown_one_in_one_line(caps
 
 def test_a_check_the_budget_cut_short_is_skipped_and_one_past_its_own_limit_failed(tmp_path):
     # A child killed because the run's budget ran out has shown nothing wrong; one that outran its own limit has.
-    runner = load_runner()
+    runner = load_driver("gpu_check")
     arguments = runner.parse_arguments(["--device", "cpu"])
     with open(tmp_path / "log", "w") as log:
         cut = runner.run_child(runner.Check("host_syncs", 120), arguments, "cpu", 4, log, seconds=0.2)

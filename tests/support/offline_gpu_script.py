@@ -1,15 +1,27 @@
-"""What the tests of the prepared GPU scripts (``benchmarks/gpu_check.sh``, ``gpu_bench.sh``) give them on CPU: a
-folder of wheels holding one wheel made here, a site folder to install it into, and an index no request can reach,
-so that a run shows the script installs what it is given and fetches nothing."""
+"""What the tests of the prepared GPU scripts (``benchmarks/gpu_check.sh``, ``gpu_bench.sh``) give them on CPU: their
+Python driver as a module, and a folder of wheels holding one wheel made here, a site folder to install it into and
+an index no request can reach, so that a run shows the script installs what it is given and fetches nothing."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 PROBE = "fastdist_offline_probe"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_driver(name: str) -> ModuleType:
+    """``benchmarks/NAME.py`` (not a package) imported as the module ``NAME``."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_wheel(folder: Path) -> Path:
