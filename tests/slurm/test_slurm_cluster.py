@@ -135,3 +135,14 @@ def processes_mentioning(text: str) -> dict[int, bytes]:
         except OSError:
             continue
     return found
+
+
+def test_a_state_folder_that_exists_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    users = tmp_path / "state"
+    users.mkdir()
+    (users / "notes.txt").write_text("the user's")
+    cluster = SlurmCluster(users)
+    with pytest.raises(FileExistsError):
+        cluster.start()
+    cluster.stop()  # nothing of ours to remove
+    assert (users / "notes.txt").read_text() == "the user's"

@@ -274,8 +274,8 @@ class SlurmCluster:
         if self.requested_dir is None:
             self._root = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
         else:
+            Path(self.requested_dir).mkdir(parents=True)  # a folder that exists is refused, so stop() removes ours
             self._root = Path(self.requested_dir)
-            self._root.mkdir(parents=True)
         try:
             self._lay_out()
             self._start_munged()
