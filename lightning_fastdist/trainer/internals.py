@@ -51,8 +51,8 @@ class PrivateName:
     """Where a private Lightning name is used and why.
 
     Attributes:
-        used_in: the modules of this package that use it directly (``"strategies.fsdp"``; ``"trainer.internals"``
-            for the names the accessors below reach for the others).
+        used_in: the modules of this package that use it directly (``"strategies.fsdp.strategy"``;
+            ``"trainer.internals"`` for the names the accessors below reach for the others).
     """
 
     used_in: tuple[str, ...]
@@ -67,18 +67,18 @@ PRIVATE_IMPORTS = {
     ),
     f"{FABRIC}.cloud_io._load": PrivateName(("strategies.checkpoint.side_files",), "read a file beside a checkpoint"),
     f"{FABRIC}.device_dtype_mixin._DeviceDtypeModuleMixin": PrivateName(
-        ("strategies.common.sharded_module",), "set the device a LightningModule reports after sharding"
+        ("strategies.fsdp.sharded_module",), "set the device a LightningModule reports after sharding"
     ),
     f"{FABRIC}.distributed._destroy_dist_connection": PrivateName(
         ("strategies.common.job",), "destroy the process group at exit, as Lightning does"
     ),
     f"{FABRIC}.init._materialize_distributed_module": PrivateName(
-        ("strategies.common.sharded_module",), "materialise a meta-device model after fully_shard"
+        ("strategies.fsdp.sharded_module",), "materialise a meta-device model after fully_shard"
     ),
     f"{FABRIC}.load._METADATA_FILENAME": PrivateName(
-        ("strategies.common.sharded_module",), "name the metadata file of a sharded checkpoint as Lightning does"
+        ("strategies.fsdp.sharded_module",), "name the metadata file of a sharded checkpoint as Lightning does"
     ),
-    f"{FABRIC}.optimizer._optimizers_to_device": PrivateName(("strategies.fsdp",), "move optimizer states"),
+    f"{FABRIC}.optimizer._optimizers_to_device": PrivateName(("strategies.fsdp.strategy",), "move optimizer states"),
     f"{FABRIC}.seed._collect_rng_states": PrivateName(
         ("strategies.checkpoint.rng_states",), "save every rank's RNG states"
     ),
@@ -86,7 +86,8 @@ PRIVATE_IMPORTS = {
         ("strategies.checkpoint.rng_states",), "restore every rank's RNG states"
     ),
     f"{FABRIC}.types._PATH": PrivateName(
-        ("strategies.deepspeed_checkpoint", "strategies.fsdp"), "type checkpoint paths as Lightning's hooks do"
+        ("strategies.deepspeed.consolidate", "strategies.fsdp.strategy"),
+        "type checkpoint paths as Lightning's hooks do",
     ),
     f"{FABRIC}.data._set_sampler_epoch": PrivateName(
         ("strategies.common.shared_hooks",), "set a resumed epoch's sampler before its loader starts"
@@ -98,13 +99,13 @@ PRIVATE_IMPORTS = {
         ("data.plain_resume",), "rebuild a plain training loader with a sampler that skips what an epoch read"
     ),
     "lightning.fabric.strategies.deepspeed._validate_device_index_selection": PrivateName(
-        ("strategies.deepspeed",), "validate GPU indices, skipped on CPU"
+        ("strategies.deepspeed.strategy",), "validate GPU indices, skipped on CPU"
     ),
     "lightning.fabric.connector._PRECISION_INPUT_STR_ALIAS_CONVERSION": PrivateName(
         ("recipes.recipe",), "name a recipe's precision with Lightning's own aliases"
     ),
     "lightning.pytorch.plugins.layer_sync._BatchNormXd": PrivateName(
-        ("strategies.common.sharded_module",),
+        ("strategies.fsdp.sharded_module",),
         "revert SyncBatchNorm at teardown to the class Lightning's TorchSyncBatchNorm reverts to",
     ),
     "lightning.pytorch.strategies.launchers.launcher._Launcher": PrivateName(
@@ -161,50 +162,54 @@ PRIVATE_ATTRIBUTES = {
     "lightning.pytorch.plugins.precision.precision.Precision._after_closure": PrivateName(
         ("precision",), "run Lightning's after-closure hooks around the fused optimizer step"
     ),
-    f"{STRATEGIES}.ddp.DDPStrategy._ddp_kwargs": PrivateName(("strategies.ddp",), "set the bucket size DDP gets"),
+    f"{STRATEGIES}.ddp.DDPStrategy._ddp_kwargs": PrivateName(
+        ("strategies.ddp.strategy",), "set the bucket size DDP gets"
+    ),
     f"{STRATEGIES}.ddp.DDPStrategy._get_process_group_backend": PrivateName(
-        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "check the comm hook; join the group"
+        ("strategies.ddp.strategy", "strategies.deepspeed.strategy", "strategies.fsdp.strategy"),
+        "check the comm hook; join the group",
     ),
     f"{STRATEGIES}.ddp.DDPStrategy._timeout": PrivateName(("trainer.internals",), "the collective timeout"),
     f"{STRATEGIES}.parallel.ParallelStrategy._configure_launcher": PrivateName(
-        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "choose the launcher"
+        ("strategies.ddp.strategy", "strategies.deepspeed.strategy", "strategies.fsdp.strategy"), "choose the launcher"
     ),
     f"{STRATEGIES}.strategy.Strategy._launcher": PrivateName(
-        ("strategies.ddp", "strategies.deepspeed", "strategies.fsdp"), "the launcher chosen"
+        ("strategies.ddp.strategy", "strategies.deepspeed.strategy", "strategies.fsdp.strategy"), "the launcher chosen"
     ),
     f"{STRATEGIES}.parallel.ParallelStrategy._layer_sync": PrivateName(
-        ("strategies.deepspeed", "strategies.fsdp"),
+        ("strategies.deepspeed.strategy", "strategies.fsdp.strategy"),
         "Trainer(sync_batchnorm=True): DeepSpeed refuses it; FSDP converts BatchNorm before sharding, back after",
     ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._device_mesh": PrivateName(
-        ("strategies.fsdp",), "the FSDP2 mesh, on the strategy and the LightningModule"
+        ("strategies.fsdp.strategy",), "the FSDP2 mesh, on the strategy and the LightningModule"
     ),
     f"{STRATEGIES}.model_parallel.ModelParallelStrategy._setup_distributed": PrivateName(
-        ("strategies.fsdp",), "start the process group with our timeout and job identity"
+        ("strategies.fsdp.strategy",), "start the process group with our timeout and job identity"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._init_deepspeed_distributed": PrivateName(
-        ("strategies.deepspeed",), "start DeepSpeed's process group on CPU"
+        ("strategies.deepspeed.strategy",), "start DeepSpeed's process group on CPU"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._initialize_deepspeed_inference": PrivateName(
-        ("strategies.deepspeed",), "build the evaluation engine with a CPU device rank"
+        ("strategies.deepspeed.strategy",), "build the evaluation engine with a CPU device rank"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._restore_zero_state": PrivateName(
-        ("strategies.deepspeed",), "load full weights into ZeRO-3 partitions, evaluating from a checkpoint folder"
+        ("strategies.deepspeed.strategy",),
+        "load full weights into ZeRO-3 partitions, evaluating from a checkpoint folder",
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model": PrivateName(
-        ("strategies.deepspeed",), "apply the plan before DeepSpeed wraps the model"
+        ("strategies.deepspeed.strategy",), "apply the plan before DeepSpeed wraps the model"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model_and_optimizer": PrivateName(
-        ("strategies.deepspeed",), "build the DeepSpeed engine with a torch optimizer"
+        ("strategies.deepspeed.strategy",), "build the DeepSpeed engine with a torch optimizer"
     ),
     "lightning.pytorch.core.module.LightningModule._trainer": PrivateName(
         ("precision",), "know, when converting a module, that FSDP2 shards it next (fp8 weights gathered in fp8)"
     ),
     "lightning.pytorch.core.module.LightningModule._compiler_ctx": PrivateName(
-        ("strategies.ddp",), "know a module the user compiled: Lightning unwraps torch.compile(model) into it"
+        ("strategies.ddp.strategy",), "know a module the user compiled: Lightning unwraps torch.compile(model) into it"
     ),
     "lightning.fabric.utilities.device_dtype_mixin._DeviceDtypeModuleMixin._device": PrivateName(
-        ("strategies.common.sharded_module",), "what LightningModule.device reports"
+        ("strategies.fsdp.sharded_module",), "what LightningModule.device reports"
     ),
 }
 

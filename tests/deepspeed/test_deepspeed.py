@@ -25,7 +25,7 @@ from lightning_fastdist.parallel.checkpoint.atomic import STAGING_SUFFIX
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import TrainingShape, estimate_memory
-from lightning_fastdist.strategies.deepspeed_checkpoint import consolidate_checkpoint
+from lightning_fastdist.strategies.deepspeed.consolidate import consolidate_checkpoint
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
 from tests.support.shared_runs import once_per_session

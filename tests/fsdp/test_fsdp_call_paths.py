@@ -19,7 +19,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixi
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fastdist.strategies.common.sharded_module import move_all_but_parameters
+from lightning_fastdist.strategies.fsdp.sharded_module import move_all_but_parameters
 from tests.support.harness import run_function
 from tests.support.model_zoo import HFCausalLM
 

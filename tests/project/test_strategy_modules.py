@@ -1,6 +1,7 @@
-"""The strategies stay readable as they grow: a few modules directly in ``strategies/`` (the rest in folders by
-concern), each strategy at most 400 lines, what the three do alike written once (in a helper each owns and calls from
-its own hooks), and training across nodes reached through one object instead of a branch in every hook."""
+"""The strategies stay readable as they grow: a room per engine (``ddp/``, ``fsdp/``, ``deepspeed/``: its strategy and
+the helpers only it uses) and no loose module beside the folders, ``common/`` holding only what two or more engines use,
+each strategy at most 400 lines, what the three do alike written once (in a helper each owns and calls from its own
+hooks), and training across nodes reached through one object instead of a branch in every hook."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import itertools
 from pathlib import Path
 
 STRATEGIES = Path(__file__).resolve().parents[2] / "lightning_fastdist" / "strategies"
-CLASSES = ("ddp.py", "fsdp.py", "deepspeed.py")
+ENGINES = ("ddp", "fsdp", "deepspeed")
+CLASSES = tuple(f"{engine}/strategy.py" for engine in ENGINES)
 FORMS = ("outer_sync", "replica_groups")
 
 
@@ -41,9 +43,52 @@ def methods_mentioning_the_forms(source: str) -> list[str]:
     return [name for name, lines in method_bodies(source).items() if any(f in line for line in lines for f in FORMS)]
 
 
-def test_a_few_modules_directly_in_strategies():
-    modules = sorted(path.name for path in STRATEGIES.glob("*.py") if path.name != "__init__.py")
-    assert len(modules) <= 6, modules
+def strategy_imports() -> dict[str, set[str]]:
+    """Each module of ``strategies/`` (``"fsdp.sharded_module"``) and the modules of ``strategies/`` it imports."""
+    prefix = "lightning_fastdist.strategies."
+    graph = {}
+    for path in STRATEGIES.rglob("*.py"):
+        name = ".".join(path.relative_to(STRATEGIES).with_suffix("").parts).removesuffix(".__init__")
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix):
+                imported.add(node.module.removeprefix(prefix))
+        graph[name] = imported - {name}
+    return graph
+
+
+def engines_reaching(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The engines whose strategy imports ``module``, directly or through other modules."""
+    reaching = set()
+    for engine in ENGINES:
+        seen, todo = set(), [f"{engine}.strategy"]
+        while todo:
+            current = todo.pop()
+            if current == module:
+                reaching.add(engine)
+            todo += [name for name in graph.get(current, ()) if name not in seen]
+            seen.update(graph.get(current, ()))
+    return reaching
+
+
+def test_no_module_lies_loose_beside_the_folders():
+    assert sorted(path.name for path in STRATEGIES.glob("*.py")) == ["__init__.py"]
+
+
+def test_an_engines_room_holds_what_only_that_engine_uses():
+    graph = strategy_imports()
+    for module in graph:
+        room = module.split(".")[0]
+        if room in ENGINES and module != room:
+            importers = {name for name, imported in graph.items() if module in imported}
+            assert all(name.split(".")[0] == room or name == "" for name in importers), (module, importers)
+
+
+def test_common_holds_only_what_two_or_more_engines_use():
+    graph = strategy_imports()
+    for module in graph:
+        if module.startswith("common.") and module != "common":
+            assert len(engines_reaching(module, graph)) >= 2, module
 
 
 def test_each_strategy_module_is_at_most_400_lines():
@@ -56,7 +101,7 @@ def test_no_method_of_three_or_more_statements_is_written_twice_among_the_strate
 
 
 def test_the_strategies_reach_training_across_nodes_through_one_object():
-    for name in ("ddp.py", "fsdp.py"):
+    for name in ("ddp/strategy.py", "fsdp/strategy.py"):
         mentioning = methods_mentioning_the_forms((STRATEGIES / name).read_text())
         assert len(mentioning) <= 3, (name, mentioning)
 

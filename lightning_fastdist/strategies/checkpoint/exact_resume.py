@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.data import ResumableDataLoader
 from lightning_fastdist.data.plain_resume import cut_short_line, order_is_reproducible
-from lightning_fastdist.strategies.checkpoint.comm_hook_checkpoint import gather_to_rank_zero
 from lightning_fastdist.strategies.checkpoint.rng_states import collect_rng_states, set_rng_states
 from lightning_fastdist.trainer.loop_state import ends_an_epoch, epoch_cut_short, reopen_epoch_cut_short
 
@@ -51,7 +51,7 @@ class ResumeState:
             reopen_epoch_cut_short(checkpoint)
         elif cut is not None:
             checkpoint[CUT_SHORT_KEY] = [*cut, epoch_batches]
-        checkpoint[RNG_KEY] = gather_to_rank_zero(collect_rng_states(), world_size, rank)
+        checkpoint[RNG_KEY] = _gather_to_rank_zero(collect_rng_states(), world_size, rank)
         checkpoint[RESTORE_AT_KEY] = (
             EPOCH_START if ends_an_epoch(checkpoint) or CUT_SHORT_KEY in checkpoint else NEXT_BATCH
         )
@@ -93,3 +93,12 @@ def _continues(loader: Any) -> bool:
 
 def _ranks(count: int) -> str:
     return f"{count} rank{'s' if count != 1 else ''}"
+
+
+def _gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] | None:
+    """Every rank's ``state`` as a list on rank 0 (``None`` elsewhere); a collective on all ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        return [state]
+    gathered: list[dict] | None = [{} for _ in range(world_size)] if rank == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered

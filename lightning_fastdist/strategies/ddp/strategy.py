@@ -48,7 +48,6 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
 from lightning_fastdist.parallel.trainable import TrainableSet
 from lightning_fastdist.strategies.across_nodes import across_nodes
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
-from lightning_fastdist.strategies.checkpoint.comm_hook_checkpoint import CommHookCheckpoint, remove_shards
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back, save_one_file
 from lightning_fastdist.strategies.common.job import (
     check_names_at_launch,
@@ -62,8 +61,13 @@ from lightning_fastdist.strategies.common.options import (
     check_ddp_kwargs,
     named_errors,
 )
+from lightning_fastdist.strategies.common.registry import register_once
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
-from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.strategies.ddp.comm_hook_checkpoint import (
+    CommHookCheckpoint,
+    RegisteredHook,
+    remove_shards,
+)
 
 HOOK_LEVEL_METRIC = "comm/hook_level"  # auto's level: 0 none, 1 bf16, 2 powersgd
 
@@ -223,8 +227,8 @@ class FastDDPStrategy(DDPStrategy):
         self.exposed_comm = ExposedCommClock(self.root_device)  # comm/exposed_s
         self._backward_tail = watch_ddp(self.model, self.exposed_comm)
         self._trainable = TrainableSet(model)
-        self._hook_checkpoint.restore(
-            self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device
+        self._hook_checkpoint.attach(
+            RegisteredHook(self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device)
         )
         return self.model
 
@@ -327,7 +331,7 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         this_world_writes = self.shared.prepare_save(self, checkpoint, filepath)
-        if self._hook_checkpoint.save(self.hook_state, checkpoint, filepath, self.world_size, self.global_rank):
+        if self._hook_checkpoint.save(checkpoint, filepath):
             self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
         if not this_world_writes:
             return
@@ -344,9 +348,7 @@ class FastDDPStrategy(DDPStrategy):
         note_location = self._hook_checkpoint.note_location
         checkpoint = load_or_fall_back(self, checkpoint_path, lambda path: note_location(load(path), path), False)
         self.shared.take_loaded(self, checkpoint, checkpoint_path)
-        self._hook_checkpoint.load(
-            checkpoint, self.hook_state, self.comm.name, self.world_size, self.global_rank, self.root_device
-        )
+        self._hook_checkpoint.load(checkpoint)
         return checkpoint
 
     @override

@@ -58,7 +58,10 @@ from lightning_fastdist.strategies.common.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.common.options import blocks_option, check_checkpoint_format, named_errors
-from lightning_fastdist.strategies.common.sharded_module import (
+from lightning_fastdist.strategies.common.registry import register_once
+from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
+from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refuse_unsupported
+from lightning_fastdist.strategies.fsdp.sharded_module import (
     drop_group_keys_not_saved,
     materialize,
     move_all_but_parameters,
@@ -67,9 +70,6 @@ from lightning_fastdist.strategies.common.sharded_module import (
     sync_batchnorm_in_place,
     under_module_names,
 )
-from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
-from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refuse_unsupported
-from lightning_fastdist.strategies.registry import register_once
 
 
 class FastFSDPStrategy(ModelParallelStrategy):

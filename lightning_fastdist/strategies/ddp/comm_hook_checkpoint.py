@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
@@ -31,25 +31,57 @@ _SHARD_NAME = re.compile(r"rank(\d{5})\.pt")
 LOCATION_KEY = "loaded_from"  # set on load: where the checkpoint was read, so its shards can be found
 
 
+@dataclass(frozen=True)
+class RegisteredHook:
+    """A comm hook as DDP runs it on this rank: its state, the strategy's ``comm_hook`` option (named where a
+    checkpoint's state does not fit it), and where this rank stands."""
+
+    state: HookState
+    comm_hook: str
+    world_size: int
+    rank: int
+    device: torch.device
+
+    @property
+    def powersgd_state(self) -> PowerSGDState | None:
+        """PowerSGD's state: the hook's own, or the one ``auto`` keeps for its last level; ``None`` without one."""
+        state = self.state.powersgd if isinstance(self.state, AutoCommState) else self.state
+        return state if isinstance(state, PowerSGDState) else None
+
+    @property
+    def powersgd_name(self) -> str:
+        """The hook a checkpoint's PowerSGD state is restored into (``auto`` runs PowerSGD at its last level)."""
+        return "powersgd" if isinstance(self.state, AutoCommState) else self.comm_hook
+
+
 class CommHookCheckpoint:
     """What a checkpoint holds of one strategy's comm hook: written beside and into each checkpoint, and put back into
     the hook once it is registered (a checkpoint loaded before DDP wraps the model waits for it)."""
 
     def __init__(self) -> None:
+        self.hook: RegisteredHook | None = None
         self._pending: dict[str, Any] | None = None
 
-    def save(
-        self, hook_state: HookState | None, checkpoint: dict[str, Any], filepath: Any, world_size: int, rank: int
-    ) -> bool:
+    def attach(self, hook: RegisteredHook) -> None:
+        """Once DDP registered the hook (every wrap): put back what a checkpoint loaded before held."""
+        self.hook = hook
+        if self._pending is not None:
+            self._restore(self._pending)
+            self._pending = None
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
         """Put the hook's state into ``checkpoint`` and each rank's error feedback beside ``filepath``; return whether
         rank files were written (the caller then waits for every rank before the checkpoint is published)."""
-        powersgd = hook_state
-        if isinstance(powersgd, AutoCommState):
-            checkpoint[AUTO_CHECKPOINT_KEY] = powersgd.state_dict()
-            powersgd = powersgd.powersgd
-        if not isinstance(powersgd, PowerSGDState):
+        if self.hook is None:
             return False
-        checkpoint[CHECKPOINT_KEY] = save_hook_state(powersgd, "powersgd", filepath, world_size, rank)
+        if isinstance(self.hook.state, AutoCommState):
+            checkpoint[AUTO_CHECKPOINT_KEY] = self.hook.state.state_dict()
+        powersgd_state = self.hook.powersgd_state
+        if powersgd_state is None:
+            return False
+        checkpoint[CHECKPOINT_KEY] = save_hook_state(
+            powersgd_state, "powersgd", filepath, self.hook.world_size, self.hook.rank
+        )
         return True
 
     @staticmethod
@@ -60,61 +92,27 @@ class CommHookCheckpoint:
             checkpoint[CHECKPOINT_KEY] = remember_location(checkpoint[CHECKPOINT_KEY], checkpoint_path)
         return checkpoint
 
-    def load(
-        self,
-        checkpoint: dict[str, Any],
-        hook_state: HookState | None,
-        comm_hook: str,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-    ) -> None:
-        """Put a loaded checkpoint's hook state back into ``hook_state``, or keep it until the hook is registered
-        (``hook_state`` ``None``); the other arguments: :meth:`restore`'s."""
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """Put a loaded checkpoint's hook state back into the hook, or keep it until the hook is registered."""
         saved = {key: checkpoint[key] for key in (CHECKPOINT_KEY, AUTO_CHECKPOINT_KEY) if key in checkpoint}
-        if saved and hook_state is None:
+        if saved and self.hook is None:
             self._pending = saved
         elif saved:
-            self._restore(saved, hook_state, comm_hook, world_size, rank, device)
+            self._restore(saved)
 
-    def restore(
-        self, hook_state: HookState | None, comm_hook: str, world_size: int, rank: int, device: torch.device
-    ) -> None:
-        """Once the hook is registered: put back what a checkpoint loaded before held (``comm_hook``: the strategy's
-        option, named where the checkpoint's state does not fit it)."""
-        if self._pending is not None:
-            self._restore(self._pending, hook_state, comm_hook, world_size, rank, device)
-            self._pending = None
-
-    def _restore(
-        self,
-        saved: dict[str, Any],
-        hook_state: HookState | None,
-        comm_hook: str,
-        world_size: int,
-        rank: int,
-        device: torch.device,
-    ) -> None:
-        powersgd = hook_state
-        if isinstance(powersgd, AutoCommState) and AUTO_CHECKPOINT_KEY in saved:
-            powersgd.load_state_dict(saved[AUTO_CHECKPOINT_KEY])
-            if powersgd.decisions:
+    def _restore(self, saved: dict[str, Any]) -> None:
+        hook = self.hook
+        assert hook is not None
+        if isinstance(hook.state, AutoCommState) and AUTO_CHECKPOINT_KEY in saved:
+            hook.state.load_state_dict(saved[AUTO_CHECKPOINT_KEY])
+            if hook.state.decisions:
                 rank_zero_info(
-                    f"comm_hook auto: resumed at {powersgd.level} (decided at step {powersgd.decisions[-1].step})."
+                    f"comm_hook auto: resumed at {hook.state.level} (decided at step {hook.state.decisions[-1].step})."
                 )
-            powersgd = powersgd.powersgd
         if CHECKPOINT_KEY in saved:
-            name = "powersgd" if isinstance(hook_state, AutoCommState) else comm_hook
-            restore_hook_state(powersgd, name, saved[CHECKPOINT_KEY], world_size, rank, device)
-
-
-def gather_to_rank_zero(state: dict, world_size: int, rank: int) -> list[dict] | None:
-    """Every rank's ``state`` as a list on rank 0 (``None`` elsewhere); a collective on all ranks."""
-    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
-        return [state]
-    gathered: list[dict] | None = [{} for _ in range(world_size)] if rank == 0 else None
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
+            restore_hook_state(
+                hook.powersgd_state, hook.powersgd_name, saved[CHECKPOINT_KEY], hook.world_size, hook.rank, hook.device
+            )
 
 
 def shard_folder(checkpoint_path: Any, follow_link: bool = False) -> str:
@@ -158,33 +156,27 @@ def remember_location(saved: dict[str, Any], checkpoint_path: Any) -> dict[str, 
 
 
 def restore_hook_state(
-    hook_state: HookState | None, comm_hook: str, saved: dict, world_size: int, rank: int, device: torch.device
+    hook_state: PowerSGDState | None, comm_hook: str, saved: dict, world_size: int, rank: int, device: torch.device
 ) -> None:
     """Load the part of a checkpoint's hook state that belongs to this rank into ``hook_state``.
 
     Args:
         comm_hook: the strategy's ``comm_hook`` option (named in the warning when it ignores the state).
-        saved: what :func:`save_hook_state` and :func:`remember_location` left, or an older checkpoint's
-            ``{"comm_hook": name, "per_rank": [state, ...]}``.
+        saved: what :func:`save_hook_state` and :func:`remember_location` left.
     """
-    if not isinstance(hook_state, PowerSGDState) or saved["comm_hook"] != "powersgd":
+    if hook_state is None or saved["comm_hook"] != "powersgd":
         rank_zero_warn(f"The checkpoint holds {saved['comm_hook']!r} hook state; comm_hook={comm_hook!r} ignores it.")
         return
-    if "per_rank" in saved:  # written before each rank had its own file
-        per_rank = saved["per_rank"]
-        shared = {"iteration": per_rank[0]["iteration"], "q_memory": per_rank[0]["q_memory"]}
-        errors = per_rank[rank]["errors"] if len(per_rank) == world_size else None
-        saved_by = len(per_rank)
-    else:
-        shared = {"iteration": saved["iteration"], "q_memory": saved["q_memory"]}
-        saved_by = saved["world_size"]
-        errors = _read_own_errors(saved, rank) if saved_by == world_size else None
+    saved_by = saved["world_size"]
+    errors = _read_own_errors(saved, rank) if saved_by == world_size else None
     if saved_by != world_size:
         rank_zero_warn(
             f"PowerSGD state was saved by {saved_by} ranks and is resumed by {world_size}: "
             "keeping the step count and Q factors, restarting error feedback from zero."
         )
-    hook_state.load_state_dict({**shared, "errors": errors or {}}, device)
+    hook_state.load_state_dict(
+        {"iteration": saved["iteration"], "q_memory": saved["q_memory"], "errors": errors or {}}, device
+    )
 
 
 def _read_own_errors(saved: dict, rank: int) -> dict | None:

@@ -58,10 +58,10 @@ from lightning_fastdist.strategies.common.job import (
     names_checkable,
 )
 from lightning_fastdist.strategies.common.options import named_errors
+from lightning_fastdist.strategies.common.registry import register_once
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
 from lightning_fastdist.strategies.common.unsupported import DEEPSPEED_REFUSALS, refuse_unsupported
-from lightning_fastdist.strategies.deepspeed_checkpoint import full_weights_of_folder
-from lightning_fastdist.strategies.registry import register_once
+from lightning_fastdist.strategies.deepspeed.consolidate import full_weights_of_folder
 
 DEVICE_TYPES = ("cpu", "cuda")
 
