@@ -13,7 +13,8 @@ from lightning_fastdist.callbacks import (
 )
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
-from lightning_fastdist.parallel.grad_norm import grad_norm
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
+from lightning_fastdist.parallel.gradients.grad_norm import grad_norm
 from lightning_fastdist.precision import FastMixedPrecision
 from lightning_fastdist.strategies import FastDDPStrategy, FastDeepSpeedStrategy, FastFSDPStrategy
 
@@ -28,6 +29,7 @@ __all__ = [
     "FastMixedPrecision",
     "NonFiniteLoss",
     "OuterSync",
+    "ReplicaGroups",
     "SpeedMonitor",
     "SyncFreeLogging",
     "count_host_syncs",

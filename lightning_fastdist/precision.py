@@ -4,7 +4,8 @@ torch's ``GradScaler`` reads ``found_inf`` on the host every step unless the opt
 skips the update itself), and Lightning's ``MixedPrecision`` refuses gradient clipping with fused optimizers. This
 plugin fuses Adam, AdamW and SGD under ``"16-mixed"`` (under every precision with ``fuse_optimizers="always"``),
 allows clipping (it unscales first, once) and logs ``fp16/skipped_steps`` and ``fp16/loss_scale`` with no host sync.
-With ``fp8``, the wide linear layers train in fp8 through torchao (``parallel/fp8.py``; ``docs/precision.md``).
+With ``fp8``, the wide linear layers train in fp8 through torchao (``parallel/precision/fp8.py``;
+``docs/precision.md``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fastdist.parallel.fp8 import (
+from lightning_fastdist.parallel.precision.fp8 import (
     DEFAULT_SKIP,
     FP8_RECIPES,
     convert_to_fp8,
     fp8_unavailable,
     precompute_fp8_scales,
 )
-from lightning_fastdist.parallel.fused_optimizer import fuse_optimizer
+from lightning_fastdist.parallel.precision.fused_optimizer import fuse_optimizer
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true")
 DEVICES = ("cuda", "cpu")
@@ -65,7 +66,7 @@ class FastMixedPrecision(Precision):
             them under every precision too (one kernel per parameter group instead of a few per tensor list);
             ``False``: never.
         fp8: ``None`` (off), ``"tensorwise"`` or ``"rowwise"``: train the linear layers wide enough to pay in fp8
-            with torchao's recipe of that name (``lightning_fastdist.parallel.fp8``), beside ``bf16-mixed`` or
+            with torchao's recipe of that name (``lightning_fastdist.parallel.precision.fp8``), beside ``bf16-mixed`` or
             ``bf16-true``; under FSDP2 their weights are all-gathered in fp8. Refused at construction, in one line,
             without a GPU of compute capability 8.9 or newer or without torchao; at setup when no layer qualifies.
         fp8_skip: layers never converted to fp8: a layer is skipped when one of these is part of its name.

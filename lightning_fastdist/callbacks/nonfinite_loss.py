@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fastdist.parallel.fused_optimizer import fuse_optimizer
+from lightning_fastdist.parallel.precision.fused_optimizer import fuse_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Traffic
+from lightning_fastdist.parallel.comm.collective_names import all_gather_single, reduce_scatter_single
 
 FLOAT_BYTES = 4
 
@@ -28,9 +29,9 @@ def _launch(collective: str, full: torch.Tensor, shard: torch.Tensor, group: dis
     if collective == ALL_REDUCE:
         return dist.all_reduce(full, group=group, async_op=True)
     if collective == ALL_GATHER:
-        return dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+        return all_gather_single(full, shard, group=group, async_op=True)
     if collective == REDUCE_SCATTER:
-        return dist.reduce_scatter_tensor(shard, full, group=group, async_op=True)
+        return reduce_scatter_single(shard, full, group=group, async_op=True)
     raise ValueError(f"collective: got {collective!r}; use one of {ALL_REDUCE!r}, {ALL_GATHER!r}, {REDUCE_SCATTER!r}.")
 
 

@@ -129,7 +129,7 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.checkpoint.fault_tolerance", "trainer.preemption"), "name and pick the checkpoint to resume from"
     ),
     f"{TRAINER}._logger_connector": PrivateName(
-        ("strategies.common.comm_metrics", "trainer.internals"), "hand values to the loggers; know a logging step"
+        ("trainer.internals",), "hand values to the loggers; know a logging step"
     ),
     f"{TRAINER}._signal_connector": PrivateName(("trainer.preemption",), "install and restore signal handlers"),
     f"{CONNECTORS}.checkpoint_connector._CheckpointConnector._ckpt_path": PrivateName(

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_fastdist import FastMixedPrecision
 from lightning_fastdist.demo import TinyGPT
-from lightning_fastdist.parallel.fp8 import (
+from lightning_fastdist.parallel.precision.fp8 import (
     convert_to_fp8,
     converted_layers,
     fp8_layers,
@@ -128,8 +128,8 @@ def gathered_bytes(fp8_all_gather: bool) -> tuple[int, float]:
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     from lightning_fastdist.parallel.comm.accounting import CommStats  # noqa: PLC0415
-    from lightning_fastdist.parallel.fp8 import precompute_fp8_scales  # noqa: PLC0415
     from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication  # noqa: PLC0415
+    from lightning_fastdist.parallel.precision.fp8 import precompute_fp8_scales  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = TinyGPT(n_layer=1, n_head=2, n_embd=272, block_size=16)

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fastdist import FastMixedPrecision, SyncFreeLogging, count_host_syncs
 from lightning_fastdist.demo import TextDataModule, TinyGPT
-from lightning_fastdist.parallel.fused_optimizer import fuse_optimizer
+from lightning_fastdist.parallel.precision.fused_optimizer import fuse_optimizer
 from tests.callbacks.test_sync_free_logging import LabelSteps, read_csv
 
 INIT_SCALE = 2.0**10

@@ -226,7 +226,7 @@ ROWS = [
         merge(strategy("FastDDPStrategy", outer_sync={"every": 6, "fragments": 3}),
               {"model": {"init_args": {"n_layer": 2}}, "trainer": {"num_nodes": 2, "devices": 1}})),
     Row("outer-sync-min-nodes-above-num-nodes",
-        "FastDDPStrategy: outer_sync.min_nodes=3 is more than the job's num_nodes=2: give 1 to 2",
+        "FastDDPStrategy: outer_sync.min_nodes=3 is more than the job's num_nodes=2: give min_nodes 1 to 2",
         merge(strategy("FastDDPStrategy", outer_sync={"every": 4, "min_nodes": 3}),
               {"trainer": {"num_nodes": 2, "devices": 1}})),
     Row("outer-sync-fsdp-hsdp",

@@ -107,7 +107,7 @@ def test_doctor_keeps_a_recipes_replica_groups_on_its_nodes_and_refuses_what_can
     assert main([*plan, "--nodes", "1", "--output", "one.yaml"]) == 2
     assert main([*plan, "--simulate", "--world-size", "8", "--output", "simulated.yaml"]) == 2  # one node of 8
     errors = capsys.readouterr().err.splitlines()
-    assert "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2" in errors[0]
+    assert "--nodes: the recipe's replica_groups synchronises across nodes and this job has --nodes=1" in errors[0]
     assert errors[2] == errors[0]
     assert not (in_tmp_dir / "one.yaml").exists() and not (in_tmp_dir / "simulated.yaml").exists()
 

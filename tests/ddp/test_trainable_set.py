@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_fastdist.parallel.trainable import TrainableSet
+from lightning_fastdist.parallel.gradients.trainable import TrainableSet
 
 
 def test_a_freeze_or_an_unfreeze_is_reported_once_and_nothing_when_nothing_changed():

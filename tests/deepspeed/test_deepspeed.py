@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -79,6 +80,8 @@ def fit(corpus: str, folder: Path, max_steps: int, resume: bool = False, precisi
     from deepspeed.comm import comm
 
     L.seed_everything(0, verbose=False)
+    # DeepSpeed's own calls of the collectives torch 2.13 renamed go to the new names (no FutureWarning per call).
+    warnings.filterwarnings("error", r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning)
     recorder = StepRecorder()
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=RESUME_AT, save_top_k=-1, save_last=True)
     accumulation = options.pop("accumulate_grad_batches", 1)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_fastdist.parallel.fsdp.comm_accounting import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
+from lightning_fastdist.parallel.comm.collective_names import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import TrainingShape
 from tests.support.harness import run_function

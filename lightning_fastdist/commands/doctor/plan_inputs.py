@@ -137,14 +137,8 @@ def replica_groups_of(recipe: Recipe | None, nodes: int) -> ReplicaGroups | None
     except ValueError as error:
         raise DoctorError(f"--config: {error}") from None
     assert replica_groups is not None
-    if nodes < 2:
-        raise DoctorError(
-            "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2 or more "
-            "nodes: give --nodes 2 or more (or remove replica_groups from the recipe)."
-        )
-    if replica_groups.min_nodes > nodes:
-        raise DoctorError(
-            f"--nodes: the recipe's replica_groups.min_nodes={replica_groups.min_nodes} is more than the "
-            f"{nodes} nodes planned for: give --nodes {replica_groups.min_nodes} or more."
-        )
+    try:
+        replica_groups.check_nodes(nodes, "--nodes")
+    except ValueError as error:
+        raise DoctorError(f"--nodes: the recipe's {error}") from None
     return replica_groups

@@ -14,7 +14,10 @@ from contextlib import contextmanager
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
+
+from lightning_fastdist.parallel.comm.collective_names import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
 
 INSTALL_HINT = "pip install lightning-fastdist[deepspeed]"
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -76,6 +79,17 @@ def skip_jit_built_comm_ops() -> None:
     import deepspeed.ops  # noqa: PLC0415 - optional
 
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+def call_current_collective_names() -> None:
+    """Point DeepSpeed's communication backend at the flat-tensor all-gather and reduce-scatter under the names the
+    installed torch offers (the same collectives): DeepSpeed calls ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor``, which torch 2.13 deprecates with a ``FutureWarning`` on every call. Call after
+    ``init_distributed``, which builds the backend."""
+    from deepspeed.comm import comm  # noqa: PLC0415 - optional
+
+    comm.cdb.all_gather_function = getattr(dist, ALL_GATHER_FUNCTION)
+    comm.cdb.reduce_scatter_function = getattr(dist, REDUCE_SCATTER_FUNCTION)
 
 
 def deepspeed_device_type() -> str:

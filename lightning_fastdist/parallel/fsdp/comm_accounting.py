@@ -15,11 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.collective_names import ALL_GATHER_FUNCTION, REDUCE_SCATTER_FUNCTION
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, Mark, timed_collective
-
-# The torch.distributed functions called: torch 2.13 deprecates the "_tensor" names (a FutureWarning per call).
-ALL_GATHER_FUNCTION = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-REDUCE_SCATTER_FUNCTION = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 class _CountingComm:

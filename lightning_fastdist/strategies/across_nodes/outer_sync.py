@@ -26,32 +26,31 @@ from lightning_fastdist.parallel.across_nodes.rejoin import Rejoined
 from lightning_fastdist.parallel.fsdp.sharding import reshard_everywhere
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.parallel_plan import BlocksOption
-from lightning_fastdist.strategies.across_nodes.node_worlds import broadcast_in_node
-from lightning_fastdist.strategies.across_nodes.one_world import TrainingStart
+from lightning_fastdist.strategies.across_nodes.interface import TrainingStart
+from lightning_fastdist.strategies.across_nodes.node_process_groups import broadcast_in_node
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
     restore_node_state,
     save_node_state,
 )
-from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
+from lightning_fastdist.strategies.across_nodes.torchft_form import TorchftForm
 from lightning_fastdist.strategies.checkpoint.exact_resume import RNG_KEY
 from lightning_fastdist.trainer.loop_state import training_position
 
 
-class OuterSyncJob(WorldPerNode):
+class OuterSyncJob(TorchftForm):
     """The outer synchronisation of one strategy (``owner`` names it in errors; ``blocks``: the strategy's option, the
     blocks the fragments are made of; ``sharded``: each rank of a node holds a shard of the weights, as under FSDP,
     whose units are resharded before the weights are swapped)."""
 
-    one_node_hint = "remove outer_sync (inside a node every step is synchronous)"
     powersgd_refusal = "outer_sync crosses the slow link only every `every` steps, and inside a node"
     hsdp_refusal = "outer_sync synchronises across nodes every `every` steps and sharding='hsdp' every step"
     collectives = (OUTER_ALL_REDUCE,)
+    settings: OuterSync
 
     def __init__(self, settings: OuterSync, owner: str, blocks: BlocksOption, sharded: bool = False) -> None:
-        super().__init__("outer_sync", owner, settings.min_nodes, sharded)
-        self.settings = settings
+        super().__init__(settings, owner, sharded)
         self.blocks = blocks
         self._fragments: list[nn.Module] = []
         self._steps = 0  # optimizer steps of this fit (the schedule's clock on every rank)
@@ -111,7 +110,7 @@ class OuterSyncJob(WorldPerNode):
         self._steps += 1
         if self._steps % self.settings.steps_between_fragments or dist.get_world_size() == 1:
             return
-        store = self.nodes.store
+        store = self.process_groups.store
         assert store is not None
         key = f"applied/{self._steps}"
         if self.run is not None:
@@ -189,9 +188,9 @@ class OuterSyncJob(WorldPerNode):
         if trainer.received_sigterm and "loops" in checkpoint:
             checkpoint[CHECKPOINT_KEY] = {"written_on_stop": True}
         elif self._fragments and "loops" in checkpoint:
-            assert self.group is not None
+            assert self.process_groups.group is not None
             save_node_state(
-                self.group,
+                self.process_groups.group,
                 self.run,
                 model,
                 optimizers[0],
@@ -213,7 +212,7 @@ class OuterSyncJob(WorldPerNode):
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None or not trainer.training:
             return
-        group = self.group
+        group = self.process_groups.group
         assert group is not None
         node = read_node_state(saved, checkpoint_path, group.node_rank, group.num_nodes, group.ranks_per_node)
         checkpoint[RNG_KEY] = node["rng"]  # None where the node wrote no state: it keeps random states of its own

@@ -22,28 +22,27 @@ from lightning_fastdist.parallel.across_nodes.group import ReplicaGroup, is_firs
 from lightning_fastdist.parallel.across_nodes.replica_groups.gradients import FlatGradients, FlatTensors
 from lightning_fastdist.parallel.across_nodes.replica_groups.run import ACROSS_NODES, OPTION, EveryStepRun
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
-from lightning_fastdist.parallel.trainable import TrainableSet
-from lightning_fastdist.strategies.across_nodes.node_worlds import broadcast_in_node, share_in_node
-from lightning_fastdist.strategies.across_nodes.one_world import TrainingStart
-from lightning_fastdist.strategies.across_nodes.world_per_node import WorldPerNode
+from lightning_fastdist.parallel.gradients.trainable import TrainableSet
+from lightning_fastdist.strategies.across_nodes.interface import TrainingStart
+from lightning_fastdist.strategies.across_nodes.node_process_groups import broadcast_in_node, share_in_node
+from lightning_fastdist.strategies.across_nodes.torchft_form import TorchftForm
 from lightning_fastdist.trainer.loop_state import training_position
 
 
-class ReplicaGroupsJob(WorldPerNode):
+class ReplicaGroupsJob(TorchftForm):
     """Training every step across nodes that are torchft replica groups (``owner`` names the strategy in errors;
     ``broadcast_buffers``: the buffers are node 0's at every step, as DDP's ``broadcast_buffers`` makes them rank 0's;
     ``sharded``: each rank of a node holds a shard of the weights, as under FSDP)."""
 
-    one_node_hint = f"remove {OPTION}"
     powersgd_refusal = "under replica_groups each node is a world of its own, and inside it"
     hsdp_refusal = "replica_groups replicates across nodes through torchft, as sharding='hsdp' does through one world"
     collectives = (ACROSS_NODES,)
+    settings: ReplicaGroups
 
     def __init__(
         self, settings: ReplicaGroups, owner: str, broadcast_buffers: bool = True, sharded: bool = False
     ) -> None:
-        super().__init__(OPTION, owner, settings.min_nodes, sharded)
-        self.settings = settings
+        super().__init__(settings, owner, sharded)
         self.broadcast_buffers = broadcast_buffers
         self._gradients: FlatGradients | None = None  # while fitting
         self._model: nn.Module | None = None  # while fitting

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_fastdist.parallel.comm.accounting import CommStats, Traffic, metric_name
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
+from lightning_fastdist.trainer.internals import is_logging_step
 
 EXPOSED_METRIC = "comm/exposed_s"
 
@@ -64,7 +65,7 @@ class CommMetricsLog:
         if module is None or stats is None:
             return
         step_bytes = tuple(stats.last_step.get(collective, Traffic()).bytes for collective in collectives)
-        due = module.trainer._logger_connector.should_update_logs
+        due = is_logging_step(module.trainer)
         # A CPU tensor stays on the host through Lightning's logging: no copy to or from the device
         # (a Python float would become a tensor on the accelerator). float64 keeps byte counts exact.
         if due and clock is not None:

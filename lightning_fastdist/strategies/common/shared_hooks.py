@@ -6,21 +6,16 @@ nodes, and a lost peer named in one line. Each strategy owns a :class:`SharedHoo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 
 from lightning_fastdist.data.plain_resume import continue_epoch
-from lightning_fastdist.parallel.comm.accounting import CommStats
-from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
-from lightning_fastdist.strategies.across_nodes import OneWorld, TrainingStart
+from lightning_fastdist.strategies.across_nodes import AcrossNodes, OneWorld, TrainingStart
 from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import refuse_non_finite
 from lightning_fastdist.strategies.common.comm_metrics import CommMetricsLog, end_comm_step
@@ -35,9 +30,12 @@ from lightning_fastdist.trainer.preemption import PreemptionHandler
 
 
 class SharedHooks:
-    """The hooks' shared part for one strategy.
+    """The hooks' shared part for one strategy, called one way: from the strategy's hook of the same name, with what
+    only that hook knows; everything else is read from the strategy when the hook runs.
 
     Args:
+        strategy: the strategy that owns it; besides Lightning's attributes it has ``timeout``, ``comm_stats``,
+            ``exposed_comm`` and ``comm_collectives`` (what its engine counts, once counted).
         across_nodes: the strategy's form of training across nodes (:func:`~.across_nodes.across_nodes`).
         log_comm_bytes: log each collective's bytes per optimizer step and the exposed wait (``comm/*``).
 
@@ -45,31 +43,38 @@ class SharedHooks:
         resume: this rank's random states of a loaded checkpoint, until the point of the data where they apply.
     """
 
-    def __init__(self, across_nodes: OneWorld | None = None, log_comm_bytes: bool = True) -> None:
+    def __init__(
+        self, strategy: ParallelStrategy, across_nodes: AcrossNodes | None = None, log_comm_bytes: bool = True
+    ) -> None:
+        self.strategy = strategy
         self.across_nodes = across_nodes if across_nodes is not None else OneWorld()
         self.log_comm_bytes = log_comm_bytes
         self.resume = ResumeState()
         self._comm_log = CommMetricsLog()
         self._preemption: PreemptionHandler | None = None
 
-    def setup(self, trainer: pl.Trainer, timeout: timedelta) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         """Install the preemption handler: first in a strategy's ``setup``, since it agrees with the other ranks."""
-        self._preemption = PreemptionHandler(trainer, timeout)
+        self._preemption = PreemptionHandler(trainer, self.strategy.timeout)
         self._preemption.install()
 
-    def on_train_start(
-        self,
-        model: nn.Module,
-        module: pl.LightningModule,
-        optimizers: Sequence[torch.optim.Optimizer],
-        timeout: timedelta,
-        stats: CommStats | None,
-        clock: ExposedCommClock | None,
-    ) -> None:
+    def on_train_start(self) -> None:
         """A new fit logs into new results; training across nodes starts once Lightning restored a checkpoint's state
         (a node's own state goes on top of it); the resumed epoch's batch count follows its training loader."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        assert strategy.model is not None and module is not None
         self._comm_log.new_fit()
-        self.across_nodes.start(TrainingStart(model, module, optimizers, timeout, stats, clock))
+        self.across_nodes.start(
+            TrainingStart(
+                strategy.model,
+                module,
+                strategy.optimizers,
+                strategy.timeout,
+                strategy.comm_stats,
+                strategy.exposed_comm,
+            )
+        )
         align_resumed_batch_count(module.trainer)
 
     def before_batch(self) -> None:
@@ -77,33 +82,33 @@ class SharedHooks:
         self.resume.before_batch()
         self.across_nodes.before_batch()
 
-    def after_training_step(
-        self,
-        output: Any,
-        module: pl.LightningModule | None,
-        stats: CommStats | None,
-        collectives: Sequence[str],
-        clock: ExposedCommClock | None,
-        extra: Mapping[str, float] | None = None,
-    ) -> Any:
+    def after_training_step(self, output: Any, extra: Mapping[str, float] | None = None) -> Any:
         """Return a training step's ``output`` once the last optimizer step's bytes per collective, its exposed wait and
         ``extra`` are logged (from inside the step: a manual optimizer step in it counts)."""
+        strategy = self.strategy
         if self.log_comm_bytes:
-            self._comm_log.log(module, stats, collectives, clock, extra)
+            self._comm_log.log(
+                strategy.lightning_module,
+                strategy.comm_stats,
+                strategy.comm_collectives,
+                strategy.exposed_comm,
+                extra,
+            )
         return output
 
-    def after_optimizer_step(
-        self, trainer: pl.Trainer, stats: CommStats | None, clock: ExposedCommClock | None
-    ) -> None:
+    def after_optimizer_step(self) -> None:
         """The step's communication count and exposed time closed; where training stands kept for a node that
         rejoins."""
-        self.across_nodes.after_step(trainer)
-        end_comm_step(stats, clock)
+        module = self.strategy.lightning_module
+        assert module is not None
+        self.across_nodes.after_step(module.trainer)
+        end_comm_step(self.strategy.comm_stats, self.strategy.exposed_comm)
 
-    def prepare_save(self, strategy: ParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> bool:
+    def prepare_save(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
         """Before a strategy writes ``checkpoint`` (call on every rank): refuse a non-finite state on every rank, add
         the random states an exact resume needs, and let the form across nodes write its own part. Return whether
         this process's world writes the checkpoint (one node writes what the nodes share)."""
+        strategy = self.strategy
         refuse_non_finite(strategy, checkpoint, filepath)
         trainer = strategy.lightning_module.trainer
         ranks = self.across_nodes.resume_ranks(strategy)
@@ -111,9 +116,10 @@ class SharedHooks:
         self.across_nodes.save(strategy.model, strategy.optimizers, checkpoint, filepath, trainer)
         return self.across_nodes.writes_checkpoint(strategy.node_rank)
 
-    def take_loaded(self, strategy: ParallelStrategy, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+    def take_loaded(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
         """After a strategy loaded ``checkpoint``: keep its random states for the next training batch (a node's own
         under a world per node), and what the form across nodes keeps of it (applied when training starts)."""
+        strategy = self.strategy
         trainer = strategy.lightning_module.trainer
         self.across_nodes.load(
             checkpoint, checkpoint_path, trainer
@@ -121,12 +127,13 @@ class SharedHooks:
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.resume.take_from(checkpoint, *self.across_nodes.resume_ranks(strategy), fitting)
 
-    def training_data(self, dataloader: object, module: pl.LightningModule | None) -> object:
+    def training_data(self, dataloader: object) -> object:
         """In ``process_dataloader``: as a fit sets up its training loaders, before Lightning starts them, the random
         states of a checkpoint that ended an epoch go back, a ``max_steps`` fit resumed there starts the next epoch,
         the sampler is set to the epoch the fit starts in (Lightning
         sets it only after starting the loader, whose workers already drew a resumed epoch's first indices from the
         epoch before), and a plain loader resumed inside an epoch continues where the checkpoint's run stopped."""
+        module = self.strategy.lightning_module
         if module is None or not module.trainer.training:
             return dataloader
         self.resume.before_training_data()
@@ -135,9 +142,9 @@ class SharedHooks:
         resumed = resumed_mid_epoch(module.trainer)
         return continue_epoch(dataloader, *resumed) if resumed is not None else dataloader
 
-    def on_exception(self, exception: BaseException, timeout: timedelta, rank: int) -> None:
+    def on_exception(self, exception: BaseException) -> None:
         """Name a peer lost during a collective in one line."""
-        explain_lost_peer_of_job(exception, timeout, rank)
+        explain_lost_peer_of_job(exception, self.strategy.timeout, self.strategy.global_rank)
 
     def teardown(self) -> None:
         """Stop training across nodes and give the signal handlers back."""

@@ -35,6 +35,7 @@ from lightning_fastdist.parallel.ddp.comm_hook_spec import CommHookName, CommHoo
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import FactorDtypeName, PowerSGDSettings
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
+from lightning_fastdist.parallel.gradients.trainable import TrainableSet
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.compile import compiled_by_user
 from lightning_fastdist.parallel.plan.parallel_plan import (
@@ -45,7 +46,6 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.parallel.trainable import TrainableSet
 from lightning_fastdist.strategies.across_nodes import across_nodes
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back, save_one_file
@@ -171,7 +171,7 @@ class FastDDPStrategy(DDPStrategy):
         )
         self.bucket_cap_mb = bucket_cap_mb
         self.across_nodes = nodes
-        self.shared = SharedHooks(nodes, log_comm_bytes)
+        self.shared = SharedHooks(self, nodes, log_comm_bytes)
         self.hook_state: HookState | None = None
         self._hook_checkpoint = CommHookCheckpoint()
         self.prepared: PreparedBlocks | None = None
@@ -234,7 +234,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        self.shared.setup(trainer, self.timeout)
+        self.shared.setup(trainer)
         if self.plan.compile_config is not None:
             self.recompiles.start()
         super().setup(trainer)
@@ -242,9 +242,7 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.shared.on_train_start(
-            self.model, self.lightning_module, self.optimizers, self.timeout, self.comm_stats, self.exposed_comm
-        )
+        self.shared.on_train_start()
 
     @override
     def on_validation_start(self) -> None:
@@ -263,7 +261,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
+        return self.shared.training_data(super().process_dataloader(dataloader))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -285,14 +283,13 @@ class FastDDPStrategy(DDPStrategy):
         output = super().training_step(*args, **kwargs)
         auto = self.hook_state if isinstance(self.hook_state, AutoCommState) else None
         level = {HOOK_LEVEL_METRIC: float(AUTO_LEVELS.index(auto.level))} if auto is not None else None
-        module, stats, clock = self.lightning_module, self.comm_stats, self.exposed_comm
-        return self.shared.after_training_step(output, module, stats, self.comm_collectives, clock, level)
+        return self.shared.after_training_step(output, level)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         closure = self.across_nodes.averaging_after(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
+        self.shared.after_optimizer_step()
         state, clock = self.hook_state, self.exposed_comm
         if isinstance(state, AutoCommState) and clock is not None and state.measuring:
             decision = state.on_optimizer_step(lambda: clock.total_s, clock.synchronize)
@@ -330,7 +327,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        this_world_writes = self.shared.prepare_save(self, checkpoint, filepath)
+        this_world_writes = self.shared.prepare_save(checkpoint, filepath)
         if self._hook_checkpoint.save(checkpoint, filepath):
             self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
         if not this_world_writes:
@@ -347,7 +344,7 @@ class FastDDPStrategy(DDPStrategy):
         load = functools.partial(super().load_checkpoint, weights_only=weights_only)
         note_location = self._hook_checkpoint.note_location
         checkpoint = load_or_fall_back(self, checkpoint_path, lambda path: note_location(load(path), path), False)
-        self.shared.take_loaded(self, checkpoint, checkpoint_path)
+        self.shared.take_loaded(checkpoint, checkpoint_path)
         self._hook_checkpoint.load(checkpoint)
         return checkpoint
 
@@ -360,7 +357,7 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.shared.on_exception(exception, self.timeout, self.global_rank)
+        self.shared.on_exception(exception)
         super().on_exception(exception)
 
     @override

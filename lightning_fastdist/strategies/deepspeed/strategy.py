@@ -27,9 +27,11 @@ from typing_extensions import override
 
 from lightning_fastdist.parallel.checkpoint.atomic import save_folder_atomically
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.buffers import broadcast_buffers
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.deepspeed.runtime import (
+    call_current_collective_names,
     check_deepspeed_device,
     choose_offload_optimizer,
     engines_placed_on,
@@ -39,7 +41,6 @@ from lightning_fastdist.parallel.deepspeed.runtime import (
 from lightning_fastdist.parallel.deepspeed.settings import BucketSize, DeepSpeedSettings
 from lightning_fastdist.parallel.deepspeed.zero3_trace import start_zero3_steps_at_the_outer_forward
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.plan.blocks import block_modules, resolve_blocks
 from lightning_fastdist.parallel.plan.idle_experts import IdleExperts
 from lightning_fastdist.parallel.plan.parallel_plan import (
@@ -132,7 +133,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         # Offload may keep the module's own torch optimizer (where DeepSpeedCPUAdam, a C++ op compiled at run
         # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
-        self.shared = SharedHooks(log_comm_bytes=log_comm_bytes)
+        self.shared = SharedHooks(self, log_comm_bytes=log_comm_bytes)
         self.comm_stats: CommStats | None = None  # this rank's collective bytes and gradient rounds, once counted
         self._stop_counting: Callable[[], None] | None = None
         self.exposed_comm: ExposedCommClock | None = None  # set when the engine is built
@@ -196,11 +197,12 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     def _init_deepspeed_distributed(self) -> None:
         skip_jit_built_comm_ops()
         super()._init_deepspeed_distributed()
+        call_current_collective_names()
 
     @override
     def setup(self, trainer: Any) -> None:
         refuse_unsupported(trainer, type(self).__name__, DEEPSPEED_REFUSALS)
-        self.shared.setup(trainer, self.timeout)
+        self.shared.setup(trainer)
         super().setup(trainer)  # builds the DeepSpeed engine
         if self._stop_counting is None:
             self.exposed_comm = ExposedCommClock(self.root_device)
@@ -288,9 +290,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.shared.on_train_start(
-            self.model, self.lightning_module, self.optimizers, self.timeout, self.comm_stats, self.exposed_comm
-        )
+        self.shared.on_train_start()
 
     @override
     def on_validation_start(self) -> None:
@@ -309,7 +309,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
+        return self.shared.training_data(super().process_dataloader(dataloader))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -319,9 +319,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        return self.shared.after_training_step(
-            output, self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm
-        )
+        return self.shared.after_training_step(output)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -338,7 +336,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if boundary:
-            self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
+            self.shared.after_optimizer_step()
         return output
 
     @override
@@ -346,7 +344,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         path = Path(self.broadcast(filepath))
-        self.shared.prepare_save(self, checkpoint, path)
+        self.shared.prepare_save(checkpoint, path)
         # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
         save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
 
@@ -359,7 +357,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file, where only rank 0's holds the resume state of every rank.
         checkpoint.update(self.broadcast({key: checkpoint.get(key) for key in RESUME_KEYS}))
-        self.shared.take_loaded(self, checkpoint, checkpoint_path)
+        self.shared.take_loaded(checkpoint, checkpoint_path)
         return checkpoint
 
     def _evaluates_from_zero3_folder(self, checkpoint_path: Any) -> bool:
@@ -380,7 +378,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.shared.on_exception(exception, self.timeout, self.global_rank)
+        self.shared.on_exception(exception)
         super().on_exception(exception)
 
     @override

@@ -32,9 +32,9 @@ from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSy
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
+from lightning_fastdist.parallel.comm.buffers import broadcast_buffers
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
 from lightning_fastdist.parallel.faults.collective_timeout import collective_timeout
-from lightning_fastdist.parallel.fsdp.buffers import broadcast_buffers
 from lightning_fastdist.parallel.fsdp.comm_accounting import counted_fsdp_communication
 from lightning_fastdist.parallel.fsdp.sharding import FSDPSharding, RootUnit, ShardingMode, shard_model
 from lightning_fastdist.parallel.plan.blocks import outermost_block_modules, resolve_blocks
@@ -128,7 +128,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.async_checkpointing = async_checkpointing
         self.across_nodes = nodes
-        self.shared = SharedHooks(nodes, log_comm_bytes)
+        self.shared = SharedHooks(self, nodes, log_comm_bytes)
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.comm_stats: CommStats | None = None  # this rank's FSDP collective bytes and gradient rounds, once counted
         self._root: RootUnit | None = None
@@ -178,7 +178,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         refuse_fsdp1(self.model, type(self).__name__)  # as Lightning's ModelParallelStrategy, whose setup this replaces
         refuse_unsupported(trainer, type(self).__name__, FSDP_REFUSALS)
-        self.shared.setup(trainer, self.timeout)
+        self.shared.setup(trainer)
         if self.plan.compile_config is not None:
             self.recompiles.start()
         self.accelerator.setup(trainer)
@@ -243,9 +243,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.shared.on_train_start(
-            self.model, self.lightning_module, self.optimizers, self.timeout, self.comm_stats, self.exposed_comm
-        )
+        self.shared.on_train_start()
 
     @override
     def on_validation_start(self) -> None:
@@ -275,7 +273,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self.shared.training_data(super().process_dataloader(dataloader), self.lightning_module)
+        return self.shared.training_data(super().process_dataloader(dataloader))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -285,9 +283,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        return self.shared.after_training_step(
-            output, self.lightning_module, self.comm_stats, self.comm_collectives, self.exposed_comm
-        )
+        return self.shared.after_training_step(output)
 
     @contextmanager
     @override
@@ -316,7 +312,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         closure = self.across_nodes.averaging_after(closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.shared.after_optimizer_step(self.lightning_module.trainer, self.comm_stats, self.exposed_comm)
+        self.shared.after_optimizer_step()
         return output
 
     @override
@@ -324,7 +320,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options is not supported.")
         path = Path(self.broadcast(filepath))
-        if not self.shared.prepare_save(self, checkpoint, path):
+        if not self.shared.prepare_save(checkpoint, path):
             return
         if self.checkpoint_format == "full":
             save_one_file(self, checkpoint, path, writer=self.across_nodes.writes_files(self))
@@ -346,7 +342,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         drop_group_keys_not_saved(checkpoint_path, self.optimizers)
         load = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
-        self.shared.take_loaded(self, checkpoint, checkpoint_path)
+        self.shared.take_loaded(checkpoint, checkpoint_path)
         return checkpoint
 
     @override
@@ -380,7 +376,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self.shared.on_exception(exception, self.timeout, self.global_rank)
+        self.shared.on_exception(exception)
         super().on_exception(exception)
 
     @override

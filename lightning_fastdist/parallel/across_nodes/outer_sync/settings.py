@@ -8,10 +8,12 @@ at staggered steps, each all-reduce overlapping ``delay`` steps of compute.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
+
+from lightning_fastdist.parallel.across_nodes.form_settings import FormSettings
 
 PseudoGradientDtype = Literal["fp32", "bf16"]
 OuterSyncForm = Literal["diloco", "streaming-diloco"]
@@ -19,7 +21,7 @@ PSEUDO_GRADIENT_DTYPES = dict(zip(get_args(PseudoGradientDtype), (torch.float32,
 
 
 @dataclass(frozen=True)
-class OuterSync:
+class OuterSync(FormSettings):
     """DiLoCo's outer synchronisation (``outer_sync`` of FastDDPStrategy).
 
     Attributes:
@@ -40,6 +42,8 @@ class OuterSync:
             others training on at their next sync, and started again it joins them. ``None``: every node, so a lost
             node ends the job.
     """
+
+    option: ClassVar[str] = "outer_sync"
 
     every: int = 100
     fragments: int = 2
@@ -77,19 +81,6 @@ class OuterSync:
             raise ValueError(f"outer_sync.mix={self.mix} must be in [0, 1].")
         if self.min_nodes is not None:
             _at_least("min_nodes", self.min_nodes, 1)
-
-    @classmethod
-    def of(cls, value: OuterSync | Mapping[str, Any] | None) -> OuterSync | None:
-        """``value`` as settings: an ``OuterSync``, a mapping of its fields (a recipe's), or ``None``."""
-        if value is None or isinstance(value, OuterSync):
-            return value
-        accepted = [f.name for f in fields(cls)]
-        if not isinstance(value, Mapping):
-            raise ValueError(f"outer_sync must be a mapping of {accepted}, not {value!r}.")
-        unknown = sorted(set(value) - set(accepted))
-        if unknown:
-            raise ValueError(f"outer_sync has no option {unknown[0]!r}: accepted are {accepted}.")
-        return cls(**value)
 
     @property
     def steps_between_fragments(self) -> int:

@@ -1,6 +1,7 @@
-"""What a strategy does about nodes when one torch.distributed world holds every rank of the job: nothing beyond
-Lightning's own. :class:`OneWorld` is also the interface the two forms across nodes override (``world_per_node.py``),
-so that each strategy calls the same methods from its own hooks whichever form, if any, is on.
+"""What a strategy asks about nodes, as one interface (:class:`AcrossNodes`) whose every default is Lightning's own
+behaviour, and its null case, :class:`OneWorld`: one torch.distributed world holds every rank of the job. The two forms
+across nodes fill it in (``torchft_form.py``), so that each strategy calls the same methods from its own hooks whichever
+form, if any, is on.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ class TrainingStart:
     clock: ExposedCommClock | None = None
 
 
-class OneWorld:
-    """The job is one world: every hook does what Lightning's strategy does.
+class AcrossNodes:
+    """What a strategy does about nodes on its hooks; each default is what Lightning's strategy does in one world.
 
     Attributes:
-        option: the strategy option of the form across nodes (``"outer_sync"``, ``"replica_groups"``); ``None`` here.
+        option: the strategy option of the form across nodes (``"outer_sync"``, ``"replica_groups"``); ``None``: none.
         collectives: the collectives across nodes a strategy logs beside its own, as ``comm/<name>_bytes_per_step``.
     """
 
@@ -140,3 +141,7 @@ class OneWorld:
 
     def teardown(self) -> None:
         """Stop what this form started in this process."""
+
+
+class OneWorld(AcrossNodes):
+    """No form across nodes: the job is one torch.distributed world, and every hook does what Lightning's does."""

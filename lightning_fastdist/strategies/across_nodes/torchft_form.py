@@ -18,42 +18,38 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 
+from lightning_fastdist.parallel.across_nodes.form_settings import FormSettings
 from lightning_fastdist.parallel.across_nodes.group import ReplicaGroup
 from lightning_fastdist.parallel.across_nodes.rejoin import Rejoined, load_optimizer_snapshot
-from lightning_fastdist.strategies.across_nodes.node_worlds import (
-    NodeWorlds,
+from lightning_fastdist.strategies.across_nodes.interface import AcrossNodes, TrainingStart
+from lightning_fastdist.strategies.across_nodes.node_process_groups import (
+    NodeProcessGroups,
     broadcast_in_node,
     decide_in_node,
     share_in_node,
 )
-from lightning_fastdist.strategies.across_nodes.one_world import OneWorld, TrainingStart
 from lightning_fastdist.trainer.loop_state import continue_after
 
 
-class WorldPerNode(OneWorld):
-    """The shared base of the two forms (``owner`` names the strategy in errors; ``sharded``: each rank of a node
-    holds a shard of the weights, as under FSDP, instead of all of them).
+class TorchftForm(AcrossNodes):
+    """The base of the two forms across nodes on torchft (``settings``: the form's; ``owner`` names the strategy in
+    errors; ``sharded``: each rank of a node holds a shard of the weights, as under FSDP, instead of all of them).
 
-    A form says what it refuses (:attr:`one_node_hint`, :attr:`powersgd_refusal`, :attr:`hsdp_refusal`), what it runs
-    in a process that talks across nodes (:meth:`_new_run`), and what it does once that run started (:meth:`_started`).
+    A form says what it refuses (:attr:`powersgd_refusal`, :attr:`hsdp_refusal`), what it runs in a process that talks
+    across nodes (:meth:`_new_run`), and what it does once that run started (:meth:`_started`).
     """
 
-    one_node_hint = ""  # what to do instead on one node
     powersgd_refusal = ""  # why PowerSGD's per-rank state does not fit this form
     hsdp_refusal = ""  # why FSDP's HSDP does not either
 
-    def __init__(self, option: str, owner: str, min_nodes: int | None, sharded: bool) -> None:
-        self.option = option
+    def __init__(self, settings: FormSettings, owner: str, sharded: bool) -> None:
+        self.settings = settings
+        self.option = settings.option
         self.owner = owner
         self.sharded = sharded
-        self.nodes = NodeWorlds(owner, option, min_nodes, sharded)
+        self.process_groups = NodeProcessGroups(owner, settings.option, settings.min_nodes, sharded)
         self.run: Any = None  # this process's torchft run, where it talks across nodes, while fitting
         self.wrote_last_checkpoint = False  # whether this node wrote the latest checkpoint (writes_checkpoint)
-
-    @property
-    def group(self) -> ReplicaGroup | None:
-        """Where this process's node stands in the job (once joined)."""
-        return self.nodes.group
 
     def comm_hook_inside_node(self, comm_hook: str) -> str:
         """``auto`` is ``none`` (inside a node gradients travel on fast links); PowerSGD is refused."""
@@ -72,11 +68,15 @@ class WorldPerNode(OneWorld):
 
     def check_launch(self, num_nodes: int) -> None:
         """Refuse, before any process starts, one node, more ``min_nodes`` than nodes, or no torchft."""
-        self.nodes.check_launch(num_nodes, self.one_node_hint)
+        try:
+            self.settings.check_nodes(num_nodes, "num_nodes")
+        except ValueError as error:
+            raise ValueError(f"{self.owner}: {error}") from None
+        self.process_groups.check_can_start()
 
     def join(self, strategy: ParallelStrategy, backend: str, timeout: timedelta) -> None:
         """Join this node's own world (and on global rank 0 start the lighthouse)."""
-        self.nodes.join(strategy, backend, timeout)
+        self.process_groups.join(strategy, backend, timeout)
 
     def resume_ranks(self, strategy: ParallelStrategy) -> tuple[int, int]:
         """The node's: a checkpoint keeps the random states of each node's ranks, each node's beside it."""
@@ -86,7 +86,10 @@ class WorldPerNode(OneWorld):
         """The ranks of the nodes in the latest quorum (known where this process talks across nodes), else
         ``world_size``."""
         quorum_nodes = self.run.membership.quorum_nodes if self.run is not None else ()
-        return self.nodes.training_ranks(quorum_nodes, world_size)
+        if not quorum_nodes:
+            return world_size
+        assert self.process_groups.group is not None
+        return len(quorum_nodes) * self.process_groups.group.ranks_per_node
 
     def start(self, training: TrainingStart) -> None:
         """Start this node's side of the job (call when training starts, after Lightning restored a checkpoint's
@@ -94,7 +97,7 @@ class WorldPerNode(OneWorld):
         state taken, and the loops set to where that node stands."""
         self._check_optimizers(training)
         self.close_run()  # a second fit in the same process starts afresh
-        group = self.nodes.group_of_this_fit()
+        group = self.process_groups.group_of_this_fit()
         self._prepare(training)
         if group.talks_across_nodes:
             report = _warn if group.local_rank == 0 else None  # once per node
@@ -160,12 +163,12 @@ class WorldPerNode(OneWorld):
         if self.run is not None:
             self.run.close()
             self.run = None
-        self.nodes.close_fit()
+        self.process_groups.close_fit()
 
     def teardown(self) -> None:
         """Stop torchft's servers of this process (the lighthouse on global rank 0)."""
         self.close_run()
-        self.nodes.stop_lighthouse()
+        self.process_groups.stop_lighthouse()
 
 
 def _warn(line: str) -> None:

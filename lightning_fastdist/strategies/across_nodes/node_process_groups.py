@@ -32,8 +32,8 @@ from lightning_fastdist.parallel.across_nodes.group import (
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
 
 
-class NodeWorlds:
-    """The node's own world and, on global rank 0, the lighthouse.
+class NodeProcessGroups:
+    """The node's own torch.distributed world (its process group and store) and, on global rank 0, the lighthouse.
 
     Args:
         owner: the strategy, as errors name it; ``option``: its option (``outer_sync``).
@@ -51,19 +51,8 @@ class NodeWorlds:
         self._lighthouse: Any = None
         self._manager_store: dist.TCPStore | None = None  # this fit's, on local rank 0
 
-    def check_launch(self, num_nodes: int, one_node_hint: str) -> None:
-        """Refuse, before any process starts, what cannot run: one node (``one_node_hint`` says what to do), more
-        ``min_nodes`` than nodes, or no torchft."""
-        if num_nodes < 2:
-            raise ValueError(
-                f"{self.owner}: {self.option} synchronises across nodes and this job has num_nodes={num_nodes}: "
-                f"give Trainer(num_nodes=2 or more), or {one_node_hint}."
-            )
-        if (self.min_nodes or 0) > num_nodes:
-            raise ValueError(
-                f"{self.owner}: {self.option}.min_nodes={self.min_nodes} is more than the job's "
-                f"num_nodes={num_nodes}: give 1 to {num_nodes} (or leave it out: every node)."
-            )
+    def check_can_start(self) -> None:
+        """Refuse, before any process starts, a job without torchft or with a coordinator address that is not one."""
         import_torchft(f"{self.owner}'s {self.option}")
         coordinator = os.environ.get(COORDINATOR_VARIABLE)
         if coordinator is not None:
@@ -131,14 +120,6 @@ class NodeWorlds:
     def close_fit(self) -> None:
         """Stop this fit's store (its Managers are shut down)."""
         self._manager_store = None
-
-    def training_ranks(self, quorum_nodes: tuple[str, ...], world_size: int) -> int:
-        """The ranks of the nodes in ``quorum_nodes``, or ``world_size`` where that is empty (this process does not
-        talk across nodes, or no quorum yet)."""
-        if not quorum_nodes:
-            return world_size
-        assert self.group is not None
-        return len(quorum_nodes) * self.group.ranks_per_node
 
     def stop_lighthouse(self) -> None:
         """Stop the lighthouse, where this process started it."""
