@@ -110,7 +110,9 @@ class SharedHooks:
         this process's world writes the checkpoint (one node writes what the nodes share)."""
         strategy = self.strategy
         refuse_non_finite(strategy, checkpoint, filepath)
-        trainer = strategy.lightning_module.trainer
+        trainer = attached_trainer(strategy)
+        if trainer is None:  # saved outside the fit's processes: no rank's state to add, as Lightning saves it
+            return self.across_nodes.writes_checkpoint(strategy.node_rank)
         ranks = self.across_nodes.resume_ranks(strategy)
         self.resume.add_to(checkpoint, *ranks, training_loaders(trainer), trainer.num_training_batches)
         self.across_nodes.save(strategy.model, strategy.optimizers, checkpoint, filepath, trainer)
@@ -120,7 +122,9 @@ class SharedHooks:
         """After a strategy loaded ``checkpoint``: keep its random states for the next training batch (a node's own
         under a world per node), and what the form across nodes keeps of it (applied when training starts)."""
         strategy = self.strategy
-        trainer = strategy.lightning_module.trainer
+        trainer = attached_trainer(strategy)
+        if trainer is None:  # read outside a fit: nothing to resume
+            return
         self.across_nodes.load(
             checkpoint, checkpoint_path, trainer
         )  # first: a node's own random states replace node 0's
@@ -152,3 +156,12 @@ class SharedHooks:
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
+
+
+def attached_trainer(strategy: ParallelStrategy) -> pl.Trainer | None:
+    """The trainer ``strategy``'s LightningModule is attached to, or ``None``: in the main process after a fit that
+    started its ranks with ``spawn`` or ``fork`` (Lightning attaches the module in the ranks only), or where a module
+    was given to the strategy directly, ``trainer.save_checkpoint`` and the strategy's own ``save_checkpoint`` work as
+    Lightning's do."""
+    module = strategy.lightning_module
+    return module._trainer if module is not None else None
