@@ -35,7 +35,8 @@ from typing import Any
 import yaml
 
 from lightning_fastdist.commands.bench.command import parse_args as bench_arguments
-from lightning_fastdist.commands.bench.command import run_setup, throughput
+from lightning_fastdist.commands.bench.rows import throughput
+from lightning_fastdist.commands.bench.setup_run import run_setup
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS
 from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN, Recipe

@@ -11,15 +11,10 @@ import pytest
 import torch
 import yaml
 
-from lightning_fastdist.commands.bench.command import (
-    _base_config,
-    _overlay,
-    add_baseline_ratio,
-    loss_spread,
-    main,
-    parse_args,
-)
+from lightning_fastdist.commands.bench.command import main, parse_args
 from lightning_fastdist.commands.bench.probe import BenchProbe
+from lightning_fastdist.commands.bench.rows import add_baseline_ratio, loss_spread
+from lightning_fastdist.commands.bench.setup_run import _base_config, _overlay
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.commands.bench.step_profile import StepProfile
 from lightning_fastdist.demo import TinyGPT

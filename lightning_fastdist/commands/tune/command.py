@@ -32,7 +32,7 @@ from lightning_fastdist.commands.arguments import (
     setup_names,
     split_passthrough,
 )
-from lightning_fastdist.commands.bench.command import node_count, run_setup, world_size
+from lightning_fastdist.commands.bench.setup_run import node_count, run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.commands.tune import output as tune_output
 from lightning_fastdist.commands.tune.candidates import (

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_fastdist.commands.bench.command import ENGINE_COLOURS, throughput
+from lightning_fastdist.commands.bench.plot import ENGINE_COLOURS
+from lightning_fastdist.commands.bench.rows import throughput
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
 from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, refusal, write_recipe

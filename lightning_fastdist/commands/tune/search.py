@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from lightning_fastdist.commands.bench.command import throughput
+from lightning_fastdist.commands.bench.rows import throughput
 from lightning_fastdist.commands.tune.candidates import Candidate, MemoryPlan, larger_micro_batches, memory_verdict
 
 COMPILED_LEADERS = 2  # how many of the fastest accepted setups are tried with compile
