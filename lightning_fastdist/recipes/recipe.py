@@ -110,6 +110,12 @@ def set_strategy(trainer: dict, strategy: dict) -> None:
             del trainer["plugins"]
 
 
+def set_demo_defaults(parser: LightningArgumentParser) -> None:
+    """Make the demo workload the model and data a LightningCLI ``parser`` builds when the arguments name none: set
+    here once, so that every reader of ``fit``'s arguments (the CLI, bench's hand-written loop) builds the same."""
+    parser.set_defaults({kind: {"class_path": class_path} for kind, class_path in DEFAULT_CLASSES.items()})
+
+
 @functools.cache
 def _parser(kind: str) -> LightningArgumentParser:
     parser = LightningArgumentParser(exit_on_error=False)

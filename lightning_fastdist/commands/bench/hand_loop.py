@@ -35,7 +35,7 @@ from lightning_fastdist.commands.bench.probe import HELD_OUT_BATCHES, SYNC_COUNT
 from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS, StepProfile
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
 from lightning_fastdist.parallel.fused_optimizer import fuse_optimizer
-from lightning_fastdist.recipes.recipe import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_fastdist.recipes.recipe import set_demo_defaults
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
@@ -46,7 +46,7 @@ class _RecipeReader(LightningCLI):
     as ``lightning-fastdist fit`` has them."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+        set_demo_defaults(parser)
 
 
 def read_run(fit_arguments: list[str]) -> tuple[LightningModule, LightningDataModule, Any]:
