@@ -185,7 +185,7 @@ def run_row(context: Context, name: str, setting: Setting, shape: Shape, label: 
     if options.get("profile"):
         argv.append("--profile")
     args = bench_arguments(argv)
-    setup = recipe_setup(args.recipe.config) if name == "recipe" else all_setups(args.compile_backend)[name]
+    setup = recipe_setup(args.recipe) if name == "recipe" else all_setups(args.compile_backend)[name]
     if options.get("compile_mode"):  # the hand-written loop's torch.compile mode
         compile_options = {**setup.strategy_args["compile"], "mode": options["compile_mode"]}
         setup = replace(setup, strategy_args={"compile": compile_options})

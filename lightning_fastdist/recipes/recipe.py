@@ -166,6 +166,11 @@ class Recipe:
             raise RecipeError(f"{kind}: needs a class_path (and optional init_args).")
         return {"class_path": entry["class_path"], "init_args": dict(entry.get("init_args") or {})}
 
+    def class_path(self, kind: str) -> str:
+        """The class the ``model`` or ``data`` entry names, the demo's where it names none: ``fit`` builds the demo's
+        class from an entry of ``init_args`` only, where :meth:`section` asks for a ``class_path``."""
+        return (self.config.get(kind) or {}).get("class_path", DEFAULT_CLASSES[kind])
+
     def _trainer_int(self, name: str) -> int | None:
         value = self.trainer.get(name)
         return value if isinstance(value, int) else None

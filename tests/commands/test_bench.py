@@ -19,7 +19,7 @@ from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.commands.bench.step_profile import StepProfile
 from lightning_fastdist.demo import TinyGPT
 from lightning_fastdist.parallel.ddp.buckets import gradient_bytes
-from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN
+from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN, Recipe
 from tests.support.harness import cli_command, run_function, run_launcher
 from tests.support.workloads import LossRecorder, distinct_batches, make_trainer, repeated_batches, tiny_gpt
 
@@ -124,22 +124,24 @@ def test_each_row_is_compared_with_its_engines_lightning_baseline_and_exact_loss
 
 
 def test_the_recipe_row_trains_the_recipes_own_strategy_or_says_why_it_cannot():
-    recipe = {
-        "trainer": {
-            "strategy": {"class_path": "lightning_fastdist.FastFSDPStrategy", "init_args": {"sharding": "zero2"}}
+    recipe = Recipe(
+        {
+            "trainer": {
+                "strategy": {"class_path": "lightning_fastdist.FastFSDPStrategy", "init_args": {"sharding": "zero2"}}
+            }
         }
-    }
+    )
     setup = recipe_setup(recipe)
     assert (setup.engine, setup.baseline, setup.unavailable(recipe, 2)) == ("FSDP2", "lightning-fsdp2", None)
-    assert setup.strategy_config(2) == recipe["trainer"]["strategy"]
+    assert setup.strategy_config(2) == recipe.trainer["strategy"]
     # The options the rows compare are each row's own: a tuned recipe's comm_hook reaches only the recipe row.
     tuned = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"comm_hook": "bf16", "timeout": 60}}
-    rows = {**all_setups(), "recipe": recipe_setup({"trainer": {"strategy": tuned}})}
+    rows = {**all_setups(), "recipe": recipe_setup(Recipe({"trainer": {"strategy": tuned}}))}
     hooks = {name: rows[name].strategy_config(2)["init_args"]["comm_hook"] for name in ("ddp", "ddp-auto", "recipe")}
     assert hooks == {"ddp": "none", "ddp-auto": "auto", "recipe": "bf16"}
     assert rows["ddp-compile"].strategy_config(2)["init_args"]["activation_checkpointing"] == "none"
-    named = recipe_setup({"trainer": {"strategy": "ddp"}})
-    assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable({}, 2)
+    named = recipe_setup(Recipe({"trainer": {"strategy": "ddp"}}))
+    assert "the recipe's trainer.strategy is 'ddp'; this row needs a class_path" in named.unavailable(Recipe({}), 2)
 
 
 def train_with_the_probe(output: str) -> tuple[list[float], float]:
@@ -220,10 +222,13 @@ def test_lightnings_rows_train_in_lightnings_precision_and_ours_default_in_ours_
 
 def test_the_hand_written_loop_says_in_one_line_what_it_cannot_train():
     loop = all_setups()["hand-loop"]
-    assert loop.unavailable({}, 2) == "the hand-written loop runs one process: give --devices 1 (this run has 2 ranks)"
-    other = {"model": {"class_path": "my_pkg.Model"}}
+    assert (
+        loop.unavailable(Recipe({}), 2)
+        == "the hand-written loop runs one process: give --devices 1 (this run has 2 ranks)"
+    )
+    other = Recipe({"model": {"class_path": "my_pkg.Model"}})
     assert loop.unavailable(other, 1).startswith("the hand-written loop calls lightning_fastdist.demo.TinyGPT's")
-    assert loop.unavailable({}, 1) is None
+    assert loop.unavailable(Recipe({}), 1) is None
 
 
 def test_profile_needs_its_steps_after_the_measured_ones(capsys):

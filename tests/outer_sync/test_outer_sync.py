@@ -21,6 +21,7 @@ from lightning_fastdist.parallel.across_nodes.outer_sync.fragments import split_
 from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
+from lightning_fastdist.recipes.recipe import Recipe
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import ForkedModule, free_port_span, run_processes
 from tests.support.node_faults import start_again_once_held
@@ -85,8 +86,8 @@ def test_bench_and_the_setup_vocabulary_know_both_forms():
     for name, fragments in forms.items():
         row = setups[name]
         assert row.strategy_args["outer_sync"]["fragments"] == fragments and not row.exact
-        assert row.unavailable({}, 2, nodes=1).startswith("synchronises across nodes")
-        assert row.unavailable({}, 2, nodes=2) is None
+        assert row.unavailable(Recipe({}), 2, nodes=1).startswith("synchronises across nodes")
+        assert row.unavailable(Recipe({}), 2, nodes=2) is None
         assert Setup.from_strategy(row.strategy_class, row.strategy_args).name == name
 
 

@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe.config)}
+    setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe)}
     print(f"bench: {len(args.setup_list)} setups x {args.steps} steps of {args.config}; logs in {output}/", flush=True)
     print(header(), flush=True)
     rows: list[dict] = []

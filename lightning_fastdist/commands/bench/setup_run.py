@@ -122,7 +122,7 @@ def run_setup(
     no launcher) ends a run that outlasts it, with everything it started."""
     row = {"setup": setup.name, "engine": setup.engine}
     nodes = node_count(args)
-    unavailable = setup.unavailable(args.recipe.config, world_size(args), nodes if isinstance(nodes, int) else 1)
+    unavailable = setup.unavailable(args.recipe, world_size(args), nodes if isinstance(nodes, int) else 1)
     if unavailable:
         return {**row, "skipped": unavailable}
     probe_output = output / f"{setup.name}.json"

@@ -17,7 +17,7 @@ from lightning_fastdist.parallel.across_nodes.group import INSTALL_HINT as TORCH
 from lightning_fastdist.parallel.across_nodes.group import torchft_available
 from lightning_fastdist.parallel.deepspeed.runtime import INSTALL_HINT, deepspeed_available
 from lightning_fastdist.planning.setup import Setup
-from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES
+from lightning_fastdist.recipes.recipe import DEFAULT_MODEL, STRATEGY_CLASSES, Recipe
 
 LIGHTNING_DDP = "lightning.pytorch.strategies.DDPStrategy"
 LIGHTNING_FSDP2 = "lightning.pytorch.strategies.ModelParallelStrategy"
@@ -89,9 +89,8 @@ class BenchSetup:
             init_args.update(data_parallel_size=world_size, tensor_parallel_size=1)
         return {"class_path": self.strategy_class, "init_args": init_args}
 
-    def unavailable(self, recipe: dict, world_size: int | None, nodes: int = 1) -> str | None:
-        """Why this setup cannot train ``recipe`` (a loaded recipe) on ``world_size`` ranks of ``nodes`` nodes, or
-        ``None``."""
+    def unavailable(self, recipe: Recipe, world_size: int | None, nodes: int = 1) -> str | None:
+        """Why this setup cannot train ``recipe`` on ``world_size`` ranks of ``nodes`` nodes, or ``None``."""
         if self.needs:
             return self.needs
         if self.multi_node and nodes < 2:
@@ -100,12 +99,12 @@ class BenchSetup:
             return f"the hand-written loop runs one process: give --devices 1 (this run has {world_size} ranks)"
         if self.all_ranks_data_parallel and world_size is None:
             return "needs the number of ranks: give --devices N (the recipe's trainer.devices is not a number)"
-        model = (recipe.get("model") or {}).get("class_path", DEFAULT_MODEL)
+        model = recipe.class_path("model")
         if self.model_class is not None and model != DEFAULT_MODEL:
             return f"its configure_model is written for {DEFAULT_MODEL}, the recipe trains {model}"
         if self.runner == "hand-loop" and model != DEFAULT_MODEL:
             return f"the hand-written loop calls {DEFAULT_MODEL}'s forward(inputs, targets), the recipe trains {model}"
-        accelerator = (recipe.get("trainer") or {}).get("accelerator", "auto")
+        accelerator = recipe.trainer.get("accelerator", "auto")
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
         if self.strategy_class == LIGHTNING_DEEPSPEED and on_cpu:
             return "Lightning's DeepSpeedStrategy runs on CUDA only (it refuses the CPU accelerator)"
@@ -120,17 +119,16 @@ _ENGINE_OF_CLASS = {
 }
 
 
-def recipe_setup(recipe: dict) -> BenchSetup:
+def recipe_setup(recipe: Recipe) -> BenchSetup:
     """The ``recipe`` row: the recipe's own ``trainer.strategy``, unchanged (e.g. one ``tune`` wrote)."""
-    strategy = (recipe.get("trainer") or {}).get("strategy")
+    strategy = recipe.trainer.get("strategy")
     class_path = strategy.get("class_path") if isinstance(strategy, dict) else None
     if class_path not in _ENGINE_OF_CLASS:
         known = ", ".join(sorted(_ENGINE_OF_CLASS))
         reason = f"the recipe's trainer.strategy is {strategy!r}; this row needs a class_path, one of {known}"
         return BenchSetup("recipe", "DDP", str(class_path), exact=False, needs=reason)
-    init_args = dict(strategy.get("init_args") or {})
     engine = _ENGINE_OF_CLASS[class_path]
-    return BenchSetup("recipe", engine, class_path, init_args, exact=False, keeps_recipe_options=True)
+    return BenchSetup("recipe", engine, class_path, recipe.strategy_options, exact=False, keeps_recipe_options=True)
 
 
 def ours(setup: Setup, name: str | None = None, exact: bool = True, needs: str | None = None, **options) -> BenchSetup:
