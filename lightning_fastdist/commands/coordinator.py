@@ -1,56 +1,77 @@
-"""``lightning-fastdist coordinator``: torchft's lighthouse and the store where the nodes meet, in one process on a
+"""``lightning-fastdist coordinator``: torchft's lighthouse and the register where the nodes meet, in one process on a
 machine that outlives the nodes.
 
 Without it, a job of torchft replica groups (``replica_groups``, or ``outer_sync`` with ``min_nodes``) keeps both in
 node 0, and losing node 0 ends the job. Use one per job and stop it once the job ended: its register belongs to that
-job. ``docs/fault-tolerance.md`` ("Losing node 0").
+job (claimed for ``--run-id``, or for the first node's). Both listen on ``--bind`` only (``docs/security.md``).
+``docs/fault-tolerance.md`` ("Losing node 0").
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-import socket
-import threading
-
-import torch.distributed as dist
+from datetime import timedelta
 
 from lightning_fastdist.commands.arguments import positive
-from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, start_lighthouse
+from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, Lighthouse
+from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id
+from lightning_fastdist.parallel.faults.listeners import PortInUseError, bound_store, host_address, url_host
 
 PROG = "lightning-fastdist coordinator"
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+STORE_TIMEOUT = timedelta(minutes=30)  # how long a node's request to the register may wait for a key
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1 to 65535."""
+    value = positive(int)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 1 to 65535, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=positive(int), default=29400, help="the lighthouse's; the store's is PORT + 1")
+    parser.add_argument("--port", type=port_number, default=29400, help="the register's (the lighthouse picks its own)")
     parser.add_argument(
         "--min-nodes", type=positive(int), required=True, help="the job's min_nodes: the fewest nodes a quorum holds"
+    )
+    parser.add_argument(
+        "--bind", default=None, metavar="ADDRESS", help="the address to listen on (default: this machine's name's)"
+    )
+    parser.add_argument(
+        "--run-id", default=None, help="the job's run id (SLURM_JOB_ID, ...); default: the first node's"
     )
     return parser
 
 
 def main(argv: list[str]) -> int:
-    """Serve until Ctrl-C or SIGTERM."""
-    args = build_parser().parse_args(argv)
-    lighthouse = start_lighthouse(args.port, args.min_nodes, PROG)
-    store = dist.TCPStore(socket.gethostname(), args.port + 1, is_master=True, wait_for_workers=False)
-    address = f"{socket.gethostname()}:{args.port}"
-    print(
-        f"{PROG}: lighthouse at http://{address}, store at port {args.port + 1}; start every node with "
-        f"{COORDINATOR_VARIABLE}={address}",
-        flush=True,
-    )
-    stopped = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    """Serve until SIGTERM or Ctrl-C."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    address = args.bind or host_address()
+    # Waited for in the main thread, not handled: a handler runs between two bytecodes of whatever the main thread
+    # does, and one that took a lock the main thread held could hang the process until SIGKILL.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        while not stopped.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            register = bound_store(address, args.port, STORE_TIMEOUT, f"{PROG}'s register")
+        except PortInUseError as error:
+            parser.exit(2, f"{PROG}: error: --port: {error}\n")
+        if args.run_id is not None:
+            claim_or_check_run_id(register, args.run_id, f"{PROG}'s register")
+        lighthouse = Lighthouse(address, args.min_nodes, PROG)
+        lighthouse.announce(register)
+        print(
+            f"{PROG}: lighthouse at {lighthouse.url}, register at {url_host(address)}:{args.port}; start every node "
+            f"with {COORDINATOR_VARIABLE}={url_host(address)}:{args.port}",
+            flush=True,
+        )
+        signal.sigwait(STOP_SIGNALS)
         lighthouse.shutdown()
-        del store
+        del register
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     print(f"{PROG}: stopped.", flush=True)
     return 0

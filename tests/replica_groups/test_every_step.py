@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -22,6 +21,7 @@ from lightning_fastdist.planning.fsdp_shards import shard_numel
 from lightning_fastdist.strategies.across_nodes import TrainingStart
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import ForkedModule, cli_command, free_port_span, run_function, run_processes
+from tests.support.listeners import listening_addresses, on_a_wildcard
 from tests.support.lost_node_runs import fit_reports
 from tests.support.model_zoo import HFCausalLM
 from tests.support.node_faults import start_again_once_held, wait_until_held
@@ -69,7 +69,7 @@ def test_a_coordinator_address_that_is_not_host_port_is_refused_in_one_line_befo
 
 
 def _node_commands(engine: str, models: str, steps: int, nodes: int, min_nodes: int = 1, **environment: str):
-    port = free_port_span(3 + nodes)  # the lighthouse at +1, each node's store at +2+node
+    port = free_port_span(nodes)  # each node's store at +node (node 0's the register); the lighthouse picks its own
     command = [sys.executable, "-m", "tests.support.replica_groups_fit", engine, models, str(steps), str(min_nodes)]
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
@@ -92,29 +92,32 @@ def _equalize_with_a_late_node(first_port: int) -> dict:
     import time
 
     from lightning_fastdist.parallel.across_nodes.group import (
+        Lighthouse,
         Membership,
         ReplicaGroup,
         equalize_weights,
         new_manager,
-        start_lighthouse,
     )
-    from lightning_fastdist.parallel.across_nodes.rejoin import CountedTransport
+    from lightning_fastdist.parallel.across_nodes.state_transport import NodeStateTransport
 
     node = int(os.environ["RANK"])
     timeout = timedelta(seconds=60)
     finished = torch.distributed.TCPStore("127.0.0.1", first_port, 2, is_master=node == 0, timeout=timeout)
-    lighthouse = start_lighthouse(first_port + 1, min_nodes=1, owner="test") if node == 0 else None
+    lighthouse = Lighthouse("127.0.0.1", min_nodes=1, owner="test") if node == 0 else None
+    if lighthouse is not None:
+        lighthouse.announce(finished)
     if node == 1:
         finished.wait(["node 0 asks"])
         time.sleep(LATE_HEARTBEAT_S)  # node 0's first quorum forms meanwhile, without this node
     group = ReplicaGroup(
         node_rank=node, num_nodes=2, local_rank=0, sharded=False, ranks_per_node=1, min_nodes=1,
-        store_host="127.0.0.1", store_port=first_port + 2 + node, lighthouse=f"http://127.0.0.1:{first_port + 1}",
+        store_host="127.0.0.1", store_port=first_port + 1 + node, lighthouse=finished.get("lighthouse").decode(),
         first_store=("127.0.0.1", first_port),
     )  # fmt: skip
-    # The node's own store, where its manager's process groups meet (NodeWorlds hosts it in a fit).
+    # The node's own store, where its manager's process groups meet (NodeProcessGroups hosts it in a fit).
     node_store = torch.distributed.TCPStore("127.0.0.1", group.store_port, is_master=True, wait_for_workers=False)
-    manager = new_manager(group, timeout, CountedTransport(timeout), async_quorum=True, owner="test")
+    transport = NodeStateTransport("127.0.0.1", "a token", timeout)
+    manager = new_manager(group, timeout, transport, async_quorum=True, owner="test")
     reports: list[str] = []
     membership = Membership("replica_groups", 2, lambda: 0, "the step's quorum", reports.append)
     membership.watch(manager)
@@ -146,7 +149,7 @@ def test_a_node_the_lighthouse_has_not_heard_from_yet_is_waited_for_when_the_wei
     # Seen under load between two fits in one process: node 0's first quorum formed without node 1, whose manager had
     # not sent its first heartbeat yet; node 0 went on to its first step while node 1 was still making its weights
     # equal, and gloo failed on sizes that did not match.
-    results = run_function(_equalize_with_a_late_node, 2, args=(free_port_span(4),), init_process_group=False)
+    results = run_function(_equalize_with_a_late_node, 2, args=(free_port_span(3),), init_process_group=False)
     for node, result in enumerate(results):
         assert result["equal to node 0's"] and result["participants"] == 2, (node, result)
         assert result["reports"] == [], result["reports"]  # node 1 did not come back: it had not left
@@ -234,14 +237,14 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
     so none is missing."""
     steps, started, port, saved = 10, tmp_path / "started", free_port_span(2), tmp_path / "checkpoints"
     coordinator = subprocess.Popen(
-        cli_command("coordinator", "--port", str(port), "--min-nodes", "1"),
+        cli_command("coordinator", "--port", str(port), "--min-nodes", "1", "--bind", "127.0.0.1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert coordinator.stdout is not None
     announced = coordinator.stdout.readline()  # once both serve
-    assert f"LIGHTNING_FASTDIST_COORDINATOR={socket.gethostname()}:{port}" in announced, announced
+    assert f"LIGHTNING_FASTDIST_COORDINATOR=127.0.0.1:{port}" in announced, announced
     faults = {"NODE_FAULT_KILL": "0:3", "NODE_FAULT_KILL_IN": "backward", "NODE_FAULT_HOLD": f"6:{started}",
               "REPLICA_FIT_CHECKPOINTS": str(saved), "REPLICA_FIT_SAVE_EVERY": "2"}  # fmt: skip
     commands, environments = _node_commands(
@@ -249,14 +252,23 @@ def test_node_0_lost_mid_step_costs_that_step_and_started_again_each_rank_takes_
         LIGHTNING_FASTDIST_COORDINATOR=f"127.0.0.1:{port}", **faults,
     )  # fmt: skip
     nodes = [ForkedModule(command, {**os.environ, **extra}) for command, extra in zip(commands, environments)]
+    listening: list[str] = []
+
+    def look_then_start(command: list[str], environment: dict[str, str]) -> ForkedModule:
+        """While node 1 holds at step 6: what it and the coordinator listen on (docs/security.md)."""
+        listening.extend(listening_addresses([coordinator.pid, nodes[1].pid]))
+        return ForkedModule(command, environment)
+
     try:
-        nodes[0] = start_again_once_held(nodes[0], commands[0], environments[0], started, start=ForkedModule)
+        nodes[0] = start_again_once_held(nodes[0], commands[0], environments[0], started, start=look_then_start)
         outputs = [node.communicate(timeout=240) for node in nodes]
     finally:
         coordinator.terminate()
         _, coordinator_lines = coordinator.communicate(timeout=30)
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     assert coordinator.returncode == 0
+    # The register, the lighthouse, node 1's store, its fit's torchft store, manager server and state transports, gloo.
+    assert len(listening) >= 5 and on_a_wildcard(listening) == [], listening
     # torchft's Rust side logs every quorum and commit at INFO unless RUST_LOG asks for it: here nothing did.
     assert not [lines for lines in (coordinator_lines, *(err for _, err in outputs)) if "[INFO] [torchft" in lines]
     restarted, survivors = (sorted(_reports(out), key=lambda r: r["local_rank"]) for out, _ in outputs)

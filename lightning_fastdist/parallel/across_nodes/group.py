@@ -6,11 +6,13 @@ see which nodes each quorum holds.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -20,11 +22,15 @@ import torch
 from torch import nn
 
 from lightning_fastdist.parallel.across_nodes.torchft_names import require_torchft_names
+from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id, launch_run_id
+from lightning_fastdist.parallel.faults.listeners import url_host
 from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 INSTALL_HINT = "pip install lightning-fastdist[ft]"
 COORDINATOR_VARIABLE = "LIGHTNING_FASTDIST_COORDINATOR"  # HOST:PORT of a coordinator outside the nodes
 TRAINING_KEY = "outer_sync/training"  # in the register while the nodes train: a node that starts then rejoins
+LIGHTHOUSE_KEY = "lighthouse"  # in the register: the lighthouse's URL (it listens on a port of its own choosing)
+TRANSPORT_TOKEN_KEY = "transport_token"  # in the register: what a request for a node's state must name
 QUORUM_RETRY_S = 0.1  # between quorums asked for again at a fit's start, while one lacks a node
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
 # torchft's Rust side (manager, lighthouse) logs every quorum and commit at INFO on stderr: several lines per rank and
@@ -69,11 +75,12 @@ class ReplicaGroup:
 
     Attributes:
         min_nodes: the fewest nodes a quorum may hold (fewer than ``num_nodes``: the job survives a lost node).
-        store_host: an address of this node that the other nodes reach (its hostname): torchft's process groups
-            across nodes rendezvous in the store of one node.
+        store_host: this node's address on the route to the others (``listeners.job_address``): its listeners bind
+            it, and torchft's process groups across nodes rendezvous in the store of one node there.
         store_port: the port of the store of this node's ``Manager`` (the fit's own).
         first_store: ``(host, port)`` of the register's store (node 0's, or a coordinator's), where the nodes meet.
         fit: which fit of the job this is (1, 2, ...: ``FitRegister.count_fit``); 0 before a fit.
+        transport_token: the job's secret that a request for a node's state must name (``state_transport.py``).
     """
 
     node_rank: int
@@ -87,6 +94,7 @@ class ReplicaGroup:
     lighthouse: str
     first_store: tuple[str, int]
     fit: int = 0
+    transport_token: str = ""
 
     @property
     def talks_across_nodes(self) -> bool:
@@ -99,53 +107,108 @@ class ReplicaGroup:
         return self.ranks_per_node if self.sharded else 1
 
 
-def coordinator_at(address: str) -> tuple[str, tuple[str, int]]:
-    """The lighthouse (``http://HOST:PORT``) and the store (``(HOST, PORT + 1)``) of the coordinator at ``address``
-    (``HOST:PORT``, as ``lightning-fastdist coordinator`` prints it: both outlive any node, node 0 included)."""
+def coordinator_at(address: str) -> tuple[str, int]:
+    """The register's ``(HOST, PORT)`` of the coordinator at ``address`` (``HOST:PORT``, as ``lightning-fastdist
+    coordinator`` prints it); its lighthouse's URL is in the register. Both outlive any node, node 0 included."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(
             f"{COORDINATOR_VARIABLE}={address!r} must be HOST:PORT of a running `lightning-fastdist coordinator` "
             "(e.g. 10.0.0.5:29400)."
         )
-    return f"http://{host}:{port}", (host, int(port) + 1)
+    return host.strip("[]"), int(port)
 
 
-def start_lighthouse(port: int, min_nodes: int, owner: str) -> Any:
-    """Start torchft's lighthouse in this process, on every interface at ``port``; ``shutdown()`` stops it.
+class Lighthouse:
+    """torchft's lighthouse, started in this process on ``address`` only, at ``port`` (0: a port of its own choosing);
+    its URL goes into the register (``announce``), where the nodes read it.
 
     Once ``min_nodes`` asked, the lighthouse waits up to ``LEFT_OUT_AFTER`` for the other heartbeating groups
     (torchft's default, 100 ms, would split nodes a few milliseconds apart into different quorums)."""
-    import_torchft(owner)
-    from torchft.coordination import LighthouseServer
 
-    join_timeout_ms = int(LEFT_OUT_AFTER.total_seconds() * 1000)
-    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_nodes, join_timeout_ms=join_timeout_ms)
+    def __init__(self, address: str, min_nodes: int, owner: str, port: int = 0) -> None:
+        import_torchft(owner)
+        from torchft.coordination import LighthouseServer
+
+        join_timeout_ms = int(LEFT_OUT_AFTER.total_seconds() * 1000)
+        self._server = LighthouseServer(
+            bind=f"{url_host(address)}:{port}", min_replicas=min_nodes, join_timeout_ms=join_timeout_ms
+        )
+        self.port = int(self._server.address().rsplit(":", 1)[1])  # its URL names the hostname, not what it bound
+        self.url = f"http://{url_host(address)}:{self.port}"
+
+    def announce(self, register: torch.distributed.Store) -> None:
+        """Put this lighthouse's URL into the register."""
+        register.set(LIGHTHOUSE_KEY, self.url)
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+def register_client(first_store: tuple[str, int], timeout: timedelta) -> torch.distributed.TCPStore:
+    """A connection to the job's register (node 0's store, or a coordinator's), waiting for it within ``timeout``."""
+    return torch.distributed.TCPStore(*first_store, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def lighthouse_in(register: torch.distributed.Store) -> str:
+    """The URL of the job's lighthouse, from its register (waits for it, within the store's timeout)."""
+    return register.get(LIGHTHOUSE_KEY).decode()
+
+
+def transport_token_in(register: torch.distributed.Store) -> str:
+    """The job's secret for its state transport: the register's, made by the first process that asks."""
+    return register.compare_set(TRANSPORT_TOKEN_KEY, "", secrets.token_hex(16)).decode()
 
 
 def new_manager(group: ReplicaGroup, timeout: timedelta, transport: Any, async_quorum: bool, owner: str) -> Any:
     """torchft's ``Manager`` for this process's replica group (``node2``), on gloo, sending a node that heals its
     state over ``transport``; with ``async_quorum`` a quorum overlaps the step's compute and a node that heals
-    sits that step out."""
+    sits that step out. Its server (on the group's first rank) listens on the node's job address only."""
     torchft = import_torchft(owner)
-    return torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=group.min_nodes,
-        use_async_quorum=async_quorum,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=group.local_rank if group.sharded else 0,
-        world_size=group.members,
-        store_addr=group.store_host,
-        store_port=group.store_port,
-        lighthouse_addr=group.lighthouse,
-        replica_id=f"node{group.node_rank}",
-        init_sync=False,  # the weights are made equal by equalize_weights, through the public all-reduce
-        checkpoint_transport=transport,
-    )
+    with _manager_server_bound_to(group.store_host) as servers:
+        manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=group.min_nodes,
+            use_async_quorum=async_quorum,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=group.local_rank if group.sharded else 0,
+            world_size=group.members,
+            store_addr=group.store_host,
+            store_port=group.store_port,
+            lighthouse_addr=group.lighthouse,
+            replica_id=f"node{group.node_rank}",
+            init_sync=False,  # the weights are made equal by equalize_weights, through the public all-reduce
+            checkpoint_transport=transport,
+            hostname=group.store_host,  # the address its server announces to the lighthouse and the other nodes
+        )
+    if manager._manager is not None and manager._manager not in servers:
+        raise RuntimeError(f"{owner}: torchft's Manager built its server another way than this torchft's did.")
+    return manager
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(address: str) -> Iterator[list[Any]]:
+    """While torchft's ``Manager`` is built: its ``ManagerServer`` binds ``address`` instead of every interface (the
+    ``Manager`` gives it ``[::]:PORT``); the servers built are listed. torchft's module is as it was afterwards."""
+    import torchft.manager as manager_module
+
+    original = manager_module.ManagerServer
+    built: list[Any] = []
+
+    def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
+        server = original(*args, bind=f"{url_host(address)}:{bind.rsplit(':', 1)[1]}", **kwargs)
+        built.append(server)
+        return server
+
+    manager_module.ManagerServer = bound_server
+    try:
+        yield built
+    finally:
+        manager_module.ManagerServer = original
 
 
 def equalize_weights(manager: Any, model: nn.Module, owner: str, membership: Membership, timeout: timedelta) -> None:
@@ -183,9 +246,9 @@ class FitRegister:
 
     def __init__(self, group: ReplicaGroup, timeout: timedelta) -> None:
         self.group = group
-        self.store = torch.distributed.TCPStore(
-            *group.first_store, is_master=False, timeout=timeout, wait_for_workers=False
-        )
+        self.store = register_client(group.first_store, timeout)
+        host, port = group.first_store
+        claim_or_check_run_id(self.store, launch_run_id(), f"the register at {url_host(host)}:{port}")
         # A process that fitted before is one of the job's own (a second fit); one that did not, started while the
         # others train, was restarted.
         self.joining = self.store.check([TRAINING_KEY]) and group.fit == 1

@@ -18,7 +18,8 @@ from lightning_fastdist.parallel.across_nodes.group import (
     equalize_weights,
     new_manager,
 )
-from lightning_fastdist.parallel.across_nodes.rejoin import NODE_STATE_KEY, CountedTransport, NodeState, Rejoined
+from lightning_fastdist.parallel.across_nodes.rejoin import NODE_STATE_KEY, NodeState, Rejoined
+from lightning_fastdist.parallel.across_nodes.state_transport import NodeStateTransport
 
 
 class NodeRun:
@@ -46,7 +47,7 @@ class NodeRun:
     ) -> None:
         self.group = group
         self.option = option
-        self._transport = CountedTransport(timeout)
+        self._transport = NodeStateTransport(group.store_host, group.transport_token, timeout)
         self.manager = new_manager(group, timeout, self._transport, async_quorum, owner=option)
         self.steps = 0
         self.rejoined: Rejoined | None = None

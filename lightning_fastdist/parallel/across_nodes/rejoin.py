@@ -1,15 +1,15 @@
 """A node restarted while the others train on (``min_nodes``) takes its state from a live node, not from disk.
 
 At the quorum that heals it, an up-to-date node sends what the state-dict functions registered with its torchft
-``Manager`` return, over HTTP. DiLoCo registers the fragments' global copies and outer optimizers; ``NodeState`` the
-rest: weights, inner optimizer, schedule and the training position (the strategy's: this layer knows no Lightning).
+``Manager`` return, over the job's own transport (``state_transport.py``). DiLoCo registers the fragments' global
+copies and outer optimizers; ``NodeState`` the rest: weights, inner optimizer, schedule and the training position (the
+strategy's: this layer knows no Lightning).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from lightning_fastdist.parallel.across_nodes.group import import_torchft
 from lightning_fastdist.parallel.fsdp.local_shards import local_part
 
 NODE_STATE_KEY = "lightning_fastdist"  # the name NodeState's functions are registered under, on every node
@@ -119,25 +118,6 @@ def tensor_bytes_of(tree: Any) -> int:
     """Bytes of the tensors anywhere in ``tree`` (dicts, lists, tuples)."""
     leaves, _ = tree_flatten(tree)
     return sum(leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor))
-
-
-class CountedTransport:
-    """torchft's HTTP checkpoint transport, counting the tensor bytes each ``recv_checkpoint`` received."""
-
-    def __init__(self, timeout: timedelta) -> None:
-        import_torchft("replica groups")  # first, so that torchft's Rust side logs at our level
-        from torchft.checkpointing import HTTPTransport
-
-        self._transport = HTTPTransport(timeout=timeout, num_chunks=0)
-        self.received_bytes = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-    def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._transport.recv_checkpoint(*args, **kwargs)
-        self.received_bytes += tensor_bytes_of(state)
-        return state
 
 
 def _placed_as(parameter: torch.Tensor, value: Any) -> Any:

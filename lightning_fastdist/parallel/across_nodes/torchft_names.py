@@ -40,6 +40,11 @@ PRIVATE_ATTRIBUTES = {
     "torchft._torchft.ManagerClient._quorum": PrivateName(
         ("parallel.across_nodes.group",), "read each quorum's members and the node a healing node recovers from"
     ),
+    "torchft.manager.Manager._manager": PrivateName(
+        ("parallel.across_nodes.group",),
+        "check that the Manager built its server through torchft.manager.ManagerServer, which is bound to the node's "
+        "job address while it is built (the Manager gives it [::])",
+    ),
     "torchft.manager.Manager._pending_state_dict": PrivateName(
         (REPLICA_GROUPS_RUN,), "take the state a rejoining node received before its first step"
     ),

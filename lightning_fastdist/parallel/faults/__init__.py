@@ -1,1 +1,2 @@
-"""A job that fails as one: job identity, collective timeouts, the stop agreement, finite-state checks."""
+"""A job that is one and fails as one: who belongs to it (job identity), where it listens (listeners), collective
+timeouts, the stop agreement, finite-state checks."""

@@ -87,3 +87,17 @@ def verify_run_id(store: dist.Store, rank: int, run_id: str | None, address: str
             f"(its run id is {published}, this process was launched as {own}); two jobs were given the same "
             "MASTER_PORT. Give each job its own port."
         )
+
+
+def claim_or_check_run_id(store: dist.Store, run_id: str | None, what: str) -> None:
+    """Every process of the job that uses ``store`` (``what`` names it: which store, on which address and port) calls
+    this first: the first one claims the store for its run id, every later one must have the same, or is refused
+    (:class:`JobIdentityError`, one line naming the store and both ids). Nothing is refused where this process was
+    launched without an id (it cannot tell jobs apart), nor by a store claimed without one."""
+    own = run_id or _UNKNOWN
+    held = store.compare_set(_STORE_KEY, "", own).decode()
+    if run_id is not None and held not in (own, _UNKNOWN):
+        raise JobIdentityError(
+            f"refusing to use {what}: it belongs to another job (its run id is {held}, this process was launched as "
+            f"{own}); two jobs were given the same port. Give each job its own."
+        )

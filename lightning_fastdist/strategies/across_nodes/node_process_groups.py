@@ -1,17 +1,19 @@
 """One torch.distributed world per node, for the strategies whose nodes train as torchft replica groups (``outer_sync``,
 ``replica_groups``).
 
-A node's ranks rendezvous in a store of their node at ``MASTER_PORT + 2 + NODE_RANK``; global rank 0 starts torchft's
-lighthouse at ``MASTER_ADDR:MASTER_PORT + 1`` unless ``TORCHFT_LIGHTHOUSE`` names one, or a coordinator outside the
-nodes holds both (``LIGHTNING_FASTDIST_COORDINATOR``), so that losing node 0 does not end the job. Lightning keeps the
-job's global ranks and world size; its own collectives are within the node.
+A node's ranks rendezvous in a store of their node at ``MASTER_PORT + NODE_RANK``; node 0's is the register where the
+nodes meet. Global rank 0 starts torchft's lighthouse at a port of its own choosing and puts its URL into the register,
+unless ``TORCHFT_LIGHTHOUSE`` names one, or a coordinator outside the nodes holds both
+(``LIGHTNING_FASTDIST_COORDINATOR``), so that losing node 0 does not end the job. Every listener binds this node's
+address on the route to node 0 (``listeners.job_address``), and every store is claimed for the job's run id, so another
+job given overlapping ports is refused in one line (``docs/security.md``). Lightning keeps the job's global ranks and
+world size; its own collectives are within the node.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -23,11 +25,16 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning_fastdist.parallel.across_nodes.group import (
     COORDINATOR_VARIABLE,
     FitRegister,
+    Lighthouse,
     ReplicaGroup,
     coordinator_at,
     import_torchft,
-    start_lighthouse,
+    lighthouse_in,
+    register_client,
+    transport_token_in,
 )
+from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id, launch_run_id
+from lightning_fastdist.parallel.faults.listeners import bound_store, job_address, url_host
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own: a lighthouse the job should use instead of starting one
 
@@ -48,7 +55,8 @@ class NodeProcessGroups:
         self.sharded = sharded
         self.group: ReplicaGroup | None = None  # once joined
         self.store: dist.Store | None = None  # the node's own store, shared by its ranks
-        self._lighthouse: Any = None
+        self._lighthouse: Lighthouse | None = None
+        self._port = 0  # the lighthouse's, once it chose one
         self._manager_store: dist.TCPStore | None = None  # this fit's, on local rank 0
 
     def check_can_start(self) -> None:
@@ -64,11 +72,24 @@ class NodeProcessGroups:
         assert environment is not None and strategy.accelerator is not None
         strategy.accelerator.setup_device(strategy.root_device)
         main_port = environment.main_port
-        lighthouse = os.environ.get(LIGHTHOUSE_VARIABLE) or f"http://{environment.main_address}:{main_port + 1}"
-        first_store = (environment.main_address, main_port + 2)  # node 0's own
+        first_store = (environment.main_address, main_port)  # node 0's own
         coordinator = os.environ.get(COORDINATOR_VARIABLE)
         if coordinator is not None:
-            lighthouse, first_store = coordinator_at(coordinator)
+            first_store = coordinator_at(coordinator)
+        address = job_address(first_store[0], several_machines=strategy.num_nodes > 1)
+        store_port = main_port + strategy.node_rank
+        node_store = None
+        if strategy.local_rank == 0 and not dist.is_initialized():  # a second fit keeps the node's world
+            node_store = bound_store(address, store_port, timeout, f"node{strategy.node_rank}'s store")
+        hosts_register = node_store is not None and strategy.node_rank == 0 and coordinator is None
+        register = node_store if hosts_register else register_client(first_store, timeout)
+        claim_or_check_run_id(register, launch_run_id(), f"the register at {url_host(first_store[0])}:{first_store[1]}")
+        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ and coordinator is None:
+            # Once per fit (torchft's quorum numbers start again with a new lighthouse), on the port of the first.
+            self._lighthouse = Lighthouse(address, self.min_nodes or strategy.num_nodes, self.option, self._port)
+            self._port = self._lighthouse.port
+            self._lighthouse.announce(register)
+        lighthouse = os.environ.get(LIGHTHOUSE_VARIABLE) or lighthouse_in(register)
         self.group = ReplicaGroup(
             node_rank=strategy.node_rank,
             num_nodes=strategy.num_nodes,
@@ -76,22 +97,17 @@ class NodeProcessGroups:
             sharded=self.sharded,
             ranks_per_node=strategy.num_processes,
             min_nodes=self.min_nodes or strategy.num_nodes,
-            store_host=socket.gethostname(),
-            store_port=main_port + 2 + strategy.node_rank,
+            store_host=address,
+            store_port=store_port,
             lighthouse=lighthouse,
             first_store=first_store,
+            transport_token=transport_token_in(register),
         )
-        if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ and coordinator is None:
-            self._lighthouse = start_lighthouse(main_port + 1, self.group.min_nodes, self.option)
         if dist.is_initialized():
             return
-        store = dist.TCPStore(
-            self.group.store_host,
-            self.group.store_port,
-            strategy.num_processes,
-            is_master=strategy.local_rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
+        store = node_store or dist.TCPStore(address, store_port, is_master=False, timeout=timeout)
+        claim_or_check_run_id(
+            store, launch_run_id(), f"node{strategy.node_rank}'s store at {url_host(address)}:{store_port}"
         )
         self.store = dist.PrefixStore("outer_sync", store)
         dist.init_process_group(
@@ -111,7 +127,7 @@ class NodeProcessGroups:
         self.close_fit()
         port = None
         if group.local_rank == 0:
-            self._manager_store = dist.TCPStore(group.store_host, 0, is_master=True, wait_for_workers=False)
+            self._manager_store = bound_store(group.store_host, 0, timedelta(minutes=5), "the fit's torchft store")
             port = self._manager_store.port
         if self.sharded:  # every rank of the node runs a Manager of the same replica group
             port = share_in_node(port)
