@@ -34,7 +34,7 @@ from lightning_fastdist.commands.bench.measures import (
 from lightning_fastdist.commands.bench.probe import HELD_OUT_BATCHES, SYNC_COUNT_STEPS, TAIL_FRACTION
 from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS, StepProfile
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
-from lightning_fastdist.parallel.fused_optimizer import fuse_optimizer
+from lightning_fastdist.parallel.precision.fused_optimizer import fuse_optimizer
 from lightning_fastdist.recipes.recipe import set_demo_defaults
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")

@@ -33,7 +33,7 @@ from lightning_fastdist.parallel.comm.accounting import CommStats
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock, watch_ddp
 from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspeed_communication
 from lightning_fastdist.parallel.fsdp.comm_accounting import count_fsdp_communication
-from lightning_fastdist.strategies.across_nodes import WorldPerNode
+from lightning_fastdist.strategies.across_nodes import TorchftForm
 
 SYNC_COUNT_STEPS = 2
 TAIL_FRACTION = 4  # tail_loss averages the last 1/TAIL_FRACTION of the optimizer steps (at least one)
@@ -230,7 +230,7 @@ class BenchProbe(L.Callback):
 def evaluating_ranks(trainer: L.Trainer) -> int:
     """The ranks one evaluation's data is shared out over: every rank of the job, or with a world per node each node's
     own (every node evaluates all of it, on the same global weights: ``docs/outer-sync.md``)."""
-    world_per_node = isinstance(getattr(trainer.strategy, "across_nodes", None), WorldPerNode)
+    world_per_node = isinstance(getattr(trainer.strategy, "across_nodes", None), TorchftForm)
     return trainer.num_devices if world_per_node else trainer.world_size
 
 
