@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from lightning_fastdist.cli.errors import UsageError
+from lightning_fastdist.cli.errors import UsageError, raised_in_user_code
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
 from lightning_fastdist.recipes.parser_errors import condense_parser_error
 from lightning_fastdist.recipes.recipe import DEFAULT_DATA, DEFAULT_MODEL
@@ -41,13 +41,17 @@ class FastDistCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         # The classes validate their own arguments (ValueError; the Trainer also TypeError for ``devices: two``
-        # and MisconfigurationException): report those like parser errors, not as a traceback.
+        # and MisconfigurationException): report those like parser errors, not as a traceback; a bug in the user's
+        # own code keeps its traceback.
         try:
             super().instantiate_classes()
             check_names = getattr(self.trainer.strategy, "check_names", None)
             if check_names is not None:  # a misspelt block class is a recipe mistake too
                 check_names(self.model)
         except (ValueError, TypeError, MisconfigurationException) as error:
+            bug = raised_in_user_code(error)
+            if bug is not None:
+                raise bug from None  # a bug in the user's own code: its traceback names the line
             raise UsageError(condense_parser_error(str(error))) from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:

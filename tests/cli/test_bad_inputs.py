@@ -296,3 +296,16 @@ def test_bad_input_seen_at_setup_raises_one_error_naming_the_field(row, in_tmp_d
     with pytest.raises(row.raises) as error:
         main(arguments(row, in_tmp_dir))
     assert row.message in str(error.value)
+
+
+def test_a_bug_in_the_users_own_init_keeps_its_traceback_where_a_libraries_check_is_one_line(in_tmp_dir, capsys):
+    (in_tmp_dir / "users_own_model.py").write_text(
+        "import lightning as L\n\n\nclass Broken(L.LightningModule):\n    def __init__(self, width: int = 4):\n"
+        "        super().__init__()\n        raise ValueError('a bug on line 7')\n"
+    )
+    config = in_tmp_dir / "recipe.yaml"
+    config.write_text(yaml.safe_dump(merge(BASE, another_model("users_own_model.Broken"))))
+    with pytest.raises(ValueError, match="a bug on line 7") as raised:
+        main(["fit", "--config", str(config)])
+    assert raised.traceback[-1].path == in_tmp_dir / "users_own_model.py" and raised.traceback[-1].lineno + 1 == 7
+    assert "error:" not in capsys.readouterr().err  # not turned into a line that hides where it failed

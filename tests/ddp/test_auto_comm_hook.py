@@ -29,9 +29,11 @@ WINDOW = 3
 WARMUP = AutoPolicy.warmup
 
 
-def test_the_policy_refuses_a_window_of_no_steps_in_one_line():
-    with pytest.raises(ValueError, match=r"^auto_window: got 0; use an integer >= 1 \(optimizer steps\)\.$"):
+def test_a_window_of_no_steps_is_refused_in_one_line_naming_the_strategys_option():
+    with pytest.raises(ValueError, match=r"^comm_hook_window: got 0; use an integer >= 1 \(optimizer steps\)\.$"):
         AutoPolicy(window=0)
+    with pytest.raises(ValueError, match=r"^FastDDPStrategy: comm_hook_window: got 0; use an integer >= 1"):
+        FastDDPStrategy(comm_hook_window=0)
 
 
 def test_powersgd_pays_only_for_models_whose_matrices_compress():

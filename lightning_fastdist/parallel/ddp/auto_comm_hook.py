@@ -50,10 +50,11 @@ class AutoPolicy:
     min_exposed_ms: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "window"):
+        # How a user gives each: the strategy's option for the window, the policy's own field for the warm-up.
+        for name, option in (("warmup", "AutoPolicy.warmup"), ("window", "comm_hook_window")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"auto_{name}: got {value!r}; use an integer >= 1 (optimizer steps).")
+                raise ValueError(f"{option}: got {value!r}; use an integer >= 1 (optimizer steps).")
 
 
 @dataclass(frozen=True)
