@@ -9,23 +9,13 @@
 # Writes DIR/gpu_check.json (default bench_results/gpu_check) and DIR/gpu_check.log, prints one
 # PASS/FAIL/SKIP line per check; exit status 1 if a check failed. docs/gpu.md says more.
 # Environment: PYTHON (default python3), GPU_WHEELS (default .gpu-wheels), GPU_SITE (where the
-# wheels are unpacked, default /tmp/lightning-fastdist-gpu-site).
+# wheels are unpacked; default a fresh private folder, removed at the end: benchmarks/offline_site.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-WHEELS=${GPU_WHEELS:-.gpu-wheels}
-SITE=${GPU_SITE:-/tmp/lightning-fastdist-gpu-site}
-
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" "$WHEELS"/*.whl
-else
-    echo "no wheels in $WHEELS: checks that need a missing package say so (make gpu-wheels prepares them)" >&2
-fi
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source benchmarks/offline_site.sh "checks that need a missing package say so (make gpu-wheels prepares them)"
+trap remove_offline_site EXIT
 
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-exec "$PYTHON" benchmarks/gpu_check.py "$@"
+"$PYTHON" benchmarks/gpu_check.py "$@"

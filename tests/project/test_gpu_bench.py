@@ -15,15 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.offline_gpu_script import load_driver, offline_environment
+from tests.support.offline_gpu_script import load_driver, offline_environment, shell_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.sh"
 
 
 def test_every_pip_install_is_offline_and_nothing_else_fetches():
-    text = re.sub(r"\\\n\s*", " ", SCRIPT.read_text())
-    commands = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    commands = shell_commands(SCRIPT)
     installs = [command for command in commands if "pip install" in command]
     assert installs and all("--no-index" in command and "--no-deps" in command for command in installs)
     assert not [c for c in commands if re.search(r"\b(pip download|curl|wget|git clone)\b", c)]

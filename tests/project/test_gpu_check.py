@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.offline_gpu_script import load_driver, offline_environment
+from tests.support.offline_gpu_script import load_driver, offline_environment, shell_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-
-
-def shell_commands(path: Path) -> list[str]:
-    """The script's commands, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n\s*", " ", path.read_text())
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
 def test_every_pip_install_is_offline_and_nothing_else_fetches():
@@ -82,3 +76,18 @@ def test_the_script_runs_on_cpu_offline_with_one_report_and_a_line_per_check(tmp
     graphs = next(check for check in report["checks"] if check["name"] == "cuda_graph_modes")
     assert "max-autotune-no-cudagraphs" in graphs["numbers"]["refusal_ac_full"]
     assert "Traceback" in (out / "gpu_check.log").read_text()  # the failing check's traceback, for the record
+
+
+def test_without_gpu_site_the_wheels_go_into_a_private_folder_that_is_removed(tmp_path):
+    # A predictable /tmp folder on PYTHONPATH would import whatever another user of the machine put there.
+    environment, _ = offline_environment(tmp_path)
+    del environment["GPU_SITE"]
+    environment["TMPDIR"] = str(tmp_path / "private")
+    (tmp_path / "private").mkdir()
+    probe = "import fastdist_offline_probe; print('FROM', fastdist_offline_probe.__file__)"
+    runner = f'source benchmarks/offline_site.sh "no wheels"; trap remove_offline_site EXIT; "$PYTHON" -c "{probe}"'
+    done = subprocess.run(["bash", "-c", runner], cwd=ROOT, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    imported_from = Path(done.stdout.split("FROM ", 1)[1].strip())
+    assert imported_from.is_relative_to(tmp_path / "private")  # mktemp -d: a fresh folder only its owner can enter
+    assert list((tmp_path / "private").iterdir()) == []  # removed at the end

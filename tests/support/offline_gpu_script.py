@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -13,6 +14,20 @@ from types import ModuleType
 
 PROBE = "fastdist_offline_probe"
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_SOURCED = re.compile(r"^source benchmarks/(\S+\.sh)\b")
+
+
+def shell_commands(path: Path) -> list[str]:
+    """The script's commands, continuation lines joined, comments dropped, and those of the scripts it sources from
+    ``benchmarks/`` in their place."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    commands = []
+    for line in (line.strip() for line in text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        sourced = _SOURCED.match(line)
+        commands += shell_commands(BENCHMARKS / sourced.group(1)) if sourced else [line]
+    return commands
 
 
 def load_driver(name: str) -> ModuleType:
