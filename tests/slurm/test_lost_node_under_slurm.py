@@ -25,7 +25,6 @@ from tests.support.slurm_workload import tiny_overrides
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
 
-SLOW = {"slow_from": 2, "seconds": 0.25}
 STEPS = 10
 
 
@@ -41,9 +40,12 @@ def test_with_replica_groups_n0_trains_on_alone_and_says_so_in_one_line(
         "--trainer.strategy.init_args.comm_hook", "none",
         "--trainer.strategy.init_args.replica_groups", '{"min_nodes": 1}',
     ]  # fmt: skip
-    job_id = submit_training(cluster, tmp_path, [*tiny_overrides(STEPS, samples, **SLOW), *fault_tolerant], "--no-kill")
+    release = tmp_path / "release"  # every rank holds after step 3 until n1 is gone: n0 cannot finish before
+    workload = tiny_overrides(STEPS, samples, hold_at=3, release=release)
+    job_id = submit_training(cluster, tmp_path, [*workload, *fault_tolerant], "--no-kill")
     wait_for_step(cluster, job_id, samples, run=0, step=3)
     cluster.kill_node("n1")
+    release.touch()
     wait_for_output(cluster, job_id, "replica_groups: node1 left the job at step")
     cluster.set_node_state("n1", "DOWN", reason="lost")
     job = finish(cluster, job_id, tmp_path)
@@ -54,4 +56,4 @@ def test_with_replica_groups_n0_trains_on_alone_and_says_so_in_one_line(
     assert len(left) == 1 and "1 of 2 nodes train on" in left[0], left
     trained = [line["step"] for line in job.runs[0, 0].steps]
     assert trained == list(range(1, STEPS + 1)) and job.runs[0, 0].final["final_step"] == STEPS
-    assert job.runs[1, 0].steps[-1]["step"] < STEPS  # n1 trained until it was lost
+    assert job.runs[1, 0].steps[-1]["step"] == 3  # n1 trained until it was lost, while it held after step 3

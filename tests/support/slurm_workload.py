@@ -41,10 +41,18 @@ def cpu_sbatch_options(nodes: int = 2, tasks_per_node: int = 1) -> list[str]:
     ]
 
 
-def tiny_overrides(max_steps: int, log_folder: Path, slow_from: int | None = None, seconds: float = 0.0) -> list[str]:
+def tiny_overrides(
+    max_steps: int,
+    log_folder: Path,
+    slow_from: int | None = None,
+    seconds: float = 0.0,
+    hold_at: int | None = None,
+    release: Path | None = None,
+) -> list[str]:
     """``lightning-fastdist fit`` arguments after the script's name: the recipe at a test's size, with
     :class:`SampleLog` writing into ``log_folder`` (steps from ``slow_from`` on take ``seconds`` longer, so that a
-    signal sent then finds the run still training)."""
+    signal sent then finds the run still training; every rank holds after step ``hold_at`` until ``release`` exists,
+    so that a fault lands at a known step however loaded the machine)."""
     args = [
         "--trainer.accelerator", "cpu", "--trainer.max_steps", str(max_steps),
         "--trainer.strategy.init_args.compile", "false", "--trainer.strategy.init_args.timeout", "30",
@@ -61,7 +69,12 @@ def tiny_overrides(max_steps: int, log_folder: Path, slow_from: int | None = Non
     ]  # fmt: skip
     if slow_from is not None:
         args += ["--trainer.callbacks.slow_from", str(slow_from), "--trainer.callbacks.seconds", str(seconds)]
+    if hold_at is not None:
+        args += ["--trainer.callbacks.hold_at", str(hold_at), "--trainer.callbacks.release", str(release)]
     return args
+
+
+HOLD_LIMIT_S = 300  # a test that never releases still ends (its own timeout is shorter)
 
 
 class _Served(Dataset):
@@ -99,11 +112,21 @@ class SampleLog(L.Callback):
 
     ``slow_from``/``seconds``: from that step on, each step sleeps that long, so that a test's signal, sent once
     the log shows the step, arrives while the run is still training however loaded the machine.
+    ``hold_at``/``release``: after that step is logged, the rank waits until the file ``release`` exists (at most
+    ``HOLD_LIMIT_S``): a test lands its fault (a lost node) while every rank is at that step, then releases them.
     """
 
-    def __init__(self, folder: str, slow_from: int | None = None, seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        folder: str,
+        slow_from: int | None = None,
+        seconds: float = 0.0,
+        hold_at: int | None = None,
+        release: str | None = None,
+    ) -> None:
         self.folder = Path(folder)
         self.slow_from, self.seconds = slow_from, seconds
+        self.hold_at, self.release = hold_at, Path(release) if release else None
         self._served: _Served | None = None
         self._file = None
 
@@ -126,6 +149,10 @@ class SampleLog(L.Callback):
         self._file.write(json.dumps(line) + "\n")
         if self.slow_from is not None and trainer.global_step >= self.slow_from:
             time.sleep(self.seconds)
+        if trainer.global_step == self.hold_at and self.release is not None:
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not self.release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         final = {"final_step": trainer.global_step, "digest": digest(pl_module.state_dict())}
