@@ -3,14 +3,17 @@
 Lightning restarts a plain loader's epoch from its first batch on a mid-epoch resume (batches trained twice, others
 never). Where the order depends on the sampler's seed and epoch alone (``DistributedSampler``, which Lightning puts
 under every training loader of a distributed run, or ``SequentialSampler``) over a map-style dataset, the resumed
-epoch skips the indices the checkpoint's run had read, without reading them again. Elsewhere (an ``IterableDataset``,
-a sampler that draws from the global generator) the order cannot be found again: Lightning's behaviour stays, and one
-line says what the resume repeats or skips and how to make it exact (``docs/fault-tolerance.md``).
+epoch skips the indices the checkpoint's run had read, without reading them again: for each loader of a
+``CombinedLoader`` what that loader had read of its current pass (a loader ``max_size_cycle`` cycles starts again at its
+end: its position is the epoch's batches modulo its length). Elsewhere (an ``IterableDataset``, a sampler that draws
+from the global generator) the order cannot be found again: Lightning's behaviour stays, and one line says so and how
+to make it exact (``docs/fault-tolerance.md``). A loader with its own ``state_dict`` and ``load_state_dict`` (LitData's
+``StreamingDataLoader``, ``ResumableDataLoader``) is left to Lightning, which restores it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
@@ -18,8 +21,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
-
-from lightning_fastdist.data.resumable_loader import ResumableDataLoader
 
 _SEEDED = (DistributedSampler, SequentialSampler)  # orders their seed and epoch alone decide
 EXACT_INSTEAD = (
@@ -40,15 +41,16 @@ def order_is_reproducible(dataloader: object) -> bool:
 
 
 class ResumedEpochSampler(Sampler):
-    """``sampler``, minus the first ``consumed`` items of epoch ``epoch`` (the first time that epoch is read).
+    """``sampler``, minus the first ``consumed()`` items of epoch ``epoch`` (the first time that epoch is read: asked
+    then, once the fit's loaders are all set up).
 
     Its length stays the sampler's: Lightning counts the skipped batches as done. ``set_epoch`` reaches the sampler.
     """
 
-    def __init__(self, sampler: Sampler, epoch: int, consumed: int) -> None:
+    def __init__(self, sampler: Sampler, epoch: int, consumed: Callable[[], int]) -> None:
         self.sampler = sampler
         self.resumed_epoch = epoch
-        self.consumed = consumed
+        self.consumed: Callable[[], int] | None = consumed
         self.epoch = getattr(sampler, "epoch", 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -60,27 +62,50 @@ class ResumedEpochSampler(Sampler):
         return len(self.sampler)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.epoch != self.resumed_epoch or self.consumed == 0:
+        if self.epoch != self.resumed_epoch or self.consumed is None:
             return iter(self.sampler)
-        consumed, self.consumed = self.consumed, 0  # once: the epoch read again later is whole
+        consumed, self.consumed = self.consumed(), None  # once: the epoch read again later is whole
         return islice(iter(self.sampler), consumed, None)
 
 
-def continue_epoch(dataloader: object, epoch: int, batches: int) -> object:
-    """``dataloader`` for a fit that resumes epoch ``epoch`` after its first ``batches`` batches: a copy that skips them
-    without reading where the order is reproducible; else ``dataloader`` itself, with one line saying that, as under
-    Lightning, the epoch's first batches are read again."""
-    if isinstance(dataloader, ResumableDataLoader) or batches == 0:
+def one_loader() -> str:
+    """The mode of a fit's single training loader, which Lightning wraps in a ``CombinedLoader`` of one."""
+    return "max_size_cycle"
+
+
+def batches_read_of_pass(mode: str, batches: int, length: int) -> int:
+    """The batches a loader of ``length`` batches had read of its current pass after a ``CombinedLoader`` in ``mode``
+    yielded ``batches`` in an epoch: ``max_size_cycle`` starts a shorter loader again at its end; ``max_size`` leaves an
+    exhausted one exhausted; ``min_size`` ends the epoch at the shortest."""
+    if mode == "max_size_cycle" and length > 0:
+        return batches % length
+    return min(batches, length)
+
+
+def is_stateful(dataloader: object) -> bool:
+    """Whether Lightning saves and restores ``dataloader`` itself (it has ``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
+def continue_epoch(dataloader: object, epoch: int, batches: int, mode: Callable[[], str] = one_loader) -> object:
+    """``dataloader`` for a fit that resumes epoch ``epoch`` after its first ``batches`` batches (``mode``: the training
+    ``CombinedLoader``'s, asked once it is set up): a copy that skips what it had read without reading it where the
+    order is reproducible; a stateful loader itself (Lightning restores it); else ``dataloader`` itself, with one line
+    saying that, as under Lightning, it is read again from its first batch."""
+    if is_stateful(dataloader) or batches == 0:
         return dataloader
     if not order_is_reproducible(dataloader):
         rank_zero_warn(
             f"Resuming epoch {epoch} after its batch {batches}: this training loader's order cannot be found again "
-            f"({_why_not(dataloader)}), so, as under Lightning, it is read from the epoch's start and its first "
-            f"{batches} batches are trained again; {EXACT_INSTEAD}."
+            f"({_why_not(dataloader)}), so, as under Lightning, it is read again from its first batch, not from where "
+            f"the checkpoint's run stopped; {EXACT_INSTEAD}."
         )
         return dataloader
     assert isinstance(dataloader, DataLoader) and dataloader.batch_size is not None
-    sampler = ResumedEpochSampler(dataloader.sampler, epoch, batches * dataloader.batch_size)
+    batch_size, length = dataloader.batch_size, len(dataloader)
+    sampler = ResumedEpochSampler(
+        dataloader.sampler, epoch, lambda: batches_read_of_pass(mode(), batches, length) * batch_size
+    )
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 

@@ -147,6 +147,15 @@ PRIVATE_ATTRIBUTES = {
     f"{CONNECTORS}.signal_connector._SignalConnector._register_signal": PrivateName(
         ("trainer.preemption",), "install the signal handlers"
     ),
+    "lightning.pytorch.loops.fit_loop._FitLoop._combined_loader": PrivateName(
+        ("trainer.loop_state",), "find each training loader's position in a CombinedLoader resumed inside an epoch"
+    ),
+    "lightning.pytorch.loops.fit_loop._FitLoop._data_source": PrivateName(
+        ("strategies.deepspeed.strategy",), "read the training loader's batch size as Lightning's DeepSpeed does"
+    ),
+    "lightning.pytorch.utilities.combined_loader.CombinedLoader._mode": PrivateName(
+        ("trainer.loop_state",), "know whether a CombinedLoader cycles its shorter loaders (max_size_cycle)"
+    ),
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped": PrivateName(
         ("trainer.loop_state",), "give a node that rejoins a running job the others' logging and scheduler count"
     ),
@@ -195,6 +204,9 @@ PRIVATE_ATTRIBUTES = {
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._restore_zero_state": PrivateName(
         ("strategies.deepspeed.strategy",),
         "load full weights into ZeRO-3 partitions, evaluating from a checkpoint folder",
+    ),
+    f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._auto_select_batch_size": PrivateName(
+        ("strategies.deepspeed.strategy",), "take the first loader's batch size of a CombinedLoader"
     ),
     f"{STRATEGIES}.deepspeed.DeepSpeedStrategy._setup_model": PrivateName(
         ("strategies.deepspeed.strategy",), "apply the plan before DeepSpeed wraps the model"

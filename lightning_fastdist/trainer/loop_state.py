@@ -1,6 +1,6 @@
-"""Lightning's loop progress made to agree with where the training data stands: on save (an epoch cut short by
-``max_steps`` would otherwise resume at the next epoch), on resume (a loader that resumes by samples may be at
-another batch count) and when a node rejoins a running job (it takes the position a live node sent).
+"""Lightning's loop progress made to agree with where the training data stands: on resume (an epoch cut short by
+``max_steps``, which Lightning's checkpoint marks finished, is continued in the loaded state; a loader that resumes by
+samples may be at another batch count) and when a node rejoins a running job (it takes the position a live node sent).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def ends_an_epoch(checkpoint: dict[str, Any]) -> bool:
 
 
 def reopen_epoch_cut_short(checkpoint: dict[str, Any]) -> None:
-    """Mark the checkpoint's epoch unfinished if it ended before its last batch (in place), the form Lightning gives
-    a checkpoint taken inside an epoch: a resume continues it."""
+    """Mark the loaded checkpoint's epoch unfinished if it ended before its last batch (in place, before Lightning
+    restores its loops from it), the form Lightning gives a checkpoint taken inside an epoch: the fit continues it."""
     if epoch_cut_short(checkpoint) is None:
         return
     epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
@@ -53,6 +53,14 @@ def training_loaders(trainer: pl.Trainer) -> list[Any]:
     if isinstance(loaders, dict):
         return list(loaders.values())
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def training_loader_mode(trainer: pl.Trainer) -> str:
+    """The mode of the fit's ``CombinedLoader`` (Lightning wraps a single training loader, or a dict or list of them,
+    in one of mode ``max_size_cycle``); set once the fit's training loaders are."""
+    combined = trainer.fit_loop._combined_loader
+    assert combined is not None
+    return combined._mode
 
 
 def start_the_next_epoch(trainer: pl.Trainer) -> None:

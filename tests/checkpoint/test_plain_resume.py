@@ -1,5 +1,6 @@
 """A plain DataLoader continued inside an epoch: which orders can be found again, the sampler that skips what an epoch
-read (once, without reading it), and the lines for the loaders whose order cannot be found again."""
+read (once, without reading it), where each loader of a CombinedLoader stood, stateful loaders left to Lightning, and
+the lines for the loaders whose order cannot be found again."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from lightning_fastdist.data import ResumableDataLoader
 from lightning_fastdist.data.plain_resume import (
     ResumedEpochSampler,
+    batches_read_of_pass,
     continue_epoch,
     cut_short_line,
     order_is_reproducible,
@@ -44,7 +46,7 @@ def test_orders_decided_by_seed_and_epoch_are_reproducible_the_others_are_not():
 
 def test_the_resumed_epoch_skips_what_was_read_once_and_later_epochs_are_whole():
     sampler = DistributedSampler(DATA, num_replicas=2, rank=1, seed=3)
-    resumed = ResumedEpochSampler(sampler, epoch=2, consumed=8)
+    resumed = ResumedEpochSampler(sampler, epoch=2, consumed=lambda: 8)
     resumed.set_epoch(2)
     assert sampler.epoch == 2 and len(resumed) == len(sampler)  # Lightning counts the skipped batches as done
     sampler.set_epoch(2)
@@ -64,8 +66,35 @@ def test_a_plain_loader_continues_after_the_batches_read_without_reading_them():
     continued.sampler.set_epoch(1)
     assert indices(continued) == expected
     assert continue_epoch(original, epoch=1, batches=0) is original
+
+
+def test_a_stateful_loader_is_left_to_lightning_without_a_line():
     resumable = ResumableDataLoader(DATA, batch_size=4)
-    assert continue_epoch(resumable, epoch=1, batches=2) is resumable  # it resumes itself
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert continue_epoch(resumable, epoch=1, batches=2) is resumable  # Lightning restores it
+    assert caught == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "batches", "expected"),
+    [
+        ("max_size_cycle", 4, 1),
+        ("max_size_cycle", 3, 0),
+        ("max_size_cycle", 2, 2),
+        ("max_size", 4, 3),
+        ("min_size", 2, 2),
+    ],
+)
+def test_a_combined_loaders_loader_continues_where_it_stood_in_its_mode(mode, batches, expected):
+    """A loader of 3 batches in a CombinedLoader that yielded ``batches``: cycled, it had started again at its end."""
+    assert batches_read_of_pass(mode, batches, 3) == expected
+    original = sharded(rank=1)  # 5 batches
+    original.sampler.set_epoch(0)
+    whole = indices(original)
+    continued = continue_epoch(original, epoch=0, batches=batches, mode=lambda: mode)
+    continued.sampler.set_epoch(0)
+    assert indices(continued) == whole[batches_read_of_pass(mode, batches, len(original)) :]
 
 
 @pytest.mark.parametrize(
@@ -81,7 +110,8 @@ def test_a_loader_whose_order_is_lost_is_read_as_under_lightning_and_one_line_sa
         assert continue_epoch(loader, epoch=1, batches=3) is loader
     (line,) = [str(warning.message) for warning in caught]
     assert line.startswith("Resuming epoch 1 after its batch 3: this training loader's order cannot be found again")
-    assert why in line and "first 3 batches are trained again" in line and "ResumableDataLoader" in line
+    assert why in line and "read again from its first batch, not from where the checkpoint's run stopped" in line
+    assert "ResumableDataLoader" in line
 
 
 def test_the_line_for_an_epoch_cut_short_names_what_the_resume_skips():

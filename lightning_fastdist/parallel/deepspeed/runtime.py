@@ -45,8 +45,11 @@ def auto_bucket_size(model: torch.nn.Module) -> int:
     DeepSpeed allocates its buckets at full size on every micro-batch, so a bucket larger than the model only
     costs memory (and, under ``deterministic=True``, the time to fill it). A parameter ZeRO-3 partitioned holds
     an empty tensor on every rank: its size is ``ds_numel`` (``numel()`` would give 0, which DeepSpeed refuses).
+    Rounded up to an even count: ZeRO-1 and 2 refuse an all-gather bucket of an odd number of elements (its 4-byte
+    alignment of fp16 values), which a model of an odd parameter count gave.
     """
-    return min(MAX_AUTO_BUCKET, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad))
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    return min(MAX_AUTO_BUCKET, trainable + trainable % 2)
 
 
 @contextmanager

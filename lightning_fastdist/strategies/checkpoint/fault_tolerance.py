@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -36,8 +35,7 @@ def refuse_non_finite(strategy: Strategy, checkpoint: dict[str, Any], filepath: 
     infinities on purpose (a best score so far).
     """
     entry = non_finite_entry({key: checkpoint[key] for key in TRAINING_STATE_KEYS if key in checkpoint})
-    alone = not (dist.is_available() and dist.is_initialized())  # e.g. the main process after a spawned fit
-    if not (entry is not None if alone else strategy.reduce_boolean_decision(entry is not None, all=False)):
+    if not strategy.reduce_boolean_decision(entry is not None, all=False):
         return
     raise NonFiniteCheckpointError(
         f"refusing to save '{filepath}' at step {checkpoint.get('global_step', '?')}: "

@@ -6,6 +6,7 @@ nodes, and a lost peer named in one line. Each strategy owns a :class:`SharedHoo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning_fastdist.trainer.loop_state import (
     align_resumed_batch_count,
     resumed_mid_epoch,
     start_the_next_epoch,
+    training_loader_mode,
     training_loaders,
 )
 from lightning_fastdist.trainer.preemption import PreemptionHandler
@@ -109,10 +111,10 @@ class SharedHooks:
         the random states an exact resume needs, and let the form across nodes write its own part. Return whether
         this process's world writes the checkpoint (one node writes what the nodes share)."""
         strategy = self.strategy
-        refuse_non_finite(strategy, checkpoint, filepath)
         trainer = attached_trainer(strategy)
-        if trainer is None:  # saved outside the fit's processes: no rank's state to add, as Lightning saves it
+        if trainer is None:  # saved outside the fit's ranks (no collective): as Lightning saves it
             return self.across_nodes.writes_checkpoint(strategy.node_rank)
+        refuse_non_finite(strategy, checkpoint, filepath)
         ranks = self.across_nodes.resume_ranks(strategy)
         self.resume.add_to(checkpoint, *ranks, training_loaders(trainer), trainer.num_training_batches)
         self.across_nodes.save(strategy.model, strategy.optimizers, checkpoint, filepath, trainer)
@@ -136,7 +138,8 @@ class SharedHooks:
         states of a checkpoint that ended an epoch go back, a ``max_steps`` fit resumed there starts the next epoch,
         the sampler is set to the epoch the fit starts in (Lightning
         sets it only after starting the loader, whose workers already drew a resumed epoch's first indices from the
-        epoch before), and a plain loader resumed inside an epoch continues where the checkpoint's run stopped."""
+        epoch before), and a plain loader resumed inside an epoch continues where the checkpoint's run stopped (each
+        loader of a ``CombinedLoader`` where it stood)."""
         module = self.strategy.lightning_module
         if module is None or not module.trainer.training:
             return dataloader
@@ -144,7 +147,9 @@ class SharedHooks:
         start_the_next_epoch(module.trainer)
         _set_sampler_epoch(dataloader, module.trainer.fit_loop.epoch_progress.current.processed)
         resumed = resumed_mid_epoch(module.trainer)
-        return continue_epoch(dataloader, *resumed) if resumed is not None else dataloader
+        if resumed is None:
+            return dataloader
+        return continue_epoch(dataloader, *resumed, functools.partial(training_loader_mode, module.trainer))
 
     def on_exception(self, exception: BaseException) -> None:
         """Name a peer lost during a collective in one line."""

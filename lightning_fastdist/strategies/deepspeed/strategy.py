@@ -33,7 +33,6 @@ from lightning_fastdist.parallel.deepspeed.comm_accounting import count_deepspee
 from lightning_fastdist.parallel.deepspeed.runtime import (
     call_current_collective_names,
     check_deepspeed_device,
-    choose_offload_optimizer,
     engines_placed_on,
     import_deepspeed,
     skip_jit_built_comm_ops,
@@ -49,7 +48,6 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
     ParallelPlan,
     PreparedBlocks,
 )
-from lightning_fastdist.strategies.checkpoint.exact_resume import RESUME_KEYS
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
 from lightning_fastdist.strategies.common.comm_metrics import one_gradient_round
 from lightning_fastdist.strategies.common.job import (
@@ -60,9 +58,15 @@ from lightning_fastdist.strategies.common.job import (
 )
 from lightning_fastdist.strategies.common.options import named_errors
 from lightning_fastdist.strategies.common.registry import register_once
-from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
+from lightning_fastdist.strategies.common.shared_hooks import SharedHooks, attached_trainer
 from lightning_fastdist.strategies.common.unsupported import DEEPSPEED_REFUSALS, refuse_unsupported
+from lightning_fastdist.strategies.deepspeed.accumulation_windows import (
+    epoch_ends_at_this_batch,
+    window_closes_at_this_batch,
+)
 from lightning_fastdist.strategies.deepspeed.consolidate import full_weights_of_folder
+from lightning_fastdist.strategies.deepspeed.micro_batch_size import micro_batch_size
+from lightning_fastdist.strategies.deepspeed.offload import offloaded_optimizer
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -236,7 +240,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         import deepspeed  # noqa: PLC0415 - optional; import_deepspeed checked it in __init__
 
         if self.settings.offload_optimizer and optimizer is not None:
-            optimizer = self._offloaded_optimizer(optimizer)
+            optimizer = offloaded_optimizer(self, optimizer)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank),
             config=self.config,
@@ -259,18 +263,11 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         """Where DeepSpeed's engine goes: the device's index, and on CPU (no index) the local rank."""
         return self.root_device.index if self.root_device.index is not None else self.local_rank
 
-    def _offloaded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """DeepSpeed's CPU Adam for the offloaded step where every rank can build it, else ``optimizer`` (one line)."""
-        chosen, line = choose_offload_optimizer(optimizer, self.root_device.type)
-        everywhere = self.reduce_boolean_decision(chosen is not optimizer, all=True)  # one optimizer for all ranks
-        if chosen is not optimizer and not everywhere:
-            chosen = optimizer
-            line = (
-                f"ZeRO-Offload: the CPU step runs torch's {type(optimizer).__name__}: DeepSpeed's CPU Adam did not "
-                "build on every rank."
-            )
-        rank_zero_info(line)
-        return chosen
+    @override
+    def _auto_select_batch_size(self) -> int:
+        assert self.lightning_module is not None  # only logged by DeepSpeed: the first loader's (micro_batch_size.py)
+        data_source = self.lightning_module.trainer.fit_loop._data_source
+        return micro_batch_size(data_source.dataloader()) if data_source.is_defined() else 1
 
     @property
     def comm_collectives(self) -> tuple[str, ...]:
@@ -329,11 +326,19 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         with one_gradient_round(self.comm_stats):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # The engine accumulates, but not over an epoch's end: Lightning counts an epoch's last step as under DDP.
+        trainer = attached_trainer(self)
+        return trainer is None or not trainer.training or not epoch_ends_at_this_batch(trainer)
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # Lightning calls this on every micro-batch and DeepSpeed steps at the accumulation boundary only:
-        # the step's communication count closes there too (asked before the engine's step counts this micro-batch).
-        boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
+        # Lightning calls this on every micro-batch; the engine steps where Lightning's window closes, told before the
+        # closure's forward and backward (accumulation_windows.py). The step's communication count closes there too.
+        boundary = window_closes_at_this_batch(self.lightning_module.trainer)
+        self.deepspeed_engine.set_gradient_accumulation_boundary(boundary)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if boundary:
             self.shared.after_optimizer_step()
@@ -355,8 +360,9 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         if self._full_weights_to_load:
             load = full_weights_of_folder
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
-        # Under ZeRO-3 every rank reads its own file, where only rank 0's holds the resume state of every rank.
-        checkpoint.update(self.broadcast({key: checkpoint.get(key) for key in RESUME_KEYS}))
+        # Under ZeRO-3 every rank reads its own file: every rank takes rank 0's, as every rank reads DDP's one file
+        # (the LightningModule's and the callbacks' state, and the resume state of every rank).
+        checkpoint.update(self.broadcast({key: value for key, value in checkpoint.items() if key != "state_dict"}))
         self.shared.take_loaded(checkpoint, checkpoint_path)
         return checkpoint
 
