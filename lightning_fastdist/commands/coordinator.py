@@ -14,7 +14,7 @@ import signal
 from datetime import timedelta
 
 from lightning_fastdist.commands.arguments import positive
-from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, Lighthouse
+from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, Lighthouse, register_client
 from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id
 from lightning_fastdist.parallel.faults.listeners import PortInUseError, bound_store, host_address, url_host
 
@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
             parser.exit(2, f"{PROG}: error: --port: {error}\n")
         if args.run_id is not None:
             claim_or_check_run_id(register, args.run_id, f"{PROG}'s register")
-        lighthouse = Lighthouse(address, args.min_nodes, PROG)
+        gate_register = register_client((address, args.port), STORE_TIMEOUT)  # read in the gate's thread
+        lighthouse = Lighthouse(address, args.min_nodes, PROG, gate_register)
         lighthouse.announce(register)
         print(
             f"{PROG}: lighthouse at {lighthouse.url}, register at {url_host(address)}:{args.port}; start every node "

@@ -112,7 +112,7 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
 def fit_on_two_loopback_nodes(config: str, *options: str) -> list[dict[str, str]]:
     """Run ``config`` (the tiny workload, eager compile, CPU) under torchrun on two loopback nodes of one rank each;
     return the metrics rank 0 logged."""
-    port = str(free_port_span(2))  # the node stores at +0 (the register) and +1; the lighthouse picks its own
+    port = str(free_port_span(3))  # torchrun's store; the node stores at +1 (the register) and +2
     nodes = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,

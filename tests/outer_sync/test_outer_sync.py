@@ -95,7 +95,7 @@ def _node_commands(
     options: dict, steps: int, *checkpointing: str, nodes: int = 2, **environment: str
 ) -> tuple[list, list]:
     """The command and environment of each of ``nodes`` "nodes" of this machine running the outer_sync fit."""
-    port = free_port_span(nodes)  # each node's store at +node (node 0's the register); the lighthouse picks its own
+    port = free_port_span(1 + nodes)  # each node's store at +1+node (node 0's the register); the lighthouse: any
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps), *checkpointing]
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node), **environment}

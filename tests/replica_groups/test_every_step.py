@@ -69,7 +69,7 @@ def test_a_coordinator_address_that_is_not_host_port_is_refused_in_one_line_befo
 
 
 def _node_commands(engine: str, models: str, steps: int, nodes: int, min_nodes: int = 1, **environment: str):
-    port = free_port_span(nodes)  # each node's store at +node (node 0's the register); the lighthouse picks its own
+    port = free_port_span(1 + nodes)  # each node's store at +1+node (node 0's the register); the lighthouse: any
     command = [sys.executable, "-m", "tests.support.replica_groups_fit", engine, models, str(steps), str(min_nodes)]
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
@@ -103,7 +103,8 @@ def _equalize_with_a_late_node(first_port: int) -> dict:
     node = int(os.environ["RANK"])
     timeout = timedelta(seconds=60)
     finished = torch.distributed.TCPStore("127.0.0.1", first_port, 2, is_master=node == 0, timeout=timeout)
-    lighthouse = Lighthouse("127.0.0.1", min_nodes=1, owner="test") if node == 0 else None
+    gate_register = torch.distributed.TCPStore("127.0.0.1", first_port, is_master=False, timeout=timeout)
+    lighthouse = Lighthouse("127.0.0.1", 1, "test", gate_register) if node == 0 else None
     if lighthouse is not None:
         lighthouse.announce(finished)
     if node == 1:
@@ -326,10 +327,18 @@ def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_an
     resume = {"REPLICA_FIT_NODES": "2", "REPLICA_FIT_RESUME": str(stopped / "last.ckpt")}
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
-    with EmulatedCluster(nodes=2) as cluster:
+    with EmulatedCluster(nodes=2, strangers=1) as cluster:
         nodes = cluster.start(command, {**every_7, "NODE_FAULT_KILL": "1:2"}, REPO_ROOT, tmp_path / "a")
         assert nodes[1].wait(timeout=240) == -signal.SIGKILL
         wait_until_held(started)
+        # A stranger on the nodes' network tries every port node 0 listens on (register, lighthouse, stores, manager
+        # server, state transport, gloo): it is answered nothing, learns no replica to kill, and node 0 trains on.
+        listening = cluster.listening(0)
+        endpoints = [endpoint for endpoint in listening if not endpoint.startswith("127.")]  # the servers' gated own
+        probe = [sys.executable, "-m", "tests.support.stranger", *endpoints]
+        answers = [json.loads(line) for line in cluster.run_as_stranger(probe, timeout=120).splitlines()]
+        assert len(answers) == len(endpoints) >= 5 and not on_a_wildcard(listening), listening
+        assert [(a["answered_200"], a["replicas_named"]) for a in answers] == [(0, 0)] * len(answers), answers
         again = {**every_7, "NODE_FAULT_ANNOUNCE": str(started)}
         nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, tmp_path / "a")
         assert [node.wait(timeout=240) for node in nodes] == [0, 0], (tmp_path / "a" / "node0.err").read_text()[-3000:]

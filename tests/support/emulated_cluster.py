@@ -58,8 +58,8 @@ SUBNET = "198.18.0"
 NIC = "eth0"
 MTU = 9000
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# A namespace of ours: fdcl-<creator pid>-<cluster number>-<sw | nK>.
-_OUR_NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|n\d+)$")
+# A namespace of ours: fdcl-<creator pid>-<cluster number>-<sw | nK | sK> (switch, node, stranger).
+_OUR_NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|n\d+|s\d+)$")
 _cluster_numbers = itertools.count()
 
 
@@ -143,7 +143,7 @@ class EmulatedCluster:
     Use it as a context manager; :meth:`run` or :meth:`start` runs one command per node.
     """
 
-    def __init__(self, nodes: int, ranks_per_node: int = 1, link_mbit: float | None = None) -> None:
+    def __init__(self, nodes: int, ranks_per_node: int = 1, link_mbit: float | None = None, strangers: int = 0) -> None:
         if not 1 <= nodes <= 250:
             raise ValueError(f"nodes must be between 1 and 250, got {nodes}")
         if ranks_per_node < 1:
@@ -151,6 +151,7 @@ class EmulatedCluster:
         if link_mbit is not None and not link_mbit > 0:
             raise ValueError(f"link_mbit must be positive (or None for an unshaped link), got {link_mbit}")
         self.nodes = nodes
+        self.strangers = strangers  # namespaces on the same bridge that run no node: processes outside the job
         self.ranks_per_node = ranks_per_node
         self.link_mbit = link_mbit
         self.name = f"{PREFIX}-{os.getpid()}-{next(_cluster_numbers)}"
@@ -173,6 +174,23 @@ class EmulatedCluster:
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
+
+    def stranger_namespace(self, stranger: int) -> str:
+        return f"{self.name}-s{stranger}"
+
+    def stranger_address(self, stranger: int) -> str:
+        return f"{SUBNET}.{251 - stranger}"
+
+    def listening(self, node: int) -> list[str]:
+        """``ADDRESS:PORT`` of every TCP socket listening in node ``node``'s namespace (its processes only)."""
+        shown = _run("ip", "netns", "exec", self.namespace(node), "ss", "-ltnH")
+        return [line.split()[3] for line in shown.splitlines() if line.strip()]
+
+    def run_as_stranger(self, command: Sequence[str], stranger: int = 0, timeout: float = 60) -> str:
+        """Run ``command`` in a stranger's namespace (on the nodes' bridge, in no job) and return its output."""
+        wrapped = ["ip", "netns", "exec", self.stranger_namespace(stranger), *command]
+        done = subprocess.run(wrapped, capture_output=True, text=True, check=True, timeout=timeout, cwd=REPO_ROOT)
+        return done.stdout
 
     # ------------------------------------------------------------ building and teardown
 
@@ -212,18 +230,19 @@ class EmulatedCluster:
         self._add_namespace(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
-        for node in range(self.nodes):
-            namespace, port = self.namespace(node), f"p{node}"
+        hosts = [(self.namespace(node), f"p{node}", self.address(node)) for node in range(self.nodes)]
+        hosts += [(self.stranger_namespace(k), f"s{k}", self.stranger_address(k)) for k in range(self.strangers)]
+        for namespace, port, address in hosts:
             self._add_namespace(namespace)
             _run(
                 "ip", "-n", self.switch, "link", "add", port, "mtu", str(MTU), "type", "veth",
                 "peer", "name", NIC, "mtu", str(MTU), "netns", namespace,
             )  # fmt: skip
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
-            _run("ip", "-n", namespace, "addr", "add", f"{self.address(node)}/24", "dev", NIC)
+            _run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", NIC)
             _run("ip", "-n", namespace, "link", "set", NIC, "up")
             if self.link_mbit is not None:
-                self._shape(namespace, NIC)  # what the node sends
+                self._shape(namespace, NIC)  # what the host sends
                 self._shape(self.switch, port)  # what it receives
 
     def _shape(self, namespace: str, device: str) -> None:

@@ -1,7 +1,8 @@
 """One torch.distributed world per node, for the strategies whose nodes train as torchft replica groups (``outer_sync``,
 ``replica_groups``).
 
-A node's ranks rendezvous in a store of their node at ``MASTER_PORT + NODE_RANK``; node 0's is the register where the
+A node's ranks rendezvous in a store of their node at ``MASTER_PORT + 1 + NODE_RANK`` (``MASTER_PORT`` stays a
+launcher's: torchrun's agent listens there); node 0's is the register where the
 nodes meet. Global rank 0 starts torchft's lighthouse at a port of its own choosing and puts its URL into the register,
 unless ``TORCHFT_LIGHTHOUSE`` names one, or a coordinator outside the nodes holds both
 (``LIGHTNING_FASTDIST_COORDINATOR``), so that losing node 0 does not end the job. Every listener binds this node's
@@ -16,12 +17,13 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 
+from lightning_fastdist.parallel.across_nodes.admission_gate import admit
 from lightning_fastdist.parallel.across_nodes.group import (
     COORDINATOR_VARIABLE,
     FitRegister,
@@ -48,6 +50,8 @@ class NodeProcessGroups:
         sharded: each rank of a node holds a shard of the weights (FSDP) instead of all of them.
     """
 
+    lighthouse_ports: ClassVar[dict[str, int]] = {}  # by address: the port this process's lighthouses take
+
     def __init__(self, owner: str, option: str, min_nodes: int | None, sharded: bool) -> None:
         self.owner = owner
         self.option = option
@@ -56,7 +60,6 @@ class NodeProcessGroups:
         self.group: ReplicaGroup | None = None  # once joined
         self.store: dist.Store | None = None  # the node's own store, shared by its ranks
         self._lighthouse: Lighthouse | None = None
-        self._port = 0  # the lighthouse's, once it chose one
         self._manager_store: dist.TCPStore | None = None  # this fit's, on local rank 0
 
     def check_can_start(self) -> None:
@@ -72,22 +75,27 @@ class NodeProcessGroups:
         assert environment is not None and strategy.accelerator is not None
         strategy.accelerator.setup_device(strategy.root_device)
         main_port = environment.main_port
-        first_store = (environment.main_address, main_port)  # node 0's own
+        first_store = (environment.main_address, main_port + 1)  # node 0's own
         coordinator = os.environ.get(COORDINATOR_VARIABLE)
         if coordinator is not None:
             first_store = coordinator_at(coordinator)
         address = job_address(first_store[0], several_machines=strategy.num_nodes > 1)
-        store_port = main_port + strategy.node_rank
+        store_port = main_port + 1 + strategy.node_rank
         node_store = None
         if strategy.local_rank == 0 and not dist.is_initialized():  # a second fit keeps the node's world
             node_store = bound_store(address, store_port, timeout, f"node{strategy.node_rank}'s store")
         hosts_register = node_store is not None and strategy.node_rank == 0 and coordinator is None
         register = node_store if hosts_register else register_client(first_store, timeout)
         claim_or_check_run_id(register, launch_run_id(), f"the register at {url_host(first_store[0])}:{first_store[1]}")
+        admit(register, address)  # this machine's connections pass the lighthouse's gate
         if strategy.global_rank == 0 and LIGHTHOUSE_VARIABLE not in os.environ and coordinator is None:
-            # Once per fit (torchft's quorum numbers start again with a new lighthouse), on the port of the first.
-            self._lighthouse = Lighthouse(address, self.min_nodes or strategy.num_nodes, self.option, self._port)
-            self._port = self._lighthouse.port
+            # Once per fit (torchft's quorum numbers start again with a new lighthouse), on the port of this process's
+            # first: a node that reads the register before this fit's lighthouse announced itself finds its URL.
+            gate_register = register_client(first_store, timeout)  # its own connection: the gate reads it in a thread
+            min_nodes = self.min_nodes or strategy.num_nodes
+            port = NodeProcessGroups.lighthouse_ports.get(address, 0)
+            self._lighthouse = Lighthouse(address, min_nodes, self.option, gate_register, port)
+            NodeProcessGroups.lighthouse_ports[address] = self._lighthouse.port
             self._lighthouse.announce(register)
         lighthouse = os.environ.get(LIGHTHOUSE_VARIABLE) or lighthouse_in(register)
         self.group = ReplicaGroup(
