@@ -72,9 +72,6 @@ PRIVATE_IMPORTS = {
     f"{FABRIC}.distributed._destroy_dist_connection": PrivateName(
         ("strategies.common.job",), "destroy the process group at exit, as Lightning does"
     ),
-    f"{FABRIC}.init._materialize_distributed_module": PrivateName(
-        ("strategies.fsdp.sharded_module",), "materialise a meta-device model after fully_shard"
-    ),
     f"{FABRIC}.load._METADATA_FILENAME": PrivateName(
         ("strategies.fsdp.sharded_module",), "name the metadata file of a sharded checkpoint as Lightning does"
     ),

@@ -57,6 +57,20 @@ PATTERNS = {
         "`StreamingDataLoader`), resumed from the step-4 checkpoint",
         "resumed where DDP's own resume goes (Lightning restores the loader), and no line",
     ),
+    "swa": ("`StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)`, 2 epochs", "the averaged weights"),
+    "gan_manual": (
+        "Lightning's GAN example: manual optimization, `toggle_optimizer`, the generator's loss, backward and step, "
+        "then the discriminator's (a head both use outside their blocks)",
+        "both losses of every step",
+    ),
+    "empty_init_load_from_checkpoint": (
+        "`with trainer.init_module(empty_init=True): model = M.load_from_checkpoint(path)`",
+        "the loaded weights train (DDP: they do; they differ from M's own)",
+    ),
+    "empty_init_load_state_dict": (
+        "`with trainer.init_module(empty_init=True): model = M()`, then `model.load_state_dict(...)`",
+        "the same",
+    ),
     "lightning_resumes_ours": (
         "our checkpoint resumed by Lightning's `DDPStrategy` (SGD with momentum): at step 4 (inside an epoch), at "
         "epoch 0's end, and after `fit(max_steps=9)` cut epoch 1 short (`trainer.save_checkpoint`)",
@@ -68,8 +82,25 @@ RUN_ONLY = {  # the patterns run under some engines only (the mechanism is the s
     "combined_max_size": ("fast_ddp", "fast_fsdp", "fast_deepspeed 2"),
     "combined_min_size": ("fast_ddp", "fast_fsdp", "fast_deepspeed 2"),
     "stateful_loader": ("fast_ddp", "fast_fsdp", "fast_deepspeed 2"),
+    "swa": ("fast_ddp", "fast_fsdp", "fast_deepspeed 2"),
+    "gan_manual": ("fast_ddp", "fast_fsdp", "fast_deepspeed 2"),
 }
-REFUSALS: dict[tuple[str, str], str] = {}
+TRAINED = (
+    "accumulation_epoch_end",
+    "swa",
+    "gan_manual",
+    "empty_init_load_from_checkpoint",
+    "empty_init_load_state_dict",
+)
+FIND_UNUSED = ("gan_manual",)  # DDP needs find_unused_parameters=True: each pass leaves the other model's unused
+_NO_SHARDED_SWA = "SWA does not currently support sharded models"
+
+REFUSALS = {
+    ("swa", "fast_fsdp"): "FastFSDPStrategy: StochasticWeightAveraging keeps an unsharded copy of the model",
+    # Lightning's own refusals, when the fit starts: by class (DeepSpeedStrategy), and of two optimizers.
+    ("swa", "fast_deepspeed 2"): _NO_SHARDED_SWA,
+    ("gan_manual", "fast_deepspeed 2"): "DeepSpeed currently only supports single optimizer",
+}
 SAVE_POINTS = ("step=4", "epoch=0-end", "cut")  # inside epoch 0, at its end, after max_steps=9 cut epoch 1 short
 SAVERS = {
     "ddp": ("DDPStrategy", {}),
@@ -150,6 +181,7 @@ def _model(pattern: str):
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
             self.seen: list = []
+            self.both_losses: list = []
             self.loaded_from_rank = None
 
         def forward(self, x):
@@ -179,18 +211,79 @@ def _model(pattern: str):
                 return StatefulLoader(Streamed(WORLD * BATCH * LONG, 1))
             return loader(LONG if pattern == "lightning_resumes_ours" else ACCUMULATED_BATCHES, 1)
 
-    return Model()
+    class Half(nn.Module):
+        """A block: the generator and the discriminator are one each."""
+
+        def __init__(self, outputs: int) -> None:
+            super().__init__()
+            self.inner, self.outer = nn.Linear(FEATURES, 16), nn.Linear(16, outputs)
+
+        def forward(self, x):
+            return self.outer(torch.relu(self.inner(x)))
+
+    class GAN(Model):
+        """Lightning's GAN example in small: the generator maps each sample to a fake one; the discriminator and the
+        head (outside both blocks) tell real from fake."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.generator, self.discriminator, self.head = Half(FEATURES), Half(4), nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def judge(self, samples):
+            return self.head(self.discriminator(samples))
+
+        def training_step(self, batch, batch_idx):
+            real, _, _ = batch
+            generator_optimizer, discriminator_optimizer = self.optimizers()
+            self.toggle_optimizer(generator_optimizer)
+            fooled = self.judge(self.generator(real.flip(1)))
+            generator_loss = F.mse_loss(fooled, torch.ones_like(fooled))
+            self.manual_backward(generator_loss)
+            generator_optimizer.step()
+            generator_optimizer.zero_grad()
+            self.untoggle_optimizer(generator_optimizer)
+            self.toggle_optimizer(discriminator_optimizer)
+            fake, genuine = self.judge(self.generator(real.flip(1)).detach()), self.judge(real)
+            discriminator_loss = F.mse_loss(fake, torch.zeros_like(fake)) + F.mse_loss(
+                genuine, torch.ones_like(genuine)
+            )
+            self.manual_backward(discriminator_loss)
+            discriminator_optimizer.step()
+            discriminator_optimizer.zero_grad()
+            self.untoggle_optimizer(discriminator_optimizer)
+            self.both_losses.append((float(generator_loss), float(discriminator_loss)))
+            return {"loss": generator_loss.detach() + discriminator_loss.detach()}
+
+        def configure_optimizers(self):
+            judges = [*self.discriminator.parameters(), *self.head.parameters()]
+            return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(judges, lr=0.1)
+
+    return GAN() if pattern == "gan_manual" else Model()
 
 
-def _strategy(engine: str, saving: bool = False):
+def _loaded_weights(folder: Path, model) -> Path:
+    """A checkpoint of ``model``'s class with weights of its own (each rank writes its copy)."""
+    import torch
+
+    path = folder / f"loaded-rank{os.environ['RANK']}.ckpt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = {name: value + 0.1 for name, value in model.state_dict().items()}
+    torch.save({"state_dict": weights, "pytorch-lightning_version": "2.6.6"}, path)
+    return path
+
+
+def _strategy(engine: str, pattern: str):
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_fastdist
 
+    find_unused = {"find_unused_parameters": True} if pattern in FIND_UNUSED else {}
     if engine == "ddp":
-        return DDPStrategy()
-    name, options = (SAVERS if saving else ENGINES)[engine]
-    return getattr(lightning_fastdist, name)(**options)
+        return DDPStrategy(**find_unused)
+    name, options = (SAVERS if pattern == "lightning_resumes_ours saving" else ENGINES)[engine]
+    return getattr(lightning_fastdist, name)(**options, **(find_unused if engine == "fast_ddp" else {}))
 
 
 def _full_weights(trainer, model) -> list:
@@ -240,7 +333,7 @@ def _fit(engine: str, pattern: str, folder: Path, resume: str | None = None, **o
     import warnings
 
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 
     from tests.support.workloads import LossRecorder
 
@@ -258,25 +351,43 @@ def _fit(engine: str, pattern: str, folder: Path, resume: str | None = None, **o
     if pattern == "lightning_resumes_ours saving":
         callbacks.append(ModelCheckpoint(folder, "{epoch}-end", save_on_train_epoch_end=True, save_top_k=-1))
         trainer_options.update(max_epochs=-1, max_steps=9)
+    if pattern == "swa":
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1))
+    if pattern.startswith("empty_init"):
+        trainer_options.update(max_steps=4)
     trainer_options.update(options)
     try:
-        strategy = _strategy(engine, saving=pattern == "lightning_resumes_ours saving")
         trainer = L.Trainer(
-            accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks, logger=False,
+            accelerator="cpu", devices=WORLD, strategy=_strategy(engine, pattern), callbacks=callbacks, logger=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             default_root_dir=folder, **trainer_options,
         )  # fmt: skip
+        if pattern.startswith("empty_init"):
+            model = _built_under_empty_init(trainer, pattern, model, _loaded_weights(folder, model))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(model, model.batches(), ckpt_path=resume)
         record["lines"] = [str(warning.message) for warning in caught]
         record.update(weights=_full_weights(trainer, model), steps=trainer.global_step, epoch_steps=epochs.steps)
         record.update(seen=model.seen, loaded_from_rank=model.loaded_from_rank, callback_loaded=saving_rank.loaded)
+        record["both_losses"] = model.both_losses
         if pattern == "lightning_resumes_ours saving":
             trainer.save_checkpoint(folder / "cut.ckpt")
     except Exception as error:  # noqa: BLE001 - a refusal is a cell's answer too; a failure is reported by its cell
         record["error"] = f"{type(error).__name__}: {error}"
     return record
+
+
+def _built_under_empty_init(trainer, pattern: str, model, weights: Path):
+    """``model``'s class built in ``trainer.init_module(empty_init=True)``, given ``weights`` as ``pattern`` says."""
+    import torch
+
+    with trainer.init_module(empty_init=True):
+        if pattern == "empty_init_load_from_checkpoint":
+            return type(model).load_from_checkpoint(weights)
+        built = type(model)()
+    built.load_state_dict(torch.load(weights, weights_only=True)["state_dict"])
+    return built
 
 
 def run_part_five(root: str) -> dict:
@@ -292,7 +403,9 @@ def run_part_five(root: str) -> dict:
                 "ddp", "lightning_resumes_ours", saved / point, resume=checkpoint, max_epochs=3
             )
     for engine in ("ddp", *ENGINES):
-        runs[("accumulation_epoch_end", engine)] = _fit(engine, "accumulation_epoch_end", folder / "accumulation")
+        for pattern in TRAINED:
+            if engine == "ddp" or _runs(pattern, engine):
+                runs[(pattern, engine)] = _fit(engine, pattern, folder / pattern / engine.replace(" ", "_"))
         for pattern in RESUMED:
             if engine != "ddp" and not _runs(pattern, engine):
                 continue
@@ -361,9 +474,15 @@ def test_cell_matches_lightning_ddp_or_the_better_reference_or_refuses_in_one_li
         what = f"rank {record['rank']}: {pattern} under {engine}"
         if (pattern, engine) in REFUSALS:
             _refused(record[(pattern, engine)], REFUSALS[(pattern, engine)])
-        elif pattern == "accumulation_epoch_end":
+        elif pattern in TRAINED:
             _matches(record[(pattern, engine)], record[(pattern, "ddp")], what)
-            assert record[(pattern, engine)]["epoch_steps"] == [4, 8], what
+            if pattern == "accumulation_epoch_end":
+                assert record[(pattern, engine)]["epoch_steps"] == [4, 8], what
+            if pattern == "gan_manual":
+                ours, reference = record[(pattern, engine)]["both_losses"], record[(pattern, "ddp")]["both_losses"]
+                assert len(ours) == len(reference) and all(
+                    got == pytest.approx(wanted, rel=EXACT) for got, wanted in zip(ours, reference)
+                ), what
         elif pattern == "stateful_loader":  # Lightning's own resume, which restores the loader
             resumed, reference = (record[(f"{pattern} resumed", name)] for name in (engine, "ddp"))
             _matches(record[(pattern, engine)], record[(pattern, "ddp")], f"{what}, not stopped")
@@ -392,7 +511,8 @@ def test_cell_matches_lightning_ddp_or_the_better_reference_or_refuses_in_one_li
 @pytest.mark.multiprocess
 def test_where_ddp_is_wrong_it_differs_from_the_better_reference(ranks):
     """The references bite: DDP's own resume restarts a CombinedLoader's loaders at their first batch; under DDP every
-    rank loads rank 0's saved state (each rank saved its own)."""
+    rank loads rank 0's saved state (each rank saved its own); the weights loaded under ``empty_init`` are not the
+    model's own (the first batch's loss differs from a fit of the model as built)."""
     for record in ranks:
         straight, resumed = (
             record[("combined_max_size_cycle", "ddp")],
@@ -401,6 +521,8 @@ def test_where_ddp_is_wrong_it_differs_from_the_better_reference(ranks):
         assert resumed["seen"] != straight["seen"][CHECKPOINT_EVERY:]
         assert resumed["loaded_from_rank"] == 0 and resumed["callback_loaded"] == 0
         assert record[("combined_max_size_cycle", "ddp")]["steps"] == 2 * LONG
+        for pattern in ("empty_init_load_from_checkpoint", "empty_init_load_state_dict"):  # the loaded weights train
+            assert record[(pattern, "ddp")]["losses"][0] != record[("accumulation_epoch_end", "ddp")]["losses"][0]
 
 
 def _answer(pattern: str, engine: str) -> str:

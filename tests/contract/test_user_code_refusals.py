@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch import utilities
-from lightning.pytorch.callbacks import Callback, LearningRateFinder, WeightAveraging
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities import grad_norm as lightnings
 from torch import nn
 
@@ -83,6 +83,11 @@ def test_ours_and_plain_code_pass_and_each_deepspeed_refusal_is_one_line():
         assert str(refused.value).startswith(start) and "\n" not in str(refused.value)
     with pytest.raises(ValueError, match=r"^FastFSDPStrategy: WeightAveraging keeps an unsharded copy of the model"):
         refuse_unsupported(trainer_with(Plain(), WeightAveraging()), "FastFSDPStrategy", FSDP_REFUSALS)
+    with pytest.raises(
+        ValueError, match=r"^FastFSDPStrategy: StochasticWeightAveraging keeps an unsharded copy"
+    ) as swa:
+        refuse_unsupported(trainer_with(Plain(), StochasticWeightAveraging(0.05)), "FastFSDPStrategy", FSDP_REFUSALS)
+    assert "use FastDDPStrategy for stochastic weight averaging" in str(swa.value) and "\n" not in str(swa.value)
 
 
 @pytest.mark.parametrize("norm_type", [2, 1.0, "inf"])

@@ -14,7 +14,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_fastdist import FastMixedPrecision
 from lightning_fastdist.precision import compute_device_type
-from lightning_fastdist.strategies.fsdp.sharded_module import materialize, move_all_but_parameters
+from lightning_fastdist.strategies.fsdp.meta_device import materialize
+from lightning_fastdist.strategies.fsdp.sharded_module import move_all_but_parameters
 
 
 class WithBuffer(nn.Module):

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, LearningRateFinder, WeightAveraging
+from lightning.pytorch.callbacks import Callback, LearningRateFinder, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities import grad_norm as lightnings_grad_norm
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -90,6 +90,11 @@ WEIGHT_AVERAGING = Unsupported(
     "and copies the sharded weights into it, which FSDP2's DTensors refuse: use FastDDPStrategy or "
     "FastDeepSpeedStrategy (stage 1 or 2) for weight averaging",
 )
+STOCHASTIC_WEIGHT_AVERAGING = Unsupported(
+    _callback(StochasticWeightAveraging, "keeps an unsharded copy of the model"),
+    "and copies the sharded weights into it, which FSDP2's DTensors refuse (Lightning refuses it under its own "
+    "sharded strategies, DeepSpeed's included): use FastDDPStrategy for stochastic weight averaging",
+)
 LR_FIND = Unsupported(
     _callback(LearningRateFinder, "(Tuner.lr_find) steps the LightningModule's own torch optimizer"),
     "which DeepSpeed's engine replaces: find the learning rate with FastDDPStrategy on the same model, then give it "
@@ -98,7 +103,7 @@ LR_FIND = Unsupported(
 
 
 # What each engine refuses; the other patterns it runs as DDP does.
-FSDP_REFUSALS = (GRAD_NORM_SHARDED, WEIGHT_AVERAGING)
+FSDP_REFUSALS = (GRAD_NORM_SHARDED, WEIGHT_AVERAGING, STOCHASTIC_WEIGHT_AVERAGING)
 DEEPSPEED_REFUSALS = (GRAD_NORM_IN_ENGINE, GRADIENT_CLIPPING_OVERRIDE, LR_FIND)
 
 

@@ -1,7 +1,6 @@
 """What FastFSDPStrategy does to the LightningModule it shards where Lightning's own helpers assume an unsharded one:
 refuse one already wrapped in FSDP1, save and load it under its own names and in Lightning's layout (optimizer groups
-as saved), materialise it from the meta device, move what FSDP did not place, and switch its BatchNorm layers to
-SyncBatchNorm and back in place.
+as saved), move what FSDP did not place, and switch its BatchNorm layers to SyncBatchNorm and back in place.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.layer_sync import _BatchNormXd
 from lightning.pytorch.strategies import Strategy
@@ -46,10 +44,13 @@ def sync_batchnorm_in_place(model: nn.Module, sync: bool) -> None:
             del layer.process_group
 
 
-def materialize(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:
-    """Lightning's meta-device materialisation; under ``cpu_offload`` the parameter shards are made on the CPU,
-    where FSDP2 expects them at the first forward (the buffers go to ``device`` in ``model_to_device``)."""
-    _materialize_distributed_module(module, torch.device("cpu") if cpu_offload else device)
+def move_to_device(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """``module.to(device)`` after sharding (parameterless modules, ``.device``); under ``cpu_offload`` all but the
+    parameter shards, which stay on the CPU."""
+    if cpu_offload:
+        move_all_but_parameters(module, device)
+    else:
+        module.to(device)
 
 
 def move_all_but_parameters(module: nn.Module, device: torch.device) -> None:

@@ -61,10 +61,11 @@ from lightning_fastdist.strategies.common.options import blocks_option, check_ch
 from lightning_fastdist.strategies.common.registry import register_once
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
 from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refuse_unsupported
+from lightning_fastdist.strategies.fsdp.meta_device import materialised_before_loads, materialize
+from lightning_fastdist.strategies.fsdp.root_regather import RootRegather
 from lightning_fastdist.strategies.fsdp.sharded_module import (
     drop_group_keys_not_saved,
-    materialize,
-    move_all_but_parameters,
+    move_to_device,
     refuse_fsdp1,
     save_sharded,
     sync_batchnorm_in_place,
@@ -132,6 +133,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._checkpoint_writer = ShardedCheckpointWriter()
         self.comm_stats: CommStats | None = None  # this rank's FSDP collective bytes and gradient rounds, once counted
         self._root: RootUnit | None = None
+        self._root_regather = RootRegather()
         self._idle_experts: IdleExperts | None = None
         self._accumulating = False
         self._synced_batchnorm = False  # BatchNorm layers are SyncBatchNorm for this fit (Trainer(sync_batchnorm=True))
@@ -190,6 +192,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
                 module = self._layer_sync.apply(module)  # before sharding, as Lightning's FSDPStrategy does
             self._root = self.parallelize(module)  # where ModelParallelStrategy expects configure_model to have sharded
             materialize(self._root, self.root_device, self.fsdp.cpu_offload)
+            self._root_regather.set_root(self._root)
         elif self._synced_batchnorm:
             sync_batchnorm_in_place(self._root, sync=True)  # the previous fit's teardown reverted it
         self.model = self._root  # Lightning's forward redirection runs each step through it: inside the root's hooks
@@ -203,12 +206,14 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Move what FSDP did not place (parameterless modules, ``.device``); ``cpu_offload`` keeps the shards."""
         assert self.model is not None
-        if self.fsdp.cpu_offload:
-            move_all_but_parameters(self.model, self.root_device)
-        else:
-            self.model.to(self.root_device)
+        move_to_device(self.model, self.root_device, self.fsdp.cpu_offload)  # what FSDP did not place
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        with super().tensor_init_context(empty_init), materialised_before_loads(empty_init):
+            yield  # Trainer.init_module: weights loaded into the meta model are the weights that train (empty_init.py)
 
     def parallelize(self, model: nn.Module) -> RootUnit:
         """Apply the plan to ``model`` in place with FSDP as its wrapper; return the root unit."""
@@ -282,7 +287,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+        with self._root_regather.during_step():  # manual optimization may toggle or step the root's parameters
+            output = super().training_step(*args, **kwargs)
         return self.shared.after_training_step(output)
 
     @contextmanager
@@ -306,6 +312,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if self._idle_experts is not None and self._idle_experts.trackers and not self._accumulating:
             # An optimizer step's last backward: experts no rank called keep no gradient, as under DDP.
             self._idle_experts.drop_gradients_of_experts_idle_everywhere()
+        self._root_regather.arm()  # under manual optimization, a forward may follow inside the step (GAN)
         return output
 
     @override
