@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from lightning_fastdist.commands.stopping import end_session, start_session
 from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, new_run_id
 
 # Seconds the other ranks get to exit by themselves (and print why) once one rank failed, before they are killed:
@@ -48,21 +49,14 @@ def run_local_ranks(command: Sequence[str], world_size: int, log: IO) -> int:
     status of a rank, or 0 when every rank succeeded."""
     port, run_id = free_port(), new_run_id()
     processes = [
-        subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **rank_environment(rank, world_size, port, run_id)},  # this process's is unchanged
-        )
+        start_session(command, log, {**os.environ, **rank_environment(rank, world_size, port, run_id)})
         for rank in range(world_size)
-    ]
+    ]  # this process's environment is unchanged
     try:
         return _wait_for_all(processes)
     finally:
         for process in processes:  # only after an interrupt or a failed rank's grace: the others are done
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            end_session(process)
 
 
 def _wait_for_all(processes: list[subprocess.Popen]) -> int:

@@ -1,5 +1,5 @@
 """How the commands recognise a file they wrote themselves (the only kind they replace): a recipe by its
-first line, a JSON document by its ``written_by`` key."""
+first line, a JSON document by its ``written_by`` key, a folder by a mark file inside it."""
 
 from __future__ import annotations
 
@@ -46,3 +46,26 @@ def json_written_by(path: Path) -> str | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return document.get("written_by") if isinstance(document, dict) else None
+
+
+def folder_mark(command: str) -> str:
+    """The name of the file that says a folder was written by ``command`` (``bench``, ``tune``)."""
+    return f".written-by-lightning-fastdist-{command}"
+
+
+def folder_refusal(flag: str, folder: Path, command: str) -> str | None:
+    """Why ``command`` may not write into ``folder`` (``flag`` names it): a file there, or a folder that holds files
+    ``command`` did not write (no mark); ``None`` for a new or empty folder, or one ``command`` claimed."""
+    if folder.exists() and not folder.is_dir():
+        return f"{flag}: {folder} is a file; give a folder"
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / folder_mark(command)).exists():
+        return f"{flag}: {folder} holds files {command} did not write; give a new or empty folder"
+    return None
+
+
+def claim_folder(folder: Path, command: str) -> None:
+    """Create ``folder`` (checked by :func:`folder_refusal`) and mark it as ``command``'s."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / folder_mark(command)).write_text(
+        f"This folder was written by lightning-fastdist {command}; it may replace what is in it.\n"
+    )

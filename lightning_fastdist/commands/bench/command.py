@@ -30,6 +30,8 @@ from lightning_fastdist.commands.bench.rows import add_baseline_ratio, format_ro
 from lightning_fastdist.commands.bench.setup_run import run_setup
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS
+from lightning_fastdist.commands.stopping import sigterm_ends_the_command
+from lightning_fastdist.commands.written_marks import claim_folder, folder_refusal
 
 DEFAULT_SETUPS = (
     "lightning-ddp,lightning-fsdp2,lightning-deepspeed,ddp,ddp-bf16,fsdp-zero2,fsdp-zero3,"
@@ -71,7 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of ddp-compile and hand-loop"
     )
-    parser.add_argument("--output", default="bench_results", help="folder for bench.json, bench.png and logs")
+    parser.add_argument(
+        "--output",
+        default="bench_results",
+        help="folder for bench.json, bench.png and logs: new, empty, or one bench wrote (it is not written otherwise)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -84,6 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.setup_list = setup_names(parser, args.setups, [*all_setups(args.compile_backend), "recipe"])
     check_steps(parser, args.steps, args.warmup_steps + (PROFILE_STEPS if args.profile else 0))
     args.recipe = read_recipe(parser, args.config)
+    refused = folder_refusal("--output", Path(args.output), "bench")  # its files are named after the setups
+    if refused:
+        parser.error(refused)
     return args
 
 
@@ -91,7 +100,13 @@ def main(argv: list[str]) -> int:
     """Run the comparison; exit status 1 if any setup that could run failed."""
     args = parse_args(argv)
     output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
+    claim_folder(output, "bench")
+    with sigterm_ends_the_command():  # the setup training is ended with everything it started
+        return _compare(args, output)
+
+
+def _compare(args: argparse.Namespace, output: Path) -> int:
+    """Train every setup, one after the other, printing each row as it finishes; write the JSON and the plot."""
     setups = {**all_setups(args.compile_backend), "recipe": recipe_setup(args.recipe)}
     print(f"bench: {len(args.setup_list)} setups x {args.steps} steps of {args.config}; logs in {output}/", flush=True)
     print(header(), flush=True)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ import yaml
 
 from lightning_fastdist.commands.bench.setups import BenchSetup
 from lightning_fastdist.commands.local_ranks import run_local_ranks
+from lightning_fastdist.commands.stopping import end_session, start_session
 from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN, deepspeed_precision
 
 
@@ -160,13 +159,12 @@ def _run_training(command: list[str], args: argparse.Namespace, log: IO, timeout
     ranks = world_size(args)
     if not args.launcher and ranks and ranks > 1 and node_count(args) == 1:
         return run_local_ranks(command, ranks, log)
-    if timeout_s is None:
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    # A session of its own, so that the loader workers and compile workers it starts end with it.
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # A session of its own, so that the loader workers and compile workers it starts end with it, whatever ends this
+    # process's wait (the timeout, Ctrl-C, SIGTERM: commands/stopping.py).
+    process = start_session(command, log)
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
         return None
+    finally:
+        end_session(process)

@@ -34,6 +34,7 @@ from lightning_fastdist.commands.arguments import (
 )
 from lightning_fastdist.commands.bench.setup_run import node_count, run_setup, world_size
 from lightning_fastdist.commands.bench.setups import all_setups
+from lightning_fastdist.commands.stopping import sigterm_ends_the_command
 from lightning_fastdist.commands.tune import output as tune_output
 from lightning_fastdist.commands.tune.candidates import (
     DEFAULT_SETUPS,
@@ -45,7 +46,8 @@ from lightning_fastdist.commands.tune.candidates import (
     smaller_micro_batch,
 )
 from lightning_fastdist.commands.tune.search import Search, Trial
-from lightning_fastdist.commands.written_marks import write_json
+from lightning_fastdist.commands.written_marks import claim_folder, write_json
+from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
 from lightning_fastdist.planning.advisor import HEADROOM
 
 PROG = "lightning-fastdist tune"
@@ -91,11 +93,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.setup_list = setup_names(parser, args.setups, tunable)
     check_steps(parser, args.steps, args.warmup_steps)
     args.recipe = read_recipe(parser, args.config)
-    if args.recipe.strategy_options.get("replica_groups") is not None and node_count(args) == 1:
-        parser.error(
-            "--nodes: the recipe's replica_groups trains each node as a torchft replica group and needs 2 or more "
-            "nodes: give --nodes 2 or more (or remove replica_groups from the recipe)."
-        )
+    replica_groups = args.recipe.strategy_options.get("replica_groups")
+    nodes = node_count(args)
+    if replica_groups is not None and isinstance(nodes, int):
+        try:  # the form's own rule on the node count, as the strategy and doctor ask it
+            ReplicaGroups.of(replica_groups).check_nodes(nodes, "--nodes")
+        except ValueError as error:
+            parser.error(f"--nodes: the recipe's {error}")
     args.compile_backend = None if args.compile_backend == "none" else args.compile_backend
     for problem in tune_output.outputs_not_ours(Path(args.output), args.json and Path(args.json), Path(args.workdir)):
         parser.error(problem)
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Prune, measure, halve; write the outputs. Exit status 1 when no candidate trained and passed."""
     started = time.monotonic()
     workdir = Path(args.workdir)
-    tune_output.claim_workdir(workdir)
+    claim_folder(workdir, "tune")
     plan = memory_plan(args)
 
     def measure(candidate: Candidate, steps: int, round_number: int) -> dict:
@@ -205,4 +209,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run(parse_args(argv), argv)
+    args = parse_args(argv)
+    with sigterm_ends_the_command():  # the trial running is ended with everything it started
+        return run(args, argv)

@@ -12,12 +12,17 @@ from lightning_fastdist.commands.bench.plot import ENGINE_COLOURS
 from lightning_fastdist.commands.bench.rows import throughput
 from lightning_fastdist.commands.tune.candidates import MemoryPlan, readable_bytes
 from lightning_fastdist.commands.tune.search import Trial
-from lightning_fastdist.commands.written_marks import first_line_starts_with, json_written_by, refusal, write_recipe
+from lightning_fastdist.commands.written_marks import (
+    first_line_starts_with,
+    folder_refusal,
+    json_written_by,
+    refusal,
+    write_recipe,
+)
 from lightning_fastdist.recipes.recipe import Recipe
 
 WRITTEN_BY = "lightning-fastdist tune"
 RECIPE_HEADER = f"# Written by: {WRITTEN_BY}"
-WORKDIR_MARK = ".written-by-lightning-fastdist-tune"
 
 
 def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> list[str]:
@@ -30,18 +35,8 @@ def outputs_not_ours(output: Path, json_path: Path | None, workdir: Path) -> lis
         refusal("--output", output, "tuned.yaml", recipe_ours, "tune", "give another path"),
         json_path and refusal("--json", json_path, "tune.json", json_ours, "tune", "give another path"),
     ]
-    problems = [problem for problem in problems if problem]
-    if workdir.exists() and not workdir.is_dir():
-        problems.append(f"--workdir: {workdir} is a file; give a folder")
-    elif workdir.is_dir() and any(workdir.iterdir()) and not (workdir / WORKDIR_MARK).exists():
-        problems.append(f"--workdir: {workdir} holds files tune did not write; give a new or empty folder")
-    return problems
-
-
-def claim_workdir(workdir: Path) -> None:
-    """Create the work folder (checked by ``outputs_not_ours``) and mark it as tune's."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / WORKDIR_MARK).write_text("This folder was written by lightning-fastdist tune; it may replace it.\n")
+    problems.append(folder_refusal("--workdir", workdir, "tune"))
+    return [problem for problem in problems if problem]
 
 
 def plan_line(plan: MemoryPlan) -> str:
