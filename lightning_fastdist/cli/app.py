@@ -19,7 +19,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning_fastdist.cli.errors import UsageError, raised_in_user_code
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
 from lightning_fastdist.recipes.parser_errors import condense_parser_error
-from lightning_fastdist.recipes.recipe import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_fastdist.recipes.recipe import set_demo_defaults
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import is_last_checkpoint
 
 
@@ -31,7 +31,7 @@ class FastDistCLI(LightningCLI):
         return super().init_parser(exit_on_error=False, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+        set_demo_defaults(parser)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         try:
