@@ -41,7 +41,7 @@ class NodeStateTransport:
 
     def __init__(self, address: str, token: str, timeout: timedelta) -> None:
         self._token = token
-        self._timeout = timeout
+        self._request_timeout = timeout
         self._served = threading.Condition()
         self._step: int | None = None
         self._payload: bytes | None = None
@@ -92,7 +92,7 @@ class NodeStateTransport:
             self.refused += 1
             return None
         with self._served:
-            self._served.wait_for(lambda: self._step is not None, timeout=self._timeout.total_seconds())
+            self._served.wait_for(lambda: self._step is not None, timeout=self._request_timeout.total_seconds())
             if self._step != int(step):
                 self.refused += 1
                 return None
