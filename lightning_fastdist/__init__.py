@@ -11,6 +11,7 @@ from lightning_fastdist.callbacks import (
     SpeedMonitor,
     SyncFreeLogging,
 )
+from lightning_fastdist.commands.to_lightning import to_lightning_checkpoint
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
@@ -34,4 +35,5 @@ __all__ = [
     "SyncFreeLogging",
     "count_host_syncs",
     "grad_norm",
+    "to_lightning_checkpoint",
 ]

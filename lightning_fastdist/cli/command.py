@@ -48,6 +48,7 @@ EXTRA_COMMANDS = {
     "doctor": "doctor.command",
     "tune": "tune.command",
     "coordinator": "coordinator",
+    "to-lightning": "to_lightning",
 }
 TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 HELP = f"""usage: {PROGRAM} COMMAND [options]
@@ -73,6 +74,8 @@ commands:
             and tune.png go to --workdir (default tune_runs/).
   coordinator  serve torchft's lighthouse and the nodes' meeting store outside the nodes, so that a job
             under replica_groups (or outer_sync with min_nodes) survives losing node 0; writes nothing.
+  to-lightning  turn a checkpoint of ours (a file, FSDP's sharded folder, DeepSpeed's folder) into the one
+            file Lightning's DDPStrategy and ModelParallelStrategy resume (weights, optimizer, loops): OUTPUT.
 
 Run '{PROGRAM} COMMAND --help' for a command's options, e.g. '{PROGRAM} fit --help'.
 Try it: '{PROGRAM} fit --config cpu_smoke' trains the demo on 2 CPU processes.

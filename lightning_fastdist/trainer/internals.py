@@ -73,7 +73,8 @@ PRIVATE_IMPORTS = {
         ("strategies.common.job",), "destroy the process group at exit, as Lightning does"
     ),
     f"{FABRIC}.load._METADATA_FILENAME": PrivateName(
-        ("strategies.fsdp.sharded_module",), "name the metadata file of a sharded checkpoint as Lightning does"
+        ("strategies.fsdp.sharded_module", "strategies.fsdp.one_file"),
+        "name the metadata file of a sharded checkpoint as Lightning does",
     ),
     f"{FABRIC}.optimizer._optimizers_to_device": PrivateName(("strategies.fsdp.strategy",), "move optimizer states"),
     f"{FABRIC}.seed._collect_rng_states": PrivateName(
@@ -83,7 +84,7 @@ PRIVATE_IMPORTS = {
         ("strategies.checkpoint.rng_states",), "restore every rank's RNG states"
     ),
     f"{FABRIC}.types._PATH": PrivateName(
-        ("strategies.deepspeed.consolidate", "strategies.fsdp.strategy"),
+        ("strategies.deepspeed.consolidate", "strategies.deepspeed.to_lightning", "strategies.fsdp.strategy"),
         "type checkpoint paths as Lightning's hooks do",
     ),
     f"{FABRIC}.data._set_sampler_epoch": PrivateName(

@@ -48,6 +48,12 @@ PATTERNS = {
     ),
     "combined_max_size": ('the same in mode `"max_size"` (B exhausted at the checkpoint)', "the same"),
     "combined_min_size": ('the same in mode `"min_size"` (3 batches per epoch: the checkpoint in epoch 1)', "the same"),
+    "way_back": (
+        "`lightning_fastdist.to_lightning_checkpoint` (or `lightning-fastdist to-lightning`) of our checkpoint after "
+        "epoch 0 (SGD with momentum, two groups; FSDP's sharded folder, DeepSpeed's folder), resumed by Lightning's "
+        "`DDPStrategy` (and `ModelParallelStrategy`: FSDP, ZeRO-3) to epoch 1's end",
+        "the resumed run equals ours not interrupted (its optimizer state carried over)",
+    ),
     "on_load_checkpoint": (
         "`on_save_checkpoint` and a callback's `state_dict` write the saving rank; the `max_size_cycle` resume above",
         "every rank's `on_load_checkpoint` and the callback's `load_state_dict` receive rank 0's, as under DDP",
@@ -72,8 +78,8 @@ PATTERNS = {
         "the same",
     ),
     "lightning_resumes_ours": (
-        "our checkpoint resumed by Lightning's `DDPStrategy` (SGD with momentum): at step 4 (inside an epoch), at "
-        "epoch 0's end, and after `fit(max_steps=9)` cut epoch 1 short (`trainer.save_checkpoint`)",
+        "our checkpoint resumed by Lightning's `DDPStrategy` (SGD with momentum, two groups): at step 4 (inside an "
+        "epoch), at epoch 0's end, and after `fit(max_steps=9)` cut epoch 1 short (`trainer.save_checkpoint`)",
         "bit for bit what `DDPStrategy` resuming DDP's own checkpoint trains, at each of the three",
     ),
 }
@@ -92,6 +98,7 @@ TRAINED = (
     "empty_init_load_from_checkpoint",
     "empty_init_load_state_dict",
 )
+WITH_MOMENTUM = ("lightning_resumes_ours", "way_back")  # SGD with momentum in two groups: its state matters to a resume
 FIND_UNUSED = ("gan_manual",)  # DDP needs find_unused_parameters=True: each pass leaves the other model's unused
 _NO_SHARDED_SWA = "SWA does not currently support sharded models"
 
@@ -193,9 +200,18 @@ def _model(pattern: str):
             return sum(F.mse_loss(self(x), y) for x, y, _ in (part for part in parts.values() if part is not None))
 
         def configure_optimizers(self):
-            return torch.optim.SGD(
-                self.parameters(), lr=0.1, momentum=0.5 if pattern == "lightning_resumes_ours" else 0
-            )
+            if pattern in WITH_MOMENTUM:  # two groups: each laid out on its own in ZeRO's flat buffers
+                groups = [{"params": self.net[0].parameters()}, {"params": self.net[2].parameters(), "lr": 0.05}]
+                return torch.optim.SGD(groups, lr=0.1, momentum=0.5)
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def configure_model(self) -> None:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+            from torch.distributed.fsdp import fully_shard
+
+            attached = self._trainer  # load_from_checkpoint calls this hook too, without a trainer
+            if attached is not None and type(attached.strategy) is ModelParallelStrategy:  # the model shards itself
+                fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
         def on_save_checkpoint(self, checkpoint) -> None:
             checkpoint["saved_on_rank"] = self.global_rank
@@ -209,7 +225,7 @@ def _model(pattern: str):
                 return CombinedLoader({"a": loader(LONG, 1), "b": loader(SHORT, 2)}, mode)
             if pattern == "stateful_loader":
                 return StatefulLoader(Streamed(WORLD * BATCH * LONG, 1))
-            return loader(LONG if pattern == "lightning_resumes_ours" else ACCUMULATED_BATCHES, 1)
+            return loader(LONG if pattern in WITH_MOMENTUM else ACCUMULATED_BATCHES, 1)
 
     class Half(nn.Module):
         """A block: the generator and the discriminator are one each."""
@@ -275,13 +291,15 @@ def _loaded_weights(folder: Path, model) -> Path:
 
 
 def _strategy(engine: str, pattern: str):
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     import lightning_fastdist
 
     find_unused = {"find_unused_parameters": True} if pattern in FIND_UNUSED else {}
     if engine == "ddp":
         return DDPStrategy(**find_unused)
+    if engine == "model_parallel":
+        return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     name, options = (SAVERS if pattern == "lightning_resumes_ours saving" else ENGINES)[engine]
     return getattr(lightning_fastdist, name)(**options, **(find_unused if engine == "fast_ddp" else {}))
 
@@ -328,7 +346,7 @@ def _callbacks() -> list:
     return [EpochSteps(), SavingRank()]
 
 
-def _fit(engine: str, pattern: str, folder: Path, resume: str | None = None, **options) -> dict:
+def _fit(engine: str, pattern: str, folder: Path, resume: str | None = None, save_to: Path | None = None, **options):
     """One fit of ``pattern`` under ``engine`` (``ddp``: Lightning's), recording what its cells compare."""
     import warnings
 
@@ -373,6 +391,8 @@ def _fit(engine: str, pattern: str, folder: Path, resume: str | None = None, **o
         record["both_losses"] = model.both_losses
         if pattern == "lightning_resumes_ours saving":
             trainer.save_checkpoint(folder / "cut.ckpt")
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
     except Exception as error:  # noqa: BLE001 - a refusal is a cell's answer too; a failure is reported by its cell
         record["error"] = f"{type(error).__name__}: {error}"
     return record
@@ -390,6 +410,23 @@ def _built_under_empty_init(trainer, pattern: str, model, weights: Path):
     return built
 
 
+def _way_back(engine: str, folder: Path) -> dict:
+    """Our run not interrupted; stopped after epoch 0, converted by ``to_lightning_checkpoint``, and resumed by
+    Lightning's ``DDPStrategy`` (each rank converts its own copy)."""
+    import lightning_fastdist
+
+    runs = {("way_back", engine): _fit(engine, "way_back", folder / "straight")}
+    stopped = folder / "stopped.ckpt"
+    runs[("way_back stopped", engine)] = _fit(engine, "way_back", folder, save_to=stopped, max_epochs=1)
+    converted = folder / f"lightning-rank{os.environ['RANK']}.ckpt"
+    lightning_fastdist.to_lightning_checkpoint(stopped, converted)
+    runs[("way_back resumed", engine)] = _fit("ddp", "way_back", folder / "resumed", resume=str(converted))
+    if engine in ("fast_fsdp", "fast_deepspeed 3"):  # the same file under ModelParallelStrategy; the folder under DDP
+        runs[("way_back model_parallel", engine)] = _fit("model_parallel", "way_back", folder / "mp", str(converted))
+        runs[("way_back unconverted", engine)] = _fit("ddp", "way_back", folder / "unconverted", resume=str(stopped))
+    return runs
+
+
 def run_part_five(root: str) -> dict:
     """On each rank: per pattern, Lightning's DDP and every engine (and the runs the references need)."""
     folder = Path(root)
@@ -402,6 +439,8 @@ def run_part_five(root: str) -> dict:
             runs[(f"lightning_resumes_ours {point}", saver)] = _fit(
                 "ddp", "lightning_resumes_ours", saved / point, resume=checkpoint, max_epochs=3
             )
+    for engine in ENGINES:
+        runs.update(_way_back(engine, folder / "way_back" / engine.replace(" ", "_")))
     for engine in ("ddp", *ENGINES):
         for pattern in TRAINED:
             if engine == "ddp" or _runs(pattern, engine):
@@ -501,6 +540,13 @@ def test_cell_matches_lightning_ddp_or_the_better_reference_or_refuses_in_one_li
             for point in SAVE_POINTS:
                 ours, reference = (record[(f"{pattern} {point}", saver)] for saver in (engine, "ddp"))
                 _identical(ours, reference, f"{what}, resumed from {point}")
+        elif pattern == "way_back":  # Lightning's DDPStrategy resuming our converted checkpoint: ours not interrupted
+            straight, resumed = record[(pattern, engine)], record[(f"{pattern} resumed", engine)]
+            assert "error" not in straight and len(straight["losses"]) == 2 * LONG, straight.get("error")
+            _matches(resumed, {**straight, "losses": straight["losses"][LONG:]}, f"{what}, resumed by DDPStrategy")
+            if ("way_back model_parallel", engine) in record:
+                tail = {**straight, "losses": straight["losses"][LONG:]}
+                _matches(record[("way_back model_parallel", engine)], tail, f"{what}, by ModelParallelStrategy")
         elif pattern == "on_load_checkpoint":
             resumed = record[("combined_max_size_cycle resumed", engine)]
             assert "error" not in resumed, resumed.get("error")
@@ -512,7 +558,8 @@ def test_cell_matches_lightning_ddp_or_the_better_reference_or_refuses_in_one_li
 def test_where_ddp_is_wrong_it_differs_from_the_better_reference(ranks):
     """The references bite: DDP's own resume restarts a CombinedLoader's loaders at their first batch; under DDP every
     rank loads rank 0's saved state (each rank saved its own); the weights loaded under ``empty_init`` are not the
-    model's own (the first batch's loss differs from a fit of the model as built)."""
+    model's own (the first batch's loss differs from a fit of the model as built); DDPStrategy does not read FSDP's
+    sharded folder or DeepSpeed's folder (the way back converts them)."""
     for record in ranks:
         straight, resumed = (
             record[("combined_max_size_cycle", "ddp")],
@@ -521,6 +568,8 @@ def test_where_ddp_is_wrong_it_differs_from_the_better_reference(ranks):
         assert resumed["seen"] != straight["seen"][CHECKPOINT_EVERY:]
         assert resumed["loaded_from_rank"] == 0 and resumed["callback_loaded"] == 0
         assert record[("combined_max_size_cycle", "ddp")]["steps"] == 2 * LONG
+        for engine in ("fast_fsdp", "fast_deepspeed 3"):  # the way back is needed: DDP does not read our folders
+            assert "error" in record[("way_back unconverted", engine)]
         for pattern in ("empty_init_load_from_checkpoint", "empty_init_load_state_dict"):  # the loaded weights train
             assert record[(pattern, "ddp")]["losses"][0] != record[("accumulation_epoch_end", "ddp")]["losses"][0]
 
