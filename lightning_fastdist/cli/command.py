@@ -4,7 +4,7 @@ The help and the extra subcommands (each ``main(argv)`` in ``commands/``) are an
 ``test`` and ``predict`` have their arguments prepared (``args.py``) and run through ``FastDistCLI`` (``app.py``),
 then rank 0 prints the final numbers and where everything went (``report.py``). A ``UsageError`` (``errors.py``)
 or a Trainer that does not fit its SLURM allocation ends with exit status 2 and one of the ``EXPLAINED_FAILURES``
-with 1, each as one line on stderr, no traceback.
+or a peer lost in a collective with 1, each as one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_fastdist.cli.report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
 from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
+from lightning_fastdist.parallel.faults.collective_timeout import explained_lost_peer
 from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import NonFiniteCheckpointError
 
@@ -151,6 +152,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except EXPLAINED_FAILURES as error:
         # The message says what happened and what to do; a traceback would bury it.
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except Exception as error:
+        if explained_lost_peer(error) is None:
+            raise
+        # A peer lost in a collective: the strategy logged the one line that says so (its cause, what to do); the
+        # traceback of the collective that failed would only bury it.
         raise SystemExit(1) from None
     finally:
         _close_process_group(wait_for_peers=False)

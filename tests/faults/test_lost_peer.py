@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from lightning_fastdist.parallel.faults.collective_timeout import (
     explain_lost_peer,
+    explained_lost_peer,
     lost_peer_cause,
     lost_peer_message,
     nccl_error_handling,
@@ -58,6 +59,8 @@ def test_the_cause_is_found_in_the_error_a_lightning_error_was_raised_from():
     except ValueError as outer:
         explain_lost_peer(outer, TIMEOUT, 0)
         assert "another rank crashed or was killed" in outer.__notes__[0]
+        assert explained_lost_peer(outer) == outer.__notes__[0]  # the CLI ends on it, without the traceback
+    assert explained_lost_peer(ValueError("a bug of the user's")) is None
 
 
 def test_under_nccl_the_line_names_the_watchdogs_setting(monkeypatch):

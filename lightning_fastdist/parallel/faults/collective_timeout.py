@@ -125,3 +125,9 @@ def explain_lost_peer(exception: BaseException, timeout: timedelta, rank: int, b
     log.error(message)
     if hasattr(exception, "add_note"):  # Python >= 3.11 prints it under the traceback
         exception.add_note(message)
+
+
+def explained_lost_peer(exception: BaseException) -> str | None:
+    """The line :func:`explain_lost_peer` logged for ``exception`` and attached to it, or ``None`` if it did not."""
+    notes = getattr(exception, "__notes__", ())
+    return next((note for note in notes if note.startswith("[rank ") and " training stopped: " in note), None)
