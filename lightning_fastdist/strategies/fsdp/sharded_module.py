@@ -117,3 +117,17 @@ def drop_group_keys_not_saved(checkpoint_path: Any, optimizers: list[torch.optim
         for number, group in enumerate(optimizer.param_groups):
             for key in [key for key in group if key != "params" and f"{prefix}.{number}.{key}" not in saved]:
                 del group[key]
+
+
+def with_saved_group_keys(
+    read: Callable[[Any], dict[str, Any]], optimizers: list[torch.optim.Optimizer]
+) -> Callable[[Any], dict[str, Any]]:
+    """``read`` (a load of one checkpoint path) with each optimizer's param groups first reduced to the keys that
+    checkpoint holds (:func:`drop_group_keys_not_saved`), inside the load: a checkpoint whose index does not read is
+    then a failed load, which the fall-back to an older checkpoint takes, not an error before it."""
+
+    def load(checkpoint_path: Any) -> dict[str, Any]:
+        drop_group_keys_not_saved(checkpoint_path, optimizers)
+        return read(checkpoint_path)
+
+    return load

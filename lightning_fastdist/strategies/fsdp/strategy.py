@@ -64,12 +64,12 @@ from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refu
 from lightning_fastdist.strategies.fsdp.meta_device import materialised_before_loads, materialize
 from lightning_fastdist.strategies.fsdp.root_regather import RootRegather
 from lightning_fastdist.strategies.fsdp.sharded_module import (
-    drop_group_keys_not_saved,
     move_to_device,
     refuse_fsdp1,
     save_sharded,
     sync_batchnorm_in_place,
     under_module_names,
+    with_saved_group_keys,
 )
 
 
@@ -346,8 +346,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._checkpoint_writer.wait()
         self.barrier()
-        drop_group_keys_not_saved(checkpoint_path, self.optimizers)
-        load = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
+        read = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
+        load = with_saved_group_keys(read, self.optimizers)  # each candidate's index read where a fall-back sees it
         checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
         self.shared.take_loaded(checkpoint, checkpoint_path)
         return checkpoint
