@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -75,6 +76,31 @@ def test_precision_hooks_average_within_their_precision_and_count_bytes(name):
         assert result["bytes"] == (fp32_bytes if name == "none" else fp32_bytes // 2)
     if name != "none":
         assert max(r["worst"] for r in results) > 0  # the compressed path really ran
+
+
+def backward_after_the_peer_left() -> str:
+    """Three steps on both ranks, then rank 0 takes another backward and rank 1 leaves while rank 0's all-reduce waits
+    for it (its connections close: the all-reduce fails after it started, as when a peer is killed mid-step)."""
+    ddp = DistributedDataParallel(tiny_model())
+    CommHookSpec("none").register(ddp)
+    for step in range(3):  # past DDP's own collectives of its first iterations (its buckets rebuilt)
+        backward(ddp, local_batch(step))
+    if dist.get_rank() == 1:
+        time.sleep(2.0)  # rank 0 is inside its all-reduce by then
+        dist.destroy_process_group()
+        return "left"
+    try:
+        backward(ddp, local_batch(3))
+    except RuntimeError:
+        return "raised"
+    return "trained on its own gradients"
+
+
+@pytest.mark.multiprocess
+def test_a_failed_all_reduce_fails_the_backward():
+    """The exact hook's all-reduce failing (a lost peer) fails the backward, as DDP's own hook does; it once handed DDP
+    the rank's own gradients and the step trained on them."""
+    assert run_function(backward_after_the_peer_left, world_size=2) == ["raised", "left"]
 
 
 def check_powersgd(start_iter: int, steps: int, factor_dtype: str = "fp32") -> dict:

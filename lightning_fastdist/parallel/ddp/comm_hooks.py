@@ -7,6 +7,7 @@ torch's bf16 hook refuses any backend but NCCL although gloo all-reduces bf16 co
 # No "from __future__ import annotations": DDP compares the hooks' annotations
 # with dist.GradBucket and Future[Tensor] at registration, so they must be real objects.
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +41,15 @@ def launch_mean_all_reduce(state: HookState, tensor: Tensor) -> Future:
     tensor.div_(state.world_size)
     state.stats.record(tensor)
     work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda _: tensor)
+    return work.get_future().then(functools.partial(_reduced, tensor))
+
+
+def _reduced(tensor: Tensor, done: Future) -> Tensor:
+    """``tensor`` once its all-reduce is done; the all-reduce's error (a peer lost) if it failed, which DDP then raises
+    in the backward (ignored, the step went on with this rank's own gradients and failed only at the next
+    collective)."""
+    done.value()
+    return tensor
 
 
 def _finish_round_if_last(state: HookState, bucket: dist.GradBucket) -> None:
