@@ -8,6 +8,7 @@ from lightning_fastdist.callbacks import (
     BottleneckReport,
     DataLoaderTuner,
     NonFiniteLoss,
+    RayReport,
     SpeedMonitor,
     SyncFreeLogging,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "FastMixedPrecision",
     "NonFiniteLoss",
     "OuterSync",
+    "RayReport",
     "ReplicaGroups",
     "SpeedMonitor",
     "SyncFreeLogging",

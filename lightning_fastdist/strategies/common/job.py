@@ -1,7 +1,8 @@
-"""How a strategy's processes start, join and fail as one job: the options' class names checked before another
-process starts, the Trainer's nodes and devices checked against a SLURM allocation before any rank waits for another,
-a fresh run id where Lightning starts every rank (a hand-made multi-node launch would draw one id per node, refused by
-the others), the process group joined once, a lost peer named in one line.
+"""How a strategy's processes start, join and fail as one job: a Ray Train worker's job taken as Ray made it
+(:mod:`.ray_worker`), the options' class names checked before another process starts, the Trainer's nodes and devices
+checked against a SLURM allocation before any rank waits for another, a fresh run id where Lightning starts every rank
+(a hand-made multi-node launch would draw one id per node, refused by the others), the process group joined once, a lost
+peer named in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError, SlurmAllocation, launch_mismatches
 from lightning_fastdist.parallel.faults.collective_timeout import explain_lost_peer
 from lightning_fastdist.parallel.faults.job_identity import OWN_RUN_ID_VARIABLE, join_process_group, new_run_id
+from lightning_fastdist.strategies.common.ray_worker import take_ray_job
 
 
 def names_checkable(module: LightningModule | None) -> TypeGuard[LightningModule]:
@@ -42,7 +44,9 @@ def check_names_at_launch(
     """Make ``launcher.launch`` check the Trainer against a SLURM allocation (:func:`check_slurm_allocation`), call
     ``check_names(strategy.lightning_module)`` and only then launch, under the launch's run id; an instance
     attribute, so the launcher's class (and isinstance checks) stay Lightning's. Call once Lightning configured the
-    launcher: ``strategy``'s cluster environment and ``num_nodes`` are final."""
+    launcher: ``strategy``'s cluster environment and ``num_nodes`` are final. Inside a Ray Train worker they are made
+    Ray's first (:func:`.ray_worker.take_ray_job`): Ray started the processes, so this launcher starts none."""
+    take_ray_job(strategy)
     if launcher is None:
         return
     environment = strategy.cluster_environment
