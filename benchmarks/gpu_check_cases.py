@@ -336,7 +336,7 @@ def powersgd_resume(ctx: Context) -> Outcome:
     a, b = straight.strategy.hook_state, resumed.strategy.hook_state
     weights = _max_difference(_weights(straight), _weights(resumed))
     errors = max((a.errors[k].float() - b.errors[k].float()).abs().max().item() for k in a.errors)
-    shards = sorted(p.name for p in (ctx.tmp / "split").glob("*.powersgd/*"))
+    shards = sorted(p.name for p in (ctx.tmp / "split").glob("*.powersgd/step*/*"))
     numbers = {"max_weight_difference": weights, "max_error_feedback_difference": errors,
                "iteration": [a.iteration, b.iteration], "shard_files": shards}  # fmt: skip
     passed = a.iteration == b.iteration and weights <= RESUME_TOLERANCE and errors <= RESUME_TOLERANCE and bool(shards)

@@ -29,6 +29,7 @@ from lightning_fastdist.cli.report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
 from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
+from lightning_fastdist.parallel.checkpoint.save_failure import CheckpointSaveError
 from lightning_fastdist.parallel.faults.collective_timeout import explained_lost_peer
 from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import NonFiniteCheckpointError
@@ -38,6 +39,7 @@ PROGRAM = "lightning-fastdist"
 EXPLAINED_FAILURES = (
     JobIdentityError,
     UnusableCheckpointError,
+    CheckpointSaveError,
     NonFiniteCheckpointError,
     NonFiniteLossError,
     ResumeRefusedError,

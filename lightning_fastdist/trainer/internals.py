@@ -213,9 +213,10 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.deepspeed.strategy",), "build the DeepSpeed engine with a torch optimizer"
     ),
     "lightning.pytorch.core.module.LightningModule._trainer": PrivateName(
-        ("precision", "strategies.common.shared_hooks"),
-        "know, when converting a module, that FSDP2 shards it next (fp8 weights gathered in fp8); save a checkpoint "
-        "where the module is attached to no trainer (the main process after a spawned fit), as Lightning does",
+        ("precision", "strategies.checkpoint.fault_tolerance", "strategies.common.shared_hooks"),
+        "know, when converting a module, that FSDP2 shards it next (fp8 weights gathered in fp8); save and load a "
+        "checkpoint where the module is attached to no trainer (the main process after a spawned fit), as Lightning "
+        "does",
     ),
     "lightning.pytorch.core.module.LightningModule._compiler_ctx": PrivateName(
         ("strategies.ddp.strategy",), "know a module the user compiled: Lightning unwraps torch.compile(model) into it"

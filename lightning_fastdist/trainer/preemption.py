@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 from datetime import timedelta
 from types import FrameType
@@ -32,6 +33,7 @@ from lightning_fastdist.trainer.slurm_requeue import requeue, requeue_reason, sl
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED_NAME = "stopped"  # a stop save that cannot resume the job: a name neither `last` nor `hpc` finds
 EXIT_STATUS_BASE = 128  # the shell's convention: a process ended by signal N reports 128 + N
 
 
@@ -129,6 +131,11 @@ class PreemptionHandler:
                 f"{status} (started again with the same command it rejoins nodes still training; a whole job resumes "
                 "with --ckpt_path last)."
             )
+        elif not _stop_save_resumes(trainer):
+            log.warning(
+                f"{stopped}: saved the global weights as {path}, which cannot resume the job (its nodes stop each on "
+                f"its own); exiting with status {status} (--ckpt_path last resumes from the last periodic checkpoint)."
+            )
         else:
             log.warning(f"{stopped}: saved {path}; exiting with status {status} (resume with --ckpt_path last).")
         if trainer.is_global_zero:  # after save_checkpoint's barrier: every rank has saved
@@ -146,10 +153,21 @@ def _wrote_no_checkpoint(trainer: Trainer) -> bool:
     return not getattr(across_nodes, "wrote_last_checkpoint", trainer.node_rank == 0)
 
 
+def _stop_save_resumes(trainer: Trainer) -> bool:
+    """Whether what a stop saves can resume the job: not under ``outer_sync`` (the strategy's ``across_nodes``)."""
+    return getattr(getattr(trainer.strategy, "across_nodes", None), "stop_save_resumes", True)
+
+
 def checkpoint_path_on_stop(trainer: Trainer) -> str:
-    """Where a stopped run saves: the ``ModelCheckpoint``'s ``last`` file, else Lightning's ``hpc_ckpt_N.ckpt``."""
+    """Where a stopped run saves: the ``ModelCheckpoint``'s ``last`` file, else Lightning's ``hpc_ckpt_N.ckpt`` (both
+    what a requeued job resumes from). A stop save that cannot resume (``outer_sync``) goes to ``stopped.ckpt`` in
+    the same folder instead: it never replaces the resumable state ``--ckpt_path last`` (or ``hpc``) finds."""
     callback = trainer.checkpoint_callback
-    if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+    has_folder = isinstance(callback, ModelCheckpoint) and callback.dirpath is not None
+    if not _stop_save_resumes(trainer):
+        folder = callback.dirpath if has_folder else trainer.default_root_dir
+        return os.path.join(folder, STOPPED_NAME + ModelCheckpoint.FILE_EXTENSION)
+    if has_folder:
         names = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
         return callback.format_checkpoint_name(names, callback.CHECKPOINT_NAME_LAST)
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

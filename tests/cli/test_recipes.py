@@ -147,7 +147,7 @@ def test_multi_node_ethernet_recipe_syncs_across_two_loopback_nodes_under_torchr
         float(r["comm/outer_allreduce_bytes_per_step"]) for r in rows if r.get("comm/outer_allreduce_bytes_per_step")
     ]
     assert outer and all(count > 0 for count in outer)  # a fragment's bf16 pseudo-gradient on every logged step
-    (node_files,) = (in_tmp_dir / "checkpoints" / "multi_node_ethernet").glob("*step=4.ckpt.outer_sync")
+    (node_files,) = (in_tmp_dir / "checkpoints" / "multi_node_ethernet").glob("*step=4.ckpt.outer_sync/step000000004")
     assert sorted(p.name for p in node_files.iterdir()) == ["node00000.pt", "node00001.pt"]
 
 

@@ -1,4 +1,5 @@
-"""PowerSGD in checkpoints: each rank's error feedback in its own file beside the checkpoint, never gathered.
+"""PowerSGD in checkpoints: each rank's error feedback in its own file beside the checkpoint, never gathered, in the
+folder of its save, so that a later save that dies half-way never touches the files of the checkpoint published.
 
 The file functions need no collective, so the fast tests play both ranks in one process; the slow one
 trains two real gloo ranks with FastDDPStrategy and Lightning's ModelCheckpoint.
@@ -15,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fastdist import FastDDPStrategy
 from lightning_fastdist.demo import TextDataModule, TinyGPT
+from lightning_fastdist.parallel.checkpoint.side_saves import POWERSGD_ERRORS
 from lightning_fastdist.parallel.ddp.powersgd import PowerSGDSettings, PowerSGDState
 from lightning_fastdist.strategies.ddp.comm_hook_checkpoint import (
     CHECKPOINT_KEY,
@@ -22,7 +24,6 @@ from lightning_fastdist.strategies.ddp.comm_hook_checkpoint import (
     remove_shards,
     restore_hook_state,
     save_hook_state,
-    shard_folder,
 )
 from tests.support.fault_runs import write_corpus
 from tests.support.harness import run_function
@@ -38,9 +39,13 @@ def rank_state(rank: int, iteration: int = 7) -> PowerSGDState:
     return state
 
 
-def save_all(path: Path, world: int = WORLD, iteration: int = 7) -> dict:
-    saved = [save_hook_state(rank_state(r, iteration), "powersgd", path, world, r) for r in range(world)]
+def save_all(path: Path, world: int = WORLD, iteration: int = 7, step: int = 7) -> dict:
+    saved = [save_hook_state(rank_state(r, iteration), "powersgd", path, world, r, step) for r in range(world)]
     return remember_location(saved[0], path)  # what rank 0 puts in the checkpoint, as loaded back
+
+
+def save_folder(path: Path, step: int = 7) -> Path:
+    return Path(POWERSGD_ERRORS.save_folder(path, step))
 
 
 def restored(saved: dict, world: int, rank: int) -> PowerSGDState:
@@ -52,10 +57,7 @@ def restored(saved: dict, world: int, rank: int) -> PowerSGDState:
 def test_each_rank_writes_its_own_file_and_gets_it_back(tmp_path):
     saved = save_all(tmp_path / "last.ckpt")
     assert "errors" not in saved and "per_rank" not in saved  # nothing of any rank's error feedback in the checkpoint
-    assert sorted(p.name for p in Path(shard_folder(tmp_path / "last.ckpt")).iterdir()) == [
-        "rank00000.pt",
-        "rank00001.pt",
-    ]
+    assert sorted(p.name for p in save_folder(tmp_path / "last.ckpt").iterdir()) == ["rank00000.pt", "rank00001.pt"]
     for rank in range(WORLD):
         state = restored(saved, WORLD, rank)
         assert state.iteration == 7 and torch.equal(state.q_memory[4], torch.arange(4.0).view(2, 2))
@@ -64,38 +66,35 @@ def test_each_rank_writes_its_own_file_and_gets_it_back(tmp_path):
 
 def test_another_world_size_restarts_error_feedback_with_one_line_and_reads_no_file(tmp_path):
     saved = save_all(tmp_path / "last.ckpt")
-    for file in Path(shard_folder(tmp_path / "last.ckpt")).iterdir():
+    for file in save_folder(tmp_path / "last.ckpt").iterdir():
         file.write_bytes(b"not read")  # a resume at another world size never opens them
     with pytest.warns(UserWarning, match="saved by 2 ranks and is resumed by 1: keeping the step count and Q"):
         state = restored(saved, 1, 0)
     assert state.errors == {} and state.iteration == 7 and set(state.q_memory) == {0, 4}
 
 
-def test_a_file_from_another_save_or_a_missing_one_restarts_that_ranks_error_feedback(tmp_path):
+def test_a_later_save_that_died_leaves_the_published_files_and_a_missing_one_restarts_that_rank(tmp_path):
     path = tmp_path / "last.ckpt"
-    saved = save_all(path, iteration=7)
-    save_hook_state(rank_state(1, iteration=9), "powersgd", path, WORLD, 1)  # a later save died after rank 1's file
-    with pytest.warns(UserWarning, match=r"\[rank 1\] .* belongs to another save \(step count 9, not 7\)"):
-        assert restored(saved, WORLD, 1).errors == {}
-    assert torch.equal(restored(saved, WORLD, 0).errors[0], torch.zeros(3, 2))  # rank 0's own still fits
-    Path(shard_folder(path), "rank00000.pt").unlink()
+    saved = save_all(path, iteration=7, step=7)
+    save_hook_state(rank_state(1, iteration=9), "powersgd", path, WORLD, 1, 9)  # a later save died after rank 1's file
+    assert torch.equal(restored(saved, WORLD, 1).errors[0], torch.ones(3, 2))  # the published save's own file
+    assert torch.equal(restored(saved, WORLD, 0).errors[0], torch.zeros(3, 2))
+    (save_folder(path) / "rank00000.pt").unlink()
     with pytest.warns(UserWarning, match=r"\[rank 0\] .* cannot be read"):
         assert restored(saved, WORLD, 0).errors == {}
 
 
-def test_only_our_files_are_removed_and_a_smaller_run_drops_the_extra_ranks_files(tmp_path):
+def test_only_our_files_are_removed(tmp_path):
     path = tmp_path / "epoch=0-step=4.ckpt"
     save_all(path, world=4)
-    folder = Path(shard_folder(path))
+    folder = save_folder(path)
     (folder / "notes.txt").write_text("a user's file")
-    save_all(path, world=2)  # rank 0 removes rank00002/3, left by the larger run
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "rank00000.pt", "rank00001.pt"]
     remove_shards(path)
     assert [p.name for p in folder.iterdir()] == ["notes.txt"]  # the folder stays while it holds anything else
     (folder / "notes.txt").unlink()
     save_all(path)
     remove_shards(path)
-    assert not folder.exists()
+    assert not Path(POWERSGD_ERRORS.root(path)).exists()
 
 
 def train_and_keep_one_checkpoint(corpus: str, folder: str) -> dict:
@@ -123,7 +122,7 @@ def test_fast_ddp_writes_each_ranks_file_beside_its_checkpoint_and_removes_them_
     saved = torch.load(kept, weights_only=True)[CHECKPOINT_KEY]
     assert saved["world_size"] == WORLD and "per_rank" not in saved and saved["iteration"] == 6
     for rank, result in enumerate(results):
-        shard = torch.load(Path(shard_folder(kept), f"rank{rank:05d}.pt"), weights_only=True)
+        shard = torch.load(save_folder(kept, 6) / f"rank{rank:05d}.pt", weights_only=True)
         assert shard["iteration"] == result["iteration"] == 6 and shard["rank"] == rank
         assert shard["errors"].keys() == result["errors"].keys() and result["errors"]
         assert all(torch.equal(shard["errors"][key], result["errors"][key]) for key in shard["errors"])

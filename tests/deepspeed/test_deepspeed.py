@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -22,11 +23,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fastdist import FastDeepSpeedStrategy, FastMixedPrecision, SpeedMonitor, SyncFreeLogging
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.diagnostics.host_syncs import count_host_syncs
-from lightning_fastdist.parallel.checkpoint.atomic import STAGING_SUFFIX
+from lightning_fastdist.parallel.checkpoint.checkpoint_files import STAGING_SUFFIX
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.planning.comm_model import estimate_comm
 from lightning_fastdist.planning.memory_model import TrainingShape, estimate_memory
-from lightning_fastdist.strategies.deepspeed.consolidate import consolidate_checkpoint
+from lightning_fastdist.strategies.deepspeed.consolidate import consolidate_checkpoint, full_weights_of_folder
 from tests.support.fault_runs import BATCH, BLOCK, write_corpus
 from tests.support.harness import run_function
 from tests.support.shared_runs import once_per_session
@@ -195,6 +196,19 @@ def test_a_zero3_checkpoint_loads_as_one_file_for_inference(runs):
     for name, weight in trained.items():
         assert torch.equal(loaded[name], weight), name
     assert not (tmp_path / f"model.ckpt{STAGING_SUFFIX}").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_evaluating_from_a_zero3_folder_assembles_the_weights_in_memory_and_writes_nothing(runs, monkeypatch, tmp_path):
+    """``validate``/``test``/``predict`` from a ZeRO-3 folder assembles the full fp32 weights on every rank: each rank
+    wrote them to a file of its own in ``TMPDIR`` first (ranks x the model on a node's local disk); no longer."""
+    records, runs_path = runs
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no_scratch_folder"))  # any file there would fail
+    assembled = full_weights_of_folder(runs_path / "split3" / "last.ckpt")
+    for name, weight in records[0]["one-file"].items():
+        assert torch.equal(assembled["state_dict"][name], weight), name
+    assert assembled["global_step"] == 6 and "module" not in assembled  # Lightning's state, not DeepSpeed's
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fastdist.parallel.checkpoint.atomic import STAGING_SUFFIX, save_folder_atomically
+from lightning_fastdist.parallel.checkpoint.atomic import save_folder_atomically
+from lightning_fastdist.parallel.checkpoint.checkpoint_files import STAGING_SUFFIX
 
 
 def write_deepspeed_folder(folder: Path, step: int, ranks: int = 2) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,10 +19,13 @@ import torch
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy, OuterSync
 from lightning_fastdist.commands.bench.setups import all_setups
 from lightning_fastdist.parallel.across_nodes.outer_sync.fragments import split_into_fragments
+from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
+from lightning_fastdist.parallel.checkpoint.side_saves import OUTER_SYNC_NODES
 from lightning_fastdist.planning.fsdp_shards import shard_numels
 from lightning_fastdist.planning.outer_sync_memory import outer_sync_memory
 from lightning_fastdist.planning.setup import Setup
 from lightning_fastdist.recipes.recipe import Recipe
+from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import read_node_state
 from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster, cannot_emulate
 from tests.support.harness import ForkedModule, free_port_span, run_processes
 from tests.support.node_faults import start_again_once_held
@@ -167,7 +171,10 @@ def test_a_fit_resumed_between_two_outer_syncs_goes_on_bit_for_bit(tmp_path):
     # all-reduce is in flight.
     _node_fits(options, 6, str(tmp_path), "6")
     checkpoint = tmp_path / "step=6.ckpt"
-    assert sorted(p.name for p in (tmp_path / "step=6.ckpt.outer_sync").iterdir()) == ["node00000.pt", "node00001.pt"]
+    assert sorted(p.name for p in Path(OUTER_SYNC_NODES.save_folder(checkpoint, 6)).iterdir()) == [
+        "node00000.pt",
+        "node00001.pt",
+    ]
     resumed = _node_fits(options, 12, str(tmp_path / "resumed"), "100", str(checkpoint))
     for before, after in zip(straight, resumed):
         assert after["losses"] == before["losses"][6:]  # steps 7-12, bit for bit
@@ -232,7 +239,7 @@ def test_fsdp_inside_each_node_every_rank_sends_its_shard_and_a_resume_goes_on_b
     for rank in straight:
         assert all(rank["held_bytes"].values())
         _assert_held_as_modelled(options, shard_numels(fragments, 2, rank["local_rank"]), rank)
-    nodes = tmp_path / "step=4.ckpt.outer_sync"
+    nodes = Path(OUTER_SYNC_NODES.save_folder(tmp_path / "step=4.ckpt", 4))
     assert (tmp_path / "step=4.ckpt").is_dir() and sorted(p.name for p in nodes.iterdir()) == ["node00000", "node00001"]
     resumed = _node_fits(
         options, steps, str(tmp_path / "resumed"), "100", str(tmp_path / "step=4.ckpt"), ranks_per_node=2, engine="fsdp"
@@ -244,16 +251,23 @@ def test_fsdp_inside_each_node_every_rank_sends_its_shard_and_a_resume_goes_on_b
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_stop_signal_saves_the_global_weights_and_a_resume_from_that_file_is_refused_in_one_line(tmp_path):
-    """Each node stops on its own (no agreement across nodes yet): its checkpoint holds the global weights only."""
+def test_a_stop_signal_saves_the_global_weights_beside_last_and_the_requeued_job_resumes_from_last(tmp_path):
+    """Each node stops on its own (no agreement across nodes yet): what it saves holds the global weights only, and
+    cannot resume the job. It goes to ``stopped.ckpt``: ``last.ckpt`` keeps the last periodic state, which the job
+    requeued with ``--ckpt_path last`` resumes from (the stop save used to replace it, and that resume died)."""
     options = {"every": 4, "fragments": 2, "delay": 1}
-    commands, environments = _node_commands(options, 12, str(tmp_path), "100", NODE_FAULT_SIGTERM_AT="5")
+    commands, environments = _node_commands(
+        options, 12, str(tmp_path), "4", NODE_FAULT_SIGTERM_AT="5", OUTER_SYNC_FIT_SAVE_LAST="1"
+    )
     nodes = [ForkedModule(command, {**os.environ, **extra}) for command, extra in zip(commands, environments)]
     assert [node.wait(timeout=240) for node in nodes] == [143, 143]
-    (stopped,) = tmp_path.glob("*.ckpt")
-    assert torch.load(stopped, weights_only=False)["fast_outer_sync"] == {"written_on_stop": True}
-    with pytest.raises(AssertionError, match="written when a stop signal ended the fit, and holds the global weights"):
-        _node_fits(options, 12, str(tmp_path / "resumed"), "100", str(stopped))
+    stopped = torch.load(tmp_path / "stopped.ckpt", weights_only=True)["fast_outer_sync"]
+    assert stopped == {"written_on_stop": True}
+    with pytest.raises(UnusableCheckpointError, match="written when a stop signal ended the fit, and holds the global"):
+        read_node_state(stopped, tmp_path / "stopped.ckpt", 0, 2, 1)  # given by path: one line
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
+    resumed = _node_fits(options, 8, str(tmp_path), "4", "last", OUTER_SYNC_FIT_SAVE_LAST="1")
+    assert [node["steps"] for node in resumed] == [[5, 6, 7, 8]] * 2  # from the periodic state of step 4
 
 
 @pytest.mark.slow

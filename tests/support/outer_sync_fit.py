@@ -9,7 +9,9 @@ prints one ``FIT {json}`` line: per optimizer step the outer syncs applied so fa
 all-reduces the step started, the losses, a digest of the weights each validation saw and of the final weights
 (under FSDP: of this rank's shards), and the most bytes torchft held on the rank (under FSDP: for its shards).
 
-With ``OUTER_SYNC_FIT_BEST=FOLDER`` the step of the highest validation loss is checkpointed there.
+With ``OUTER_SYNC_FIT_BEST=FOLDER`` the step of the highest validation loss is checkpointed there; with
+``OUTER_SYNC_FIT_SAVE_LAST=1`` each periodic checkpoint is also saved as ``last.ckpt`` (what ``RESUME_FROM=last``
+finds).
 
 Usage: ``python -m tests.support.outer_sync_fit '{"every": 4, "fragments": 2, "delay": 1}' STEPS [FOLDER SAVE_EVERY
 [RESUME_FROM]]``: with ``FOLDER``, a checkpoint every ``SAVE_EVERY`` steps is written there, and a fit resumes from
@@ -173,7 +175,10 @@ def main(
     losses, recorder, held = LossRecorder(), OuterSyncRecorder(), HeldBytesRecorder()
     callbacks: list[L.Callback] = [NodeFaults(), recorder, losses, held, SyncFreeLogging(), SpeedMonitor()]
     if folder is not None:
-        callbacks.append(ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1))
+        save_last = os.environ.get("OUTER_SYNC_FIT_SAVE_LAST") == "1"
+        callbacks.append(
+            ModelCheckpoint(folder, "{step}", every_n_train_steps=save_every, save_top_k=-1, save_last=save_last)
+        )
     best = os.environ.get("OUTER_SYNC_FIT_BEST")
     if best:  # the highest validation loss: a decision every rank of a node must agree on, whichever way it goes
         callbacks.append(ModelCheckpoint(best, "best-{step}", monitor="val_loss", mode="max", save_top_k=1))

@@ -1,9 +1,18 @@
 """Atomic checkpoint writes: a crash during a save never damages the checkpoint that was there before.
 
-Every save is written under ``<name>.partial`` and published once complete: a file by one rename, a checkpoint
-folder by exchanging the two paths. Any other folder is never replaced: a sharded save is merged in, its index moved
-last so a crash leaves a folder that refuses to load. Only checkpoint files are ever deleted
+Every save is written under ``<name>.partial``, made durable (each of its files and folders ``fsync``ed) and only
+then published: a file by one rename, a checkpoint folder by exchanging the two paths (Linux ``renameat2``), each
+rename made durable by an ``fsync`` of the folder holding it. Where the file system cannot exchange (NFS and other
+network file systems) the previous copy is first renamed aside to ``<stem>.replaced<suffix>``, a name
+``ckpt_path="last"`` still finds, so a complete copy is findable at every instant. A link at the target (Lightning's
+``save_last="link"``) is replaced, never written through. Any other folder is never replaced: a sharded save is merged
+in, its index moved last so a crash leaves a folder that refuses to load. Only checkpoint files are ever deleted
 (``docs/fault-tolerance.md``).
+
+A save is published as one unit with the files it wrote beside its checkpoint (:mod:`.side_saves`): the checkpoint
+names them, and :func:`publish` retires those of earlier saves once it is in place. Every rank of a multi-rank save
+learns how the others' parts went (:mod:`.save_failure`): a failure on one rank ends the save on all of them, and a
+full disk is one line naming the path and the bytes needed, the partial save removed.
 """
 
 from __future__ import annotations
@@ -11,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import re
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,27 +29,28 @@ from typing import Any
 import fsspec.utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-STAGING_SUFFIX = ".partial"
-REPLACED_SUFFIX = ".replaced"
-# The distributed checkpoint's index of the shards (torch.distributed.checkpoint): without it a folder does not load.
-SHARD_INDEX = ".metadata"
-# What Lightning's strategies write next to the shards (the non-tensor state); its index too.
-LIGHTNING_METADATA = "meta.pt"
-# DeepSpeed's index: names the folder inside the checkpoint (the tag) that holds the per-rank states.
-DEEPSPEED_INDEX = "latest"
-# Every file a sharded checkpoint consists of: the indexes, the shards, per-rank metadata, and their temporary
-# names; for DeepSpeed also its conversion scripts and per-rank model and optimizer states.
-_CHECKPOINT_FILE = re.compile(
-    r"(\.metadata|meta\.pt|__\d+\.metadata|.+\.distcp"
-    r"|latest|zero_to_(fp32|torch)\.py|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt"
-    r"|mp_rank_\d+_model_states\.pt)(\.tmp)?"
+from lightning_fastdist.parallel.checkpoint.checkpoint_files import (
+    DEEPSPEED_INDEX,
+    LIGHTNING_METADATA,
+    SHARD_INDEX,
+    delete_checkpoint,
+    exists,
+    is_checkpoint_folder,
+    is_file_or_link,
+    is_folder,
+    is_states_folder,
+    replaced_path,
+    staging_path,
 )
-
-
-def staging_path(path: Path) -> Path:
-    """Where a save to ``path`` is written before it is published."""
-    return path.with_name(path.name + STAGING_SUFFIX)
+from lightning_fastdist.parallel.checkpoint.save_failure import (
+    agree_on_save,
+    disk_full_error,
+    is_disk_full,
+    state_bytes,
+)
+from lightning_fastdist.parallel.checkpoint.side_saves import retire_older_saves
 
 
 def is_local_path(path: Any) -> bool:
@@ -49,28 +58,8 @@ def is_local_path(path: Any) -> bool:
     return fsspec.utils.get_protocol(str(path)) in ("file", "local")
 
 
-def _exists(path: Path) -> bool:
-    return path.exists() or path.is_symlink()
-
-
-def _is_file(path: Path) -> bool:
-    return path.is_file() or (path.is_symlink() and not path.is_dir())
-
-
-def _is_states_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder of checkpoint files only (DeepSpeed's tag folder inside its checkpoint)."""
-    return (
-        not path.is_symlink() and path.is_dir() and all(_CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(path))
-    )
-
-
-def is_checkpoint_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder holding a sharded checkpoint and nothing else, so a save may replace it."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    names = os.listdir(path)
-    has_index = SHARD_INDEX in names or LIGHTNING_METADATA in names or DEEPSPEED_INDEX in names
-    return has_index and all(_CHECKPOINT_FILE.fullmatch(name) or _is_states_folder(path / name) for name in names)
+# What a failed write can raise: torch.distributed.checkpoint's error is a BaseException.
+_WRITE_ERRORS = (Exception, CheckpointException)
 
 
 def _describe_folder(path: Path) -> str:
@@ -85,48 +74,23 @@ def check_save_target(path: Path, sharded: bool) -> None:
     """Raise :class:`IsADirectoryError` if a single-file checkpoint would replace a folder that is not a checkpoint.
 
     Call it on every rank before saving, so that all ranks stop alike (Lightning's contract). A sharded save onto
-    any folder is accepted: it is written into the folder.
+    any folder is accepted: it is written into the folder. A link is replaced whatever it points to.
     """
     path = Path(path)
-    if not sharded and path.is_dir() and not is_checkpoint_folder(path):
+    if not sharded and is_folder(path) and not is_checkpoint_folder(path):
         raise IsADirectoryError(
             f"The checkpoint path exists and is a directory: {path} is {_describe_folder(path)}, not a checkpoint, "
             f"and is never replaced. Save to a file inside it (e.g. {path / 'model.ckpt'}) or to another path."
         )
 
 
-def _delete_checkpoint(path: Path) -> None:
-    """Delete the file or checkpoint folder at ``path``; a folder keeps anything that is not a checkpoint file.
-
-    Raises :class:`FileExistsError` if such files keep the folder from being removed.
-    """
-    if not _exists(path):
-        return
-    if _is_file(path):
-        path.unlink()
-        return
-    for name in os.listdir(path):
-        if _CHECKPOINT_FILE.fullmatch(name) and _is_file(path / name):
-            (path / name).unlink()
-        elif _is_states_folder(path / name):
-            _delete_checkpoint(path / name)
-    try:
-        path.rmdir()
-    except OSError as error:
-        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
-        raise FileExistsError(
-            f"{path} holds files that are not part of a checkpoint ({', '.join(sorted(os.listdir(path)))}); "
-            "they were left in place. Move them away and save again."
-        ) from None
-
-
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap ``a`` and ``b`` in one atomic step (Linux ``renameat2``); ``False`` where the OS cannot."""
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (Linux ``renameat2``); ``False`` where the OS or the file system cannot
+    (:func:`publish` then renames twice)."""
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
     if renameat2 is None:
         return False
@@ -139,93 +103,166 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a))
 
 
+def sync_folder(folder: Path) -> None:
+    """Make the names in ``folder`` durable (a rename is on disk once its folder is synced); a file system that
+    cannot sync a folder is left as it is."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(path: Path) -> None:
+    """Make the file or folder ``path`` durable: every file's bytes, then every folder's names (a link is a name)."""
+    if path.is_symlink():
+        return
+    if path.is_file():
+        with open(path, "rb") as written:
+            os.fsync(written.fileno())
+        return
+    for folder, _, files in os.walk(path, topdown=False):
+        for name in files:
+            if not os.path.islink(os.path.join(folder, name)):
+                sync_tree(Path(folder, name))
+        sync_folder(Path(folder))
+
+
 def _merge_into(staged: Path, folder: Path) -> None:
     """Move the files of the sharded checkpoint ``staged`` into ``folder``, keeping what else is there.
 
     The indexes go first and come back last: in between the folder does not load as a checkpoint.
     """
     for name in os.listdir(staged):  # a states folder (DeepSpeed's) replaces only an earlier save's
-        if (staged / name).is_dir() and _exists(folder / name) and not _is_states_folder(folder / name):
+        if is_folder(staged / name) and exists(folder / name) and not is_states_folder(folder / name):
             raise FileExistsError(f"{folder / name} is not part of a checkpoint and is never replaced; move it away.")
     indexes = (LIGHTNING_METADATA, DEEPSPEED_INDEX, SHARD_INDEX)  # SHARD_INDEX last: the folder loads once it is there
     for name in indexes:
-        if _is_file(folder / name):
+        if is_file_or_link(folder / name):
             (folder / name).unlink()
     names = sorted(os.listdir(staged), key=lambda name: indexes.index(name) + 1 if name in indexes else 0)
     for name in names:
-        if (staged / name).is_dir() and _exists(folder / name):
-            _delete_checkpoint(folder / name)
+        if is_folder(staged / name) and exists(folder / name):
+            delete_checkpoint(folder / name)
         os.replace(staged / name, folder / name)
     staged.rmdir()
+    sync_folder(folder)
 
 
-def publish(staged: Path, path: Path) -> None:
-    """Publish the complete save ``staged`` at ``path``; only a file or a checkpoint folder there is replaced.
+def publish(staged: Path, path: Path, step: int | None = None) -> None:
+    """Publish the complete save ``staged`` at ``path``, durably; only a file, a link or a checkpoint folder there is
+    replaced. With ``step`` (the global step the save holds), the files earlier saves wrote beside ``path`` go once it
+    is in place (:func:`~.side_saves.retire_older_saves`).
 
     A single file onto any other folder raises :class:`IsADirectoryError`; a folder ``staged`` is merged into it.
     """
-    if not _exists(path) or (_is_file(staged) and _is_file(path)):
-        os.replace(staged, path)  # atomic, also over an existing file
-        return
-    if path.is_dir() and not is_checkpoint_folder(path):
-        check_save_target(path, sharded=not _is_file(staged))
+    sync_tree(staged)  # its bytes on disk before its name: a power cut never publishes a torn checkpoint
+    if is_folder(path) and not is_checkpoint_folder(path):
+        check_save_target(path, sharded=not is_file_or_link(staged))
         _merge_into(staged, path)
-        return
-    if _exchange(staged, path):
-        _delete_checkpoint(staged)  # now the previous checkpoint
-        return
-    replaced = path.with_name(path.name + REPLACED_SUFFIX)
-    _delete_checkpoint(replaced)
-    os.replace(path, replaced)
-    os.replace(staged, path)
-    _delete_checkpoint(replaced)
+    else:
+        _replace(staged, path)
+    if step is not None:
+        retire_older_saves(path, step)
 
 
-def save_file_atomically(write: Callable[[Path], None], path: Path) -> None:
-    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only)."""
+def _replace(staged: Path, path: Path) -> None:
+    """Put ``staged`` at ``path`` in place of the file, link or checkpoint folder there (if any), durably, with a
+    complete copy at ``path`` or at its set-aside name at every instant."""
+    aside = replaced_path(path)
+    if not exists(path) or (is_file_or_link(staged) and is_file_or_link(path)):
+        os.replace(staged, path)  # atomic, also over an existing file or link
+    elif not exchange_paths(staged, path):  # `staged` is the previous checkpoint where the exchange was made
+        delete_checkpoint(aside)  # a copy an earlier crash left aside: the checkpoint at `path` is complete
+        os.replace(path, aside)  # from here until the next rename the complete copy is `aside`, a name resume finds
+        sync_folder(path.parent)
+        os.replace(staged, path)
+    sync_folder(path.parent)  # the new name on disk before the previous copy goes
+    delete_checkpoint(staged)
+    delete_checkpoint(aside)  # the previous copy; or one a crash between the two renames left, now superseded
+
+
+def _write_staged(write: Callable[[Path], None], staged: Path, path: Path, expected_bytes: int | None) -> None:
+    """``write(staged)``, where a full disk becomes one line naming ``path`` and the bytes needed."""
+    try:
+        write(staged)
+    except _WRITE_ERRORS as error:
+        if is_disk_full(error):
+            raise disk_full_error(path, staged, expected_bytes) from error
+        raise
+
+
+def save_file_atomically(
+    write: Callable[[Path], None], path: Path, expected_bytes: int | None = None, step: int | None = None
+) -> None:
+    """Call ``write(staging_file)`` and then publish the file at ``path`` (one process only).
+
+    Args:
+        expected_bytes: about what the file takes (named in the line of a full disk).
+        step: the global step of a checkpoint (not of a side file): its earlier saves' side files go once published.
+
+    Raises:
+        CheckpointSaveError: the disk is full (the partial file removed).
+    """
     path = Path(path)
     check_save_target(path, sharded=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = staging_path(path)
-    _delete_checkpoint(staged)
-    write(staged)
-    with open(staged, "rb") as written:
-        os.fsync(written.fileno())  # on disk before it is published: a power cut cannot publish a torn file
-    publish(staged, path)
+    delete_checkpoint(staged)
+    try:
+        _write_staged(write, staged, path, expected_bytes)
+    except _WRITE_ERRORS:
+        delete_checkpoint(staged)  # a partial save of ours: never left to fill the disk
+        raise
+    publish(staged, path, step)
 
 
-def save_folder_atomically(write: Callable[[Path], None], path: Path) -> None:
+def _attempt(part: Callable[[], None]) -> BaseException | None:
+    """Run this rank's ``part`` of a save; what it raised, for :func:`~.save_failure.agree_on_save`."""
+    try:
+        part()
+    except _WRITE_ERRORS as error:
+        return error
+    return None
+
+
+def _agree_or_remove(failure: BaseException | None, staged: Path, path: Path) -> None:
+    """:func:`~.save_failure.agree_on_save`; where a rank failed, rank 0 removes the partial save (every rank has
+    finished its part: the agreement is a barrier) before raising."""
+    try:
+        agree_on_save(failure, path)
+    except _WRITE_ERRORS:
+        if _is_rank_zero():
+            delete_checkpoint(staged)
+        raise
+
+
+def save_folder_atomically(write: Callable[[Path], None], path: Path, step: int | None = None) -> None:
     """Every rank calls this, and ``write(staging_folder)``, a collective that writes a checkpoint folder
-    (DeepSpeed's ``save_checkpoint``); rank 0 then publishes the complete folder at ``path``."""
+    (DeepSpeed's ``save_checkpoint``); rank 0 then publishes the complete folder at ``path``. A failure on any rank
+    raises on every rank (:class:`~.save_failure.CheckpointSaveError` where it was another's)."""
     path = Path(path)
     staged = staging_path(path)
-    if _is_rank_zero():
-        _delete_checkpoint(staged)
-    _barrier()
-    write(staged)
-    _barrier()
-    if _is_rank_zero():
-        publish(staged, path)
-    _barrier()
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    agree_on_save(_attempt(lambda: delete_checkpoint(staged)) if _is_rank_zero() else None, path)
+    _agree_or_remove(_attempt(lambda: _write_staged(write, staged, path, None)), staged, path)
+    agree_on_save(_attempt(lambda: publish(staged, path, step)) if _is_rank_zero() else None, path)
 
 
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _then_publish(written: Future, staged: Path, path: Path) -> Future:
+def _then_publish(written: Future, staged: Path, path: Path, step: int | None) -> Future:
     """A future that completes once ``written`` has and ``staged`` is published at ``path`` (from the writer thread)."""
     published: Future = Future()
 
     def on_written(done: Future) -> None:
         try:
             done.result()
-            publish(staged, path)
+            publish(staged, path, step)
             published.set_result(None)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits
             published.set_exception(error)
@@ -249,32 +286,45 @@ class ShardedCheckpointWriter:
         self.process_group = process_group
         self._pending: Future | None = None
 
-    def save(self, state: dict[str, Any], path: Path, write_extra: Callable[[Path], None] | None = None) -> None:
+    def save(
+        self,
+        state: dict[str, Any],
+        path: Path,
+        write_extra: Callable[[Path], None] | None = None,
+        step: int | None = None,
+    ) -> None:
         """Save ``state`` (a distributed-checkpoint state dict) as the folder ``path``.
 
         Args:
             path: the folder to publish; the same on every rank.
             write_extra: called on rank 0 with the staging folder to add files of its own (non-tensor metadata).
+            step: as for :func:`publish` (a checkpoint's global step; ``None`` for a side file's folder).
+
+        Raises:
+            CheckpointSaveError: on every rank, where another rank's part failed; a full disk on the rank it filled.
         """
         self.wait()
         path = Path(path)
         staged = staging_path(path)
-        if _is_rank_zero():
-            _delete_checkpoint(staged)
+        expected_bytes = state_bytes(state) * (dist.get_world_size() if dist.is_initialized() else 1)
+
+        def prepare() -> None:
+            delete_checkpoint(staged)
             staged.mkdir(parents=True)
             if write_extra is not None:
-                write_extra(staged)
-        _barrier()
+                _write_staged(write_extra, staged, path, expected_bytes)
+
+        def write_shards(folder: Path) -> None:
+            dcp.save(state, checkpoint_id=folder)
+
+        _agree_or_remove(_attempt(prepare) if _is_rank_zero() else None, staged, path)
         if not self.asynchronous:
-            dcp.save(state, checkpoint_id=staged)
-            _barrier()
-            if _is_rank_zero():
-                publish(staged, path)
-            _barrier()
+            _agree_or_remove(_attempt(lambda: _write_staged(write_shards, staged, path, expected_bytes)), staged, path)
+            agree_on_save(_attempt(lambda: publish(staged, path, step)) if _is_rank_zero() else None, path)
             return
         written = dcp.async_save(state, checkpoint_id=staged, process_group=self.process_group)
         # Rank 0 coordinates: its save completes only after every rank has written its shards.
-        self._pending = _then_publish(written, staged, path) if _is_rank_zero() else written
+        self._pending = _then_publish(written, staged, path, step) if _is_rank_zero() else written
 
     def wait(self) -> None:
         """Block until this rank's part of the pending background save (if any) is done.

@@ -13,7 +13,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_fastdist.parallel.checkpoint.atomic import DEEPSPEED_INDEX
+from lightning_fastdist.parallel.checkpoint.checkpoint_files import DEEPSPEED_INDEX
 
 SHARDED_METADATA = ".metadata"
 # How a file written by torch.save starts: a zip archive (torch >= 1.6) or a raw pickle (protocol 2+).

@@ -43,10 +43,13 @@ class AcrossNodes:
     Attributes:
         option: the strategy option of the form across nodes (``"outer_sync"``, ``"replica_groups"``); ``None``: none.
         collectives: the collectives across nodes a strategy logs beside its own, as ``comm/<name>_bytes_per_step``.
+        stop_save_resumes: whether the checkpoint a stop signal saves can resume the job; where it cannot
+            (``outer_sync``), it is saved under a name of its own, never in place of the ``last`` checkpoint.
     """
 
     option: str | None = None
     collectives: tuple[str, ...] = ()
+    stop_save_resumes = True
 
     def comm_hook_inside_node(self, comm_hook: str) -> str:
         """The DDP comm hook this form runs inside a node for the ``comm_hook`` option a user gave."""
@@ -135,6 +138,13 @@ class AcrossNodes:
     def writes_files(self, strategy: ParallelStrategy) -> bool:
         """Whether this rank writes a checkpoint's one file, and removes it when ModelCheckpoint prunes it."""
         return strategy.is_global_zero
+
+    def resume_refusal(
+        self, checkpoint: dict[str, Any], checkpoint_path: Any, trainer: pl.Trainer | None
+    ) -> str | None:
+        """Why a fit of ``trainer`` cannot resume from ``checkpoint`` (read from ``checkpoint_path``) under this form:
+        one line naming it, or ``None``. A ``last`` checkpoint refused falls back to the newest that resumes."""
+        return None
 
     def load(self, checkpoint: dict[str, Any], checkpoint_path: Any, trainer: pl.Trainer) -> None:
         """Read what this form keeps of a checkpoint a fit resumes from (applied by :meth:`start`)."""

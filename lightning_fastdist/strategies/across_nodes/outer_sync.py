@@ -32,6 +32,7 @@ from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import (
     CHECKPOINT_KEY,
     read_node_state,
     restore_node_state,
+    resume_refusal,
     save_node_state,
 )
 from lightning_fastdist.strategies.across_nodes.torchft_form import TorchftForm
@@ -47,6 +48,7 @@ class OuterSyncJob(TorchftForm):
     powersgd_refusal = "outer_sync crosses the slow link only every `every` steps, and inside a node"
     hsdp_refusal = "outer_sync synchronises across nodes every `every` steps and sharding='hsdp' every step"
     collectives = (OUTER_ALL_REDUCE,)
+    stop_save_resumes = False  # each node stops on its own: its stop save holds the global weights only (save)
     settings: OuterSync
 
     def __init__(self, settings: OuterSync, owner: str, blocks: BlocksOption, sharded: bool = False) -> None:
@@ -204,6 +206,18 @@ class OuterSyncJob(TorchftForm):
         """Node 0 writes the checkpoint the nodes share (each node wrote its own state beside it)."""
         self.wrote_last_checkpoint = node_rank == 0
         return self.wrote_last_checkpoint
+
+    def resume_refusal(
+        self, checkpoint: dict[str, Any], checkpoint_path: Any, trainer: pl.Trainer | None
+    ) -> str | None:
+        """A checkpoint a fit cannot resume from exactly: one written on a stop signal, while an all-reduce was in
+        flight, or by another number of nodes or ranks (checked on what the checkpoint itself holds)."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        group = self.process_groups.group
+        if saved is None or trainer is None or not trainer.training or group is None:
+            return None
+        refusal = resume_refusal(saved, group.num_nodes, group.ranks_per_node)
+        return None if refusal is None else f"checkpoint '{checkpoint_path}' cannot resume this run: {refusal}"
 
     def load(self, checkpoint: dict[str, Any], checkpoint_path: Any, trainer: pl.Trainer) -> None:
         """Read this node's own state of a checkpoint a fit resumes from (refusing one that cannot resume exactly):

@@ -2,14 +2,17 @@
 
 The checkpoint holds the global weights (so it loads into a plain model as what the nodes agreed on), the outer
 optimizers and torchft's step count. Each node's own weights, inner optimizer and random states go beside it, in
-``<checkpoint>.outer_sync/nodeNNNNN.pt`` (DDP) or a distributed checkpoint folder ``nodeNNNNN`` of shards (FSDP),
-written before global rank 0 publishes; the nodes count each other's saves in node 0's store, since a node that
-rejoined at that step has nothing to write and a collective would pair with its next one.
+``<checkpoint>.outer_sync/stepSSSSSSSSS/nodeNNNNN.pt`` (DDP) or a distributed checkpoint folder ``nodeNNNNN`` of
+shards (FSDP), written before global rank 0 publishes; the nodes count each other's saves in node 0's store, since a
+node that rejoined at that step has nothing to write and a collective would pair with its next one. The step's folder
+is the save's own (:mod:`~lightning_fastdist.parallel.checkpoint.side_saves`): the checkpoint and its node files are
+published together by the checkpoint's one rename, and the previous pair stays until then. Node files are read
+weights-only: nothing from a side file is unpickled.
 """
 
 from __future__ import annotations
 
-import re
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,21 +31,22 @@ from torch.distributed.checkpoint.state_dict import (
 from lightning_fastdist.parallel.across_nodes.group import LEFT_OUT_AFTER, ReplicaGroup
 from lightning_fastdist.parallel.across_nodes.outer_sync.run import OuterSyncRun
 from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
+from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
+from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
+from lightning_fastdist.parallel.checkpoint.side_saves import OUTER_SYNC_NODES
 from lightning_fastdist.strategies.checkpoint.side_files import read_side_file, write_side_file
 
 CHECKPOINT_KEY = "fast_outer_sync"
-NODES_SUFFIX = ".outer_sync"  # the folder beside a checkpoint that holds each node's own state
-_NODE_ENTRY = re.compile(r"node(\d{5})(\.pt)?")  # a node's file (DDP) or folder (FSDP)
 _SHARDED_NODE_META = "node.pt"  # in a node's folder: what is not a shard (its step, its ranks' random states)
 
 
-def node_file(checkpoint_path: Any, node: int, sharded: bool = False, follow_link: bool = False) -> str:
-    """Where node ``node``'s state of the checkpoint at ``checkpoint_path`` lives (beside the file a link names): a
-    file, or a folder of shards (``sharded``)."""
+def node_file(checkpoint_path: Any, node: int, step: int, sharded: bool = False, follow_link: bool = False) -> str:
+    """Where node ``node``'s state of the save at global step ``step`` of the checkpoint at ``checkpoint_path``
+    lives (beside the file a link names): a file, or a folder of shards (``sharded``)."""
     path = str(checkpoint_path)
     if follow_link and is_local_path(path):
         path = str(Path(path).resolve())
-    return f"{path}{NODES_SUFFIX}/node{node:05d}{'' if sharded else '.pt'}"
+    return f"{OUTER_SYNC_NODES.save_folder(path, step)}/node{node:05d}{'' if sharded else '.pt'}"
 
 
 def save_node_state(
@@ -62,7 +66,9 @@ def save_node_state(
         run: ``None`` where this process does not talk across nodes.
         node_rank_states: the random states of this node's ranks (gathered on its local rank 0), else ``None``.
     """
-    if run is None:
+    path = node_file(filepath, group.node_rank, optimizer_steps, group.sharded)
+    if run is None:  # under DDP the node's local rank 0 writes: the others learn how that went
+        agree_on_save(None, Path(path))
         return
     own = {"node": group.node_rank, "optimizer_steps": optimizer_steps, "rng": node_rank_states}
     shared = {
@@ -72,7 +78,6 @@ def save_node_state(
         "in_flight": run.settings.in_flight(optimizer_steps),
         "settings": vars(run.settings).copy(),
     }
-    path = node_file(filepath, group.node_rank, group.sharded)
     if group.sharded:  # each rank's shards of the weights and of both optimizers' states
         shared.pop("outer_optimizers")
         shared["ranks_per_node"] = group.ranks_per_node
@@ -83,7 +88,12 @@ def save_node_state(
         )
     else:
         weights = [p.detach().to("cpu", copy=True) for p in model.parameters()]
-        write_side_file({**own, "weights": weights, "inner_optimizer": optimizer.state_dict()}, path)
+        failure = None
+        try:
+            write_side_file({**own, "weights": weights, "inner_optimizer": optimizer.state_dict()}, path)
+        except Exception as error:  # noqa: BLE001 - the node's every rank raises it, through agree_on_save
+            failure = error
+        agree_on_save(failure, Path(path))
     checkpoint[CHECKPOINT_KEY] = shared
     missing = run.wait_for_saves(optimizer_steps)  # every node's state is complete before global rank 0 publishes
     if missing and group.node_rank == 0 and group.local_rank == 0:
@@ -113,35 +123,27 @@ def read_node_state(
     what is not a shard: :func:`restore_node_state` reads those).
 
     Raises:
-        ValueError: one line saying why this checkpoint cannot resume this run exactly.
+        UnusableCheckpointError: one line saying why this checkpoint cannot resume this run exactly (also a
+            ``ValueError``).
     """
-    if saved.get("written_on_stop"):
-        raise ValueError(
-            "outer_sync: this checkpoint was written when a stop signal ended the fit, and holds the global weights "
-            "only (the nodes do not agree on a step to stop at yet): resume from the last periodic checkpoint, or "
-            "load its weights into a new run."
-        )
+    refusal = resume_refusal(saved, num_nodes, ranks_per_node)
+    if refusal is not None:
+        raise UnusableCheckpointError(refusal)
     steps = saved["optimizer_steps"]
-    if saved["in_flight"]:  # the all-reduce's result is not in the checkpoint
-        raise ValueError(
-            f"outer_sync: this checkpoint was written after step {steps}, while a fragment's all-reduce was in flight, "
-            "and cannot resume exactly; resume from a checkpoint at a multiple of every/fragments steps "
-            "(e.g. ModelCheckpoint(every_n_train_steps=...) a multiple of it)."
-        )
-    if saved["num_nodes"] != num_nodes or saved.get("ranks_per_node", ranks_per_node) != ranks_per_node:
-        raise ValueError(
-            f"outer_sync: this checkpoint was written by {saved['num_nodes']} nodes of "
-            f"{saved.get('ranks_per_node', ranks_per_node)} ranks and this run has {num_nodes} of {ranks_per_node}: "
-            "resume on as many nodes and ranks, or load only its weights (the global ones) into a new run."
-        )
     sharded = "ranks_per_node" in saved
-    source = _node_with_state(checkpoint_path, node, num_nodes, sharded)
-    path = node_file(checkpoint_path, source, sharded, follow_link=True)
-    state = read_side_file(f"{path}/{_SHARDED_NODE_META}" if sharded else path, weights_only=False)
+    source = _node_with_state(checkpoint_path, node, num_nodes, steps, sharded)
+    path = node_file(checkpoint_path, source, steps, sharded, follow_link=True)
+    try:
+        state = read_side_file(f"{path}/{_SHARDED_NODE_META}" if sharded else path)
+    except pickle.UnpicklingError:
+        raise UnusableCheckpointError(
+            f"outer_sync: {path} holds more than tensors and plain values, and a node's file is never unpickled: "
+            "it was not written by this package; resume from another checkpoint."
+        ) from None
     state["path"] = path
     if state.get("optimizer_steps") != steps or state.get("node") != source:
         found = state.get("optimizer_steps")
-        raise ValueError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
+        raise UnusableCheckpointError(f"outer_sync: {path} belongs to another save (step {found}, not {steps}).")
     if source != node:
         warnings.warn(
             f"outer_sync: node{node} has no state in this checkpoint (it had left the job when step {steps} was "
@@ -153,16 +155,41 @@ def read_node_state(
     return state
 
 
-def _node_with_state(checkpoint_path: Any, node: int, num_nodes: int, sharded: bool) -> int:
+def resume_refusal(saved: dict[str, Any], num_nodes: int, ranks_per_node: int) -> str | None:
+    """Why the checkpoint whose shared part is ``saved`` cannot resume a run of ``num_nodes`` nodes of
+    ``ranks_per_node`` ranks exactly, in one line; ``None`` where it can."""
+    if saved.get("written_on_stop"):
+        return (
+            "outer_sync: this checkpoint was written when a stop signal ended the fit, and holds the global weights "
+            "only (the nodes do not agree on a step to stop at yet): resume from the last periodic checkpoint, or "
+            "load its weights into a new run."
+        )
+    steps = saved["optimizer_steps"]
+    if saved["in_flight"]:  # the all-reduce's result is not in the checkpoint
+        return (
+            f"outer_sync: this checkpoint was written after step {steps}, while a fragment's all-reduce was in flight, "
+            "and cannot resume exactly; resume from a checkpoint at a multiple of every/fragments steps "
+            "(e.g. ModelCheckpoint(every_n_train_steps=...) a multiple of it)."
+        )
+    if saved["num_nodes"] != num_nodes or saved.get("ranks_per_node", ranks_per_node) != ranks_per_node:
+        return (
+            f"outer_sync: this checkpoint was written by {saved['num_nodes']} nodes of "
+            f"{saved.get('ranks_per_node', ranks_per_node)} ranks and this run has {num_nodes} of {ranks_per_node}: "
+            "resume on as many nodes and ranks, or load only its weights (the global ones) into a new run."
+        )
+    return None
+
+
+def _node_with_state(checkpoint_path: Any, node: int, num_nodes: int, step: int, sharded: bool) -> int:
     """``node`` if the checkpoint holds its state, else the first node whose state it holds: a node that had left the
     job (``min_nodes``) when the others saved wrote none."""
     for candidate in (node, *range(num_nodes)):
-        fs, path = fsspec.core.url_to_fs(node_file(checkpoint_path, candidate, sharded, follow_link=True))
+        fs, path = fsspec.core.url_to_fs(node_file(checkpoint_path, candidate, step, sharded, follow_link=True))
         if fs.exists(path):
             return candidate
-    raise ValueError(
-        f"outer_sync: {node_file(checkpoint_path, node, sharded)} is missing, and so is every other node's state "
-        "beside this checkpoint: resume from another checkpoint, or load only its weights (the global ones)."
+    raise UnusableCheckpointError(
+        f"outer_sync: {node_file(checkpoint_path, node, step, sharded)} is missing, and so is every other node's "
+        "state beside this checkpoint: resume from another checkpoint, or load only its weights (the global ones)."
     )
 
 
@@ -187,13 +214,6 @@ def restore_node_state(
 
 
 def remove_node_files(checkpoint_path: Any) -> None:
-    """Remove the nodes' files and folders of ``checkpoint_path``, then the folder holding them if empty; nothing else
-    there is touched."""
-    fs, root = fsspec.core.url_to_fs(f"{checkpoint_path}{NODES_SUFFIX}")
-    if not fs.isdir(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        if _NODE_ENTRY.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]):
-            fs.rm(entry, recursive=fs.isdir(entry))
-    if not fs.ls(root, detail=False):
-        fs.rmdir(root)
+    """Remove the nodes' files and folders of every save of ``checkpoint_path``, then the folders holding them if
+    empty; nothing else there is touched."""
+    OUTER_SYNC_NODES.remove(checkpoint_path)

@@ -1,27 +1,35 @@
 """What every strategy of this package does so that a checkpoint is never half written, garbage, or a dead end:
-a non-finite state is refused before anything is written, a file is staged and renamed once complete, and an
-unusable checkpoint ends in one line naming it (a ``last*.ckpt`` that does not load falls back to the newest that does).
+a non-finite state is refused before anything is written, one run writes a checkpoint folder at a time (what failed
+saves left there goes at its first save), a file is staged and renamed once complete, a failure on one rank fails the
+save on every rank in one line, and the ranks resume from a checkpoint they all load (a ``last*.ckpt`` that does not
+load, or cannot resume this run, falls back to the newest that does).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_fastdist.parallel.checkpoint.atomic import check_save_target, save_file_atomically
-from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError, describe_unloadable
+from lightning_fastdist.parallel.checkpoint.agreed_load import load_on_every_rank
+from lightning_fastdist.parallel.checkpoint.atomic import check_save_target, is_local_path, save_file_atomically
+from lightning_fastdist.parallel.checkpoint.folder_lock import hold_folder
+from lightning_fastdist.parallel.checkpoint.leftovers import remove_leftovers
+from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save, state_bytes
 from lightning_fastdist.parallel.faults.finite_state import non_finite_entry
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_SUFFIX = ModelCheckpoint.FILE_EXTENSION
 TRAINING_STATE_KEYS = ("state_dict", "optimizer_states")  # the checkpoint entries that must be finite
-# What a failed load can raise: torch.distributed.checkpoint's error is a BaseException.
-_LOAD_ERRORS = (Exception, CheckpointException)
 
 
 class NonFiniteCheckpointError(RuntimeError):
@@ -44,6 +52,37 @@ def refuse_non_finite(strategy: Strategy, checkpoint: dict[str, Any], filepath: 
     )
 
 
+def claim_checkpoint_folder(
+    strategy: Strategy, checkpoint: dict[str, Any], filepath: Any, trainer: pl.Trainer | None
+) -> None:
+    """Collective, before anything of a save is written: rank 0 of this process's world takes the folder of
+    ``filepath`` for its node (:mod:`~lightning_fastdist.parallel.checkpoint.folder_lock`; held until the fit of
+    ``trainer`` ends, only checked for a save outside a running fit), and the first time node 0 takes it, removes what
+    failed saves left there. Raises :class:`~lightning_fastdist.parallel.checkpoint.save_failure.CheckpointSaveError`
+    on every rank where another live run holds it."""
+    if not is_local_path(filepath):
+        return
+    failure = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        fitting = fitting and trainer.state.status == TrainerStatus.RUNNING
+        try:
+            _claim(strategy.node_rank, checkpoint, Path(filepath).parent, fitting)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, through agree_on_save
+            failure = error
+    agree_on_save(failure, Path(filepath))
+
+
+def _claim(node: int, checkpoint: dict[str, Any], folder: Path, fitting: bool) -> None:
+    """Rank 0's part: leftovers are removed by node 0 alone, which publishes the checkpoint (another node's first
+    save may come while node 0 stages one), and only when it newly takes the folder (no save of its own under way)."""
+    if not hold_folder(folder, node, keep=fitting) or node != 0:
+        return
+    removed = remove_leftovers(folder, checkpoint.get("global_step", 0))
+    if removed:
+        log.info(f"removed what failed saves left in {folder}: {', '.join(removed)}")
+
+
 def save_one_file(
     strategy: Strategy,
     checkpoint: dict[str, Any],
@@ -52,47 +91,60 @@ def save_one_file(
     writer: bool | None = None,
 ) -> None:
     """The ``writer`` rank (``None``: global rank 0) writes ``checkpoint`` with the strategy's ``checkpoint_io`` under
-    ``<name>.partial``, renamed onto ``<name>`` once complete.
+    ``<name>.partial``, renamed onto ``<name>`` once complete (the side files of older saves of that name then go).
 
-    Every rank first refuses a folder at ``filepath`` that is not a checkpoint, so all ranks stop alike.
+    Every rank first refuses a folder at ``filepath`` that is not a checkpoint, so all ranks stop alike, and then
+    learns whether the write succeeded: a failure raises on every rank, a full disk in one line.
     """
-    check_save_target(Path(filepath), sharded=False)
+    path = Path(filepath)
+    check_save_target(path, sharded=False)
+    failure = None
     if strategy.is_global_zero if writer is None else writer:
-        save_file_atomically(
-            lambda staged: strategy.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options), Path(filepath)
-        )
+        try:
+            save_file_atomically(
+                lambda staged: strategy.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options),
+                path,
+                expected_bytes=state_bytes(checkpoint),
+                step=checkpoint.get("global_step"),
+            )
+        except Exception as error:  # noqa: BLE001 - every rank raises it, through agree_on_save
+            failure = error
+    agree_on_save(failure, path)
 
 
 def load_or_fall_back(
     strategy: Strategy, path: Any, load: Callable[[Any], dict[str, Any]], expects_folder: bool | None
-) -> dict[str, Any]:
-    """``load(path)``; if it fails, one line naming the file, or for a ``last`` checkpoint the newest that loads
-    (the trainer then resumes from that one).
+) -> tuple[dict[str, Any], Any]:
+    """``load(path)`` on every rank, where every rank loads it and it can resume this run; else one line naming the
+    file, or for a ``last`` checkpoint the newest of its folder that every rank loads (the trainer then resumes from
+    that one). Rank 0 names the candidates: every rank resumes from the same checkpoint.
 
     Args:
         strategy: the strategy loading, for the trainer whose checkpoint path a fall-back replaces.
         path: the checkpoint Lightning resolved (``"last"`` already resolved to a file).
         load: loads one path on every rank (a collective for sharded checkpoints).
 
+    Returns:
+        The checkpoint and the path it was loaded from.
+
     Raises:
         UnusableCheckpointError: neither ``path`` nor (for ``last``) any other checkpoint of its folder loads.
     """
-    try:
-        return load(path)
-    except _LOAD_ERRORS as error:
-        problem = describe_unloadable(path, error, expects_folder)
-    if not is_last_checkpoint(Path(path)):
-        raise UnusableCheckpointError(problem) from None
-    for candidate in _older_checkpoints(Path(path)):
-        try:
-            checkpoint = load(candidate)
-        except _LOAD_ERRORS:
-            continue
-        rank_zero_warn(f"{problem} Resuming from '{candidate}' instead, the newest checkpoint there that loads.")
-        assert strategy.lightning_module is not None
-        strategy.lightning_module.trainer._checkpoint_connector._ckpt_path = str(candidate)
-        return checkpoint
-    raise UnusableCheckpointError(f"{problem} No other checkpoint in '{Path(path).parent}' loads either.") from None
+    requested = Path(path)
+    lists_folder = is_last_checkpoint(requested) and (not dist.is_initialized() or dist.get_rank() == 0)
+    candidates = [requested, *_older_checkpoints(requested)] if lists_folder else [requested]  # rank 0's are taken
+    trainer = strategy.lightning_module._trainer
+    across_nodes = strategy.shared.across_nodes
+
+    def refuse(checkpoint: dict[str, Any], candidate: Path) -> str | None:
+        return across_nodes.resume_refusal(checkpoint, candidate, trainer)
+
+    checkpoint, loaded, problem = load_on_every_rank(candidates, load, expects_folder, refuse)
+    if problem is not None:
+        rank_zero_warn(f"{problem} Resuming from '{loaded}' instead, the newest checkpoint there that loads.")
+    if loaded != requested and trainer is not None:
+        trainer._checkpoint_connector._ckpt_path = str(loaded)
+    return checkpoint, loaded
 
 
 def is_last_checkpoint(path: Path) -> bool:

@@ -1,7 +1,9 @@
 """Files a strategy writes beside a checkpoint (a rank's PowerSGD memory, a node's own state under outer_sync).
 
 Written atomically on a local disk (staged, then renamed: a crash never leaves a torn file), through Lightning's
-writer on a remote file system; read with Lightning's reader, which understands both.
+writer on a remote file system, into the folder of their save
+(:mod:`~lightning_fastdist.parallel.checkpoint.side_saves`); read weights-only with Lightning's reader, which
+understands both.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def write_side_file(state: dict, path: str) -> None:
         _atomic_save(state, path)  # Lightning's write for remote file systems
 
 
-def read_side_file(path: str, weights_only: bool = True) -> Any:
-    """Read what :func:`write_side_file` wrote, onto the CPU."""
-    return _load(path, map_location="cpu", weights_only=weights_only)
+def read_side_file(path: str) -> Any:
+    """Read what :func:`write_side_file` wrote, onto the CPU: tensors and plain values only (``weights_only``), since
+    nothing from a side file is unpickled.
+
+    Raises:
+        pickle.UnpicklingError: the file holds anything else.
+    """
+    return _load(path, map_location="cpu", weights_only=True)

@@ -16,9 +16,10 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_fastdist.data.plain_resume import continue_epoch
+from lightning_fastdist.parallel.checkpoint.folder_lock import release_folders
 from lightning_fastdist.strategies.across_nodes import AcrossNodes, OneWorld, TrainingStart
 from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
-from lightning_fastdist.strategies.checkpoint.fault_tolerance import refuse_non_finite
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import claim_checkpoint_folder, refuse_non_finite
 from lightning_fastdist.strategies.common.comm_metrics import CommMetricsLog, end_comm_step
 from lightning_fastdist.strategies.common.job import explain_lost_peer_of_job
 from lightning_fastdist.trainer.loop_state import (
@@ -112,6 +113,7 @@ class SharedHooks:
         this process's world writes the checkpoint (one node writes what the nodes share)."""
         strategy = self.strategy
         trainer = attached_trainer(strategy)
+        claim_checkpoint_folder(strategy, checkpoint, filepath, trainer)  # one run saves there at a time
         if trainer is None:  # saved outside the fit's ranks (no collective): as Lightning saves it
             return self.across_nodes.writes_checkpoint(strategy.node_rank)
         refuse_non_finite(strategy, checkpoint, filepath)
@@ -156,8 +158,9 @@ class SharedHooks:
         explain_lost_peer_of_job(exception, self.strategy.timeout, self.strategy.global_rank)
 
     def teardown(self) -> None:
-        """Stop training across nodes and give the signal handlers back."""
+        """Stop training across nodes, give the signal handlers back and let other runs save where this one did."""
         self.across_nodes.teardown()
+        release_folders()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

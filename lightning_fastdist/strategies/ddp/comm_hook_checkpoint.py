@@ -3,22 +3,24 @@ rank's error feedback in a file of its own, beside the checkpoint.
 
 Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0: the checkpoint
 holds what every rank shares (step count, ``Q`` factors, world size) and each rank writes its error feedback to
-``<checkpoint>.powersgd/rankNNNNN.pt`` before rank 0 publishes the checkpoint (resume pitfalls: ``docs/ddp.md``).
+``<checkpoint>.powersgd/stepSSSSSSSSS/rankNNNNN.pt`` before rank 0 publishes the checkpoint, which names that save's
+folder: the files and the checkpoint are published together, the previous pair kept until then
+(:mod:`~lightning_fastdist.parallel.checkpoint.side_saves`; resume pitfalls: ``docs/ddp.md``).
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
+from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
+from lightning_fastdist.parallel.checkpoint.side_saves import POWERSGD_ERRORS
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AutoCommState
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
 from lightning_fastdist.parallel.ddp.powersgd import PowerSGDState
@@ -26,8 +28,6 @@ from lightning_fastdist.strategies.checkpoint.side_files import read_side_file, 
 
 CHECKPOINT_KEY = "fast_ddp_comm_hook"  # PowerSGD's shared state, and where each rank's error feedback is
 AUTO_CHECKPOINT_KEY = "fast_ddp_comm_hook_auto"  # the level auto chose, and its decisions
-SHARDS_SUFFIX = ".powersgd"  # the folder beside a checkpoint that holds each rank's error feedback
-_SHARD_NAME = re.compile(r"rank(\d{5})\.pt")
 LOCATION_KEY = "loaded_from"  # set on load: where the checkpoint was read, so its shards can be found
 
 
@@ -80,7 +80,7 @@ class CommHookCheckpoint:
         if powersgd_state is None:
             return False
         checkpoint[CHECKPOINT_KEY] = save_hook_state(
-            powersgd_state, "powersgd", filepath, self.hook.world_size, self.hook.rank
+            powersgd_state, "powersgd", filepath, self.hook.world_size, self.hook.rank, checkpoint.get("global_step", 0)
         )
         return True
 
@@ -115,38 +115,39 @@ class CommHookCheckpoint:
             )
 
 
-def shard_folder(checkpoint_path: Any, follow_link: bool = False) -> str:
-    """Where the ranks' files of a checkpoint live: a load follows a link (``last.ckpt`` under Lightning's
-    ``save_last="link"``) to the checkpoint it names, whose files are beside it."""
+def shard_path(checkpoint_path: Any, step: int, rank: int, follow_link: bool = False) -> str:
+    """Where ``rank``'s error feedback of the save at global step ``step`` of a checkpoint lives: a load follows a
+    link (``last.ckpt`` under Lightning's ``save_last="link"``) to the checkpoint it names, whose files are beside
+    it."""
     path = str(checkpoint_path)
     if follow_link and is_local_path(path):
         path = str(Path(path).resolve())
-    return path + SHARDS_SUFFIX
-
-
-def shard_path(checkpoint_path: Any, rank: int, follow_link: bool = False) -> str:
-    return f"{shard_folder(checkpoint_path, follow_link)}/rank{rank:05d}.pt"
+    return f"{POWERSGD_ERRORS.save_folder(path, step)}/rank{rank:05d}.pt"
 
 
 def save_hook_state(
-    hook_state: PowerSGDState, comm_hook: str, checkpoint_path: Any, world_size: int, rank: int
+    hook_state: PowerSGDState, comm_hook: str, checkpoint_path: Any, world_size: int, rank: int, step: int
 ) -> dict[str, Any]:
-    """Write this rank's error feedback beside ``checkpoint_path``; return what the checkpoint itself holds.
+    """Write this rank's error feedback beside ``checkpoint_path``, in the folder of the save at global step
+    ``step``; return what the checkpoint itself holds (naming that save).
 
-    Call on every rank, then a barrier, then publish the checkpoint (rank 0). Rank 0 also removes files
-    of ranks beyond ``world_size`` left there by an earlier, larger run.
+    Call on every rank (a failure on any rank raises on every rank), then publish the checkpoint (rank 0).
     """
     state = hook_state.state_dict()
     shard = {"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]}
-    write_side_file(shard, shard_path(checkpoint_path, rank))
-    if rank == 0:
-        remove_shards(checkpoint_path, keep=world_size)
+    path = shard_path(checkpoint_path, step, rank)
+    failure = None
+    try:
+        write_side_file(shard, path)
+    except Exception as error:  # noqa: BLE001 - every rank raises it, through agree_on_save
+        failure = error
+    agree_on_save(failure, Path(path))
     return {
         "comm_hook": comm_hook,
         "world_size": world_size,
         "iteration": state["iteration"],
         "q_memory": state["q_memory"],
-        "errors_in": SHARDS_SUFFIX,
+        "errors_of_step": step,
     }
 
 
@@ -184,7 +185,7 @@ def _read_own_errors(saved: dict, rank: int) -> dict | None:
     if LOCATION_KEY not in saved:
         warnings.warn(f"[rank {rank}] PowerSGD error feedback: the checkpoint's location is unknown; restarting it.")
         return None
-    path = shard_path(saved[LOCATION_KEY], rank, follow_link=True)
+    path = shard_path(saved[LOCATION_KEY], saved["errors_of_step"], rank, follow_link=True)
     try:
         shard = read_side_file(path)
     except (OSError, RuntimeError, EOFError) as error:
@@ -197,17 +198,9 @@ def _read_own_errors(saved: dict, rank: int) -> dict | None:
     return None
 
 
-def remove_shards(checkpoint_path: Any, keep: int = 0) -> None:
-    """Remove the ranks' files of ``checkpoint_path`` from rank ``keep`` on (all by default), then the folder if empty.
+def remove_shards(checkpoint_path: Any) -> None:
+    """Remove the ranks' files of every save of ``checkpoint_path``, then the folders holding them if empty.
 
-    Only ``rankNNNNN.pt`` files are touched: anything else in the folder stays, and so does the folder.
+    Only ``rankNNNNN.pt`` files are touched: anything else stays, and so does its folder.
     """
-    fs, root = fsspec.core.url_to_fs(shard_folder(checkpoint_path))
-    if not fs.isdir(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        match = _SHARD_NAME.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
-        if match and int(match.group(1)) >= keep:
-            fs.rm(entry)
-    if keep == 0 and not fs.ls(root, detail=False):
-        fs.rmdir(root)
+    POWERSGD_ERRORS.remove(checkpoint_path)

@@ -343,8 +343,8 @@ class FastDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, weights_only=weights_only)
         note_location = self._hook_checkpoint.note_location
-        checkpoint = load_or_fall_back(self, checkpoint_path, lambda path: note_location(load(path), path), False)
-        self.shared.take_loaded(checkpoint, checkpoint_path)
+        checkpoint, loaded_from = load_or_fall_back(self, checkpoint_path, lambda p: note_location(load(p), p), False)
+        self.shared.take_loaded(checkpoint, loaded_from)
         self._hook_checkpoint.load(checkpoint)
         return checkpoint
 

@@ -359,7 +359,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         self._full_weights_to_load = self._evaluates_from_zero3_folder(checkpoint_path)
         if self._full_weights_to_load:
             load = full_weights_of_folder
-        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=not self.load_full_weights)
+        checkpoint, checkpoint_path = load_or_fall_back(self, checkpoint_path, load, not self.load_full_weights)
         # Under ZeRO-3 every rank reads its own file: every rank takes rank 0's, as every rank reads DDP's one file
         # (the LightningModule's and the callbacks' state, and the resume state of every rank).
         checkpoint.update(self.broadcast({key: value for key, value in checkpoint.items() if key != "state_dict"}))

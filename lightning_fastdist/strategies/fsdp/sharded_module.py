@@ -95,10 +95,16 @@ def under_module_names(strategy: Strategy, function: Callable[..., T]) -> Callab
 
 def save_sharded(writer: ShardedCheckpointWriter, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` as Lightning lays out a sharded one: the weights and each optimizer's state as shards of
-    every rank, the rest in Lightning's metadata file."""
+    every rank, the rest in Lightning's metadata file (once published, the side files of older saves of ``path``
+    go)."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    writer.save(tensors, path, write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME))
+    writer.save(
+        tensors,
+        path,
+        write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME),
+        step=checkpoint.get("global_step"),
+    )
 
 
 def drop_group_keys_not_saved(checkpoint_path: Any, optimizers: list[torch.optim.Optimizer]) -> None:

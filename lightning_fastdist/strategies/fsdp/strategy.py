@@ -348,7 +348,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.barrier()
         read = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
         load = with_saved_group_keys(read, self.optimizers)  # each candidate's index read where a fall-back sees it
-        checkpoint = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
+        checkpoint, checkpoint_path = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
         self.shared.take_loaded(checkpoint, checkpoint_path)
         return checkpoint
 
