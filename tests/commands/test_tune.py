@@ -64,7 +64,7 @@ def write_recipe(path, accumulation: int = 1) -> dict:
         (["--output", "users.yaml"], "--output: users.yaml exists and was not written by tune, so it is kept"),
         (["--json", "users.yaml"], "--json: users.yaml exists and was not written by tune, so it is kept"),
         (["--workdir", "users"], "--workdir: users holds files tune did not write; give a new or empty folder"),
-        (["--config", "multi_node_fault_tolerant", "--nodes", "1"], "--nodes: the recipe's replica_groups synchronises"),
+        (["--config", "multi_node_fault_tolerant", "--nodes", "1"], "the recipe's replica_groups synchronises"),
     ],
 )
 def test_bad_arguments_name_the_flag_and_nothing_of_the_users_is_touched(argv, message, capsys, in_tmp_dir):
