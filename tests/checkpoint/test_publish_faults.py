@@ -5,6 +5,7 @@ leave, a full disk, and a second run saving into the same folder.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -250,6 +251,18 @@ def test_a_full_disk_is_one_line_naming_the_path_and_the_bytes_needed_and_frees_
     assert target.read_bytes() == b"PK" * 50_000  # the previous checkpoint
     assert sorted(p.name for p in small_disk.iterdir()) == ["model.ckpt"]  # the partial save removed
     assert shutil.disk_usage(small_disk).free > 800_000
+
+
+def test_torch_saves_cut_short_by_a_full_disk_are_the_same_one_line(small_disk):
+    # torch.save reports the write the full disk cut short as its zip writer's RuntimeError ("unexpected pos"), not
+    # as the OSError: still a full disk (found by the fault campaign).
+    target = small_disk / "model.ckpt"
+    try:
+        save_file_atomically(lambda staged: torch.save({"weight": torch.zeros(600_000)}, staged), target)
+    except CheckpointSaveError as full:
+        line, cause = str(full), type(full.__cause__)  # not kept: its traceback holds torch's open file
+    assert "the disk holding it is full" in line and cause is RuntimeError and not list(small_disk.iterdir())
+    gc.collect()  # torch's file object, left to the collector by its own error, before the disk is unmounted
 
 
 def save_onto_a_full_disk(disk: str) -> str:

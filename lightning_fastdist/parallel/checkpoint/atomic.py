@@ -190,7 +190,7 @@ def _write_staged(write: Callable[[Path], None], staged: Path, path: Path, expec
     try:
         write(staged)
     except _WRITE_ERRORS as error:
-        if is_disk_full(error):
+        if is_disk_full(error, staged.parent):
             raise disk_full_error(path, staged, expected_bytes) from error
         raise
 

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_fastdist.parallel.checkpoint.checkpoint_files import size_on_disk
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+LITTLE_ROOM_BYTES = 1 << 20  # free on a disk where a write just failed: it failed for want of room
 
 
 class CheckpointSaveError(RuntimeError):
@@ -28,12 +29,16 @@ class CheckpointSaveError(RuntimeError):
     checkpoints saved before it are kept."""
 
 
-def is_disk_full(error: BaseException) -> bool:
+def is_disk_full(error: BaseException, folder: Path | None = None) -> bool:
     """Whether ``error`` says the disk (or the user's quota) is full; for ``torch.distributed.checkpoint``'s error,
-    whether any rank's write said so."""
+    whether any rank's write said so. ``torch.save`` reports a write the full disk cut short as its zip writer's
+    ``RuntimeError`` ("unexpected pos"), not as the ``OSError``: a write that failed in ``folder`` while less than
+    ``LITTLE_ROOM_BYTES`` are free there is a full disk too (found by the fault campaign)."""
     if isinstance(error, CheckpointException):
-        return any(is_disk_full(cause) for cause, _ in error.failures.values())
-    return isinstance(error, OSError) and error.errno in _DISK_FULL
+        return any(is_disk_full(cause, folder) for cause, _ in error.failures.values())
+    if isinstance(error, OSError) and error.errno in _DISK_FULL:
+        return True
+    return folder is not None and folder.exists() and shutil.disk_usage(folder).free < LITTLE_ROOM_BYTES
 
 
 def state_bytes(state: Any) -> int:
