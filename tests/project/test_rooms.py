@@ -29,3 +29,13 @@ def test_no_more_type_ignores_than_the_four_counted():
         if "type: ignore" in line
     ]
     assert len(found) <= 4, found
+
+
+def test_the_paths_docs_named_before_the_rooms_still_import():
+    from lightning_fastdist.parallel.fp8 import layer_verdicts as old_verdicts
+    from lightning_fastdist.strategies.deepspeed_checkpoint import consolidate_checkpoint as old_consolidate
+
+    from lightning_fastdist.parallel.precision.fp8 import layer_verdicts
+    from lightning_fastdist.strategies.deepspeed import consolidate_checkpoint
+
+    assert old_verdicts is layer_verdicts and old_consolidate is consolidate_checkpoint
