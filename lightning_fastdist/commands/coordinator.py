@@ -14,7 +14,8 @@ import signal
 from datetime import timedelta
 
 from lightning_fastdist.commands.arguments import positive
-from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, Lighthouse, register_client
+from lightning_fastdist.parallel.across_nodes.group import COORDINATOR_VARIABLE, register_client
+from lightning_fastdist.parallel.across_nodes.torchft_servers import Lighthouse
 from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id
 from lightning_fastdist.parallel.faults.listeners import PortInUseError, bound_store, host_address, url_host
 

@@ -91,14 +91,9 @@ def _equalize_with_a_late_node(first_port: int) -> dict:
     manager starts late, so that the lighthouse has not heard from it when node 0 asks for its first quorum."""
     import time
 
-    from lightning_fastdist.parallel.across_nodes.group import (
-        Lighthouse,
-        Membership,
-        ReplicaGroup,
-        equalize_weights,
-        new_manager,
-    )
+    from lightning_fastdist.parallel.across_nodes.group import Membership, ReplicaGroup, equalize_weights
     from lightning_fastdist.parallel.across_nodes.state_transport import NodeStateTransport
+    from lightning_fastdist.parallel.across_nodes.torchft_servers import Lighthouse, new_manager
 
     node = int(os.environ["RANK"])
     timeout = timedelta(seconds=60)

@@ -45,18 +45,13 @@ def is_loopback(address: str) -> bool:
 
 
 class AdmissionGate:
-    """Listens at ``address:port`` and joins each admitted connection to the server at ``127.0.0.1:port``.
-
-    Attributes:
-        refused: connections closed because their address is not one of the job's.
-    """
+    """Listens at ``address:port`` and joins each admitted connection to the server at ``127.0.0.1:port``."""
 
     def __init__(self, address: str, port: int, is_admitted: Callable[[str], bool], what: str) -> None:
         self._port = port
         self._is_admitted = is_admitted
         self._own = {ipaddress.ip_address(address.strip("[]"))}
         self._listener = listening_socket(address, port, f"the gate of {what}")
-        self.refused = 0
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name=f"gate-{port}", daemon=True)
@@ -69,7 +64,6 @@ class AdmissionGate:
             except OSError:  # closed by shutdown
                 return
             if not self._passes(peer_address):
-                self.refused += 1
                 peer.close()
                 continue
             try:

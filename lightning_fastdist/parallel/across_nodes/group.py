@@ -1,18 +1,17 @@
-"""What every form of training across torchft replica groups (one per node) shares: where a node stands, the
-lighthouse, the ``Manager`` of a process that talks across nodes, node 0's store where the nodes meet, and who each
-quorum holds. Two private torchft names are read (``torchft_names.py``): the manager's client and its quorum call, to
-see which nodes each quorum holds.
+"""What every form of training across torchft replica groups (one per node) shares: where a node stands, the register
+where the nodes meet (node 0's store, or a coordinator's), the weights made equal at a fit's start, and who each quorum
+holds (torchft's servers: ``torchft_servers.py``). Two private torchft names are read (``torchft_names.py``): the
+manager's client and its quorum call, to see which nodes each quorum holds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -21,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fastdist.parallel.across_nodes.admission_gate import AdmissionGate, admitted_by, is_loopback
 from lightning_fastdist.parallel.across_nodes.torchft_names import require_torchft_names
 from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id, launch_run_id
 from lightning_fastdist.parallel.faults.listeners import url_host
@@ -120,47 +118,6 @@ def coordinator_at(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class Lighthouse:
-    """torchft's lighthouse, started in this process, at ``port`` (0: a port of its own choosing) on ``address``:
-    behind a gate that passes on the connections of the job's machines only where ``address`` is not a loopback one
-    (``admission_gate.py``). Its URL goes into the register (``announce``), where the nodes read it.
-
-    Once ``min_nodes`` asked, the lighthouse waits up to ``LEFT_OUT_AFTER`` for the other heartbeating groups
-    (torchft's default, 100 ms, would split nodes a few milliseconds apart into different quorums).
-
-    Args:
-        register: a connection of this process's own to the job's register, where the gate reads who is admitted.
-    """
-
-    def __init__(
-        self, address: str, min_nodes: int, owner: str, register: torch.distributed.Store, port: int = 0
-    ) -> None:
-        import_torchft(owner)
-        from torchft.coordination import LighthouseServer
-
-        gated = not is_loopback(address)
-        join_timeout_ms = int(LEFT_OUT_AFTER.total_seconds() * 1000)
-        bind = f"127.0.0.1:{port}" if gated else f"{url_host(address)}:{port}"
-        self._server = LighthouseServer(bind=bind, min_replicas=min_nodes, join_timeout_ms=join_timeout_ms)
-        self.port = int(self._server.address().rsplit(":", 1)[1])  # its URL names the hostname, not what it bound
-        self.url = f"http://{url_host(address)}:{self.port}"
-        self._gate = AdmissionGate(address, self.port, admitted_by(register), "the lighthouse") if gated else None
-
-    @property
-    def refused(self) -> int:
-        """Connections the gate closed: from addresses that are not the job's."""
-        return self._gate.refused if self._gate is not None else 0
-
-    def announce(self, register: torch.distributed.Store) -> None:
-        """Put this lighthouse's URL into the register."""
-        register.set(LIGHTHOUSE_KEY, self.url)
-
-    def shutdown(self) -> None:
-        if self._gate is not None:
-            self._gate.shutdown()
-        self._server.shutdown()
-
-
 def register_client(first_store: tuple[str, int], timeout: timedelta) -> torch.distributed.TCPStore:
     """A connection to the job's register (node 0's store, or a coordinator's), waiting for it within ``timeout``."""
     return torch.distributed.TCPStore(*first_store, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -174,83 +131,6 @@ def lighthouse_in(register: torch.distributed.Store) -> str:
 def transport_token_in(register: torch.distributed.Store) -> str:
     """The job's secret for its state transport: the register's, made by the first process that asks."""
     return register.compare_set(TRANSPORT_TOKEN_KEY, "", secrets.token_hex(16)).decode()
-
-
-def new_manager(group: ReplicaGroup, timeout: timedelta, transport: Any, async_quorum: bool, owner: str) -> Any:
-    """torchft's ``Manager`` for this process's replica group (``node2``), on gloo, sending a node that heals its
-    state over ``transport``; with ``async_quorum`` a quorum overlaps the step's compute and a node that heals
-    sits that step out. Its server (on the group's first rank) listens on the node's job address only, behind a gate
-    where that is not a loopback address (``admission_gate.py``); ``manager.shutdown`` stops the gate too."""
-    torchft = import_torchft(owner)
-    with _manager_server_bound_to(group, timeout) as servers:
-        manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=group.min_nodes,
-            use_async_quorum=async_quorum,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=group.local_rank if group.sharded else 0,
-            world_size=group.members,
-            store_addr=group.store_host,
-            store_port=group.store_port,
-            lighthouse_addr=group.lighthouse,
-            replica_id=f"node{group.node_rank}",
-            init_sync=False,  # the weights are made equal by equalize_weights, through the public all-reduce
-            checkpoint_transport=transport,
-            hostname=group.store_host,  # the address its server announces to the lighthouse and the other nodes
-        )
-    if manager._manager is not None and manager._manager not in servers:
-        raise RuntimeError(f"{owner}: torchft's Manager built its server another way than this torchft's did.")
-    return manager
-
-
-class _GatedManagerServer:
-    """torchft's ``ManagerServer`` on loopback with a gate at its port on the job's address (what the ``Manager``
-    holds, and shuts down: both stop)."""
-
-    def __init__(self, server: Any, gate: AdmissionGate) -> None:
-        self._server = server
-        self._gate = gate
-
-    def address(self) -> str:
-        return self._server.address()
-
-    def shutdown(self) -> None:
-        self._gate.shutdown()
-        self._server.shutdown()
-
-
-@contextlib.contextmanager
-def _manager_server_bound_to(group: ReplicaGroup, timeout: timedelta) -> Iterator[list[Any]]:
-    """While torchft's ``Manager`` is built: its ``ManagerServer`` listens on the group's job address (the ``Manager``
-    gives it ``[::]:PORT``), behind a gate where that is not a loopback address; the servers built are listed.
-    torchft's module is as it was afterwards."""
-    import torchft.manager as manager_module
-
-    original = manager_module.ManagerServer
-    built: list[Any] = []
-    address = group.store_host
-
-    def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
-        port = bind.rsplit(":", 1)[1]
-        if is_loopback(address):
-            server = original(*args, bind=f"{url_host(address)}:{port}", **kwargs)
-        else:
-            inner = original(*args, bind=f"127.0.0.1:{port}", **kwargs)
-            admitted = admitted_by(register_client(group.first_store, timeout))
-            gate = AdmissionGate(address, int(inner.address().rsplit(":", 1)[1]), admitted, "a manager server")
-            server = _GatedManagerServer(inner, gate)
-        built.append(server)
-        return server
-
-    manager_module.ManagerServer = bound_server
-    try:
-        yield built
-    finally:
-        manager_module.ManagerServer = original
 
 
 def equalize_weights(manager: Any, model: nn.Module, owner: str, membership: Membership, timeout: timedelta) -> None:

@@ -16,10 +16,10 @@ from lightning_fastdist.parallel.across_nodes.group import (
     Membership,
     ReplicaGroup,
     equalize_weights,
-    new_manager,
 )
 from lightning_fastdist.parallel.across_nodes.rejoin import NODE_STATE_KEY, NodeState, Rejoined
 from lightning_fastdist.parallel.across_nodes.state_transport import NodeStateTransport
+from lightning_fastdist.parallel.across_nodes.torchft_servers import new_manager
 
 
 class NodeRun:

@@ -41,7 +41,7 @@ PRIVATE_ATTRIBUTES = {
         ("parallel.across_nodes.group",), "read each quorum's members and the node a healing node recovers from"
     ),
     "torchft.manager.Manager._manager": PrivateName(
-        ("parallel.across_nodes.group",),
+        ("parallel.across_nodes.torchft_servers",),
         "check that the Manager built its server through torchft.manager.ManagerServer, which is bound to the node's "
         "job address while it is built (the Manager gives it [::])",
     ),

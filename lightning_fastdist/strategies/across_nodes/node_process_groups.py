@@ -27,7 +27,6 @@ from lightning_fastdist.parallel.across_nodes.admission_gate import admit
 from lightning_fastdist.parallel.across_nodes.group import (
     COORDINATOR_VARIABLE,
     FitRegister,
-    Lighthouse,
     ReplicaGroup,
     coordinator_at,
     import_torchft,
@@ -35,6 +34,7 @@ from lightning_fastdist.parallel.across_nodes.group import (
     register_client,
     transport_token_in,
 )
+from lightning_fastdist.parallel.across_nodes.torchft_servers import Lighthouse
 from lightning_fastdist.parallel.faults.job_identity import claim_or_check_run_id, launch_run_id
 from lightning_fastdist.parallel.faults.listeners import bound_store, job_address, url_host
 
