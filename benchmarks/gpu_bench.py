@@ -39,6 +39,7 @@ from lightning_fastdist.commands.bench.rows import throughput
 from lightning_fastdist.commands.bench.setup_run import run_setup
 from lightning_fastdist.commands.bench.setups import all_setups, recipe_setup
 from lightning_fastdist.commands.bench.step_profile import PROFILE_STEPS
+from lightning_fastdist.commands.written_marks import claim_folder
 from lightning_fastdist.recipes.recipe import MIXED_PRECISION_PLUGIN, Recipe
 
 ROWS = ("lightning-ddp", "fast-default", "recipe", "hand-loop")
@@ -175,7 +176,7 @@ def refusal(setting: Setting, device: str) -> str | None:
 def run_row(context: Context, name: str, setting: Setting, shape: Shape, label: str, **options: Any) -> dict:
     """Train bench's row ``name`` on the recipe of ``setting`` at ``shape``; its row, labelled, with the seconds."""
     folder = context.work / label
-    folder.mkdir(parents=True, exist_ok=True)
+    claim_folder(folder, "bench")  # bench's output folder, where the row's recipe goes beside bench's files
     recipe_path = folder / "setting.yaml"  # not SETUP.yaml: bench writes its overlays under those names
     recipe_path.write_text(yaml.safe_dump(recipe_for(setting, shape, context.device), sort_keys=False))
     steps = context.steps + (PROFILE_STEPS if options.get("profile") else 0)
