@@ -182,8 +182,10 @@ def fit(engine: str, name: str, steps: int, min_nodes: int) -> None:
         "buffers": [buffer.double().sum().item() for buffer in model.buffers()],
         "skipped": recorder.skipped, "sent": recorder.sent, "step_ends": recorder.step_ends,
         "node_rank_mean": recorder.node_rank_mean,
-        # Global rank 0 writes them: the other nodes may list the folder while it replaces the best one.
-        "checkpoints": sorted(os.listdir(folder)) if trainer.is_global_zero and os.path.isdir(folder or "") else None,
+        # Global rank 0 writes them: the other nodes may list the folder while it replaces the best one. The run's
+        # lock (a hidden file, held while it writes the folder) is not a checkpoint.
+        "checkpoints": sorted(name for name in os.listdir(folder) if not name.startswith("."))
+        if trainer.is_global_zero and os.path.isdir(folder or "") else None,
     }  # fmt: skip
     # One write for the whole line: the node's ranks share its output file.
     os.write(sys.stdout.fileno(), f"FIT {json.dumps(report)}\n".encode())
