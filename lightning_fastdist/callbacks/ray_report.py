@@ -11,6 +11,7 @@ published, and never later than the next save or the end of training. ``docs/ray
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -52,24 +53,17 @@ class RayReport(Callback):
 
     @staticmethod
     def latest() -> str | None:
-        """The checkpoint Ray restored (``ray.train.get_checkpoint()``) as a local path for ``fit(ckpt_path=...)``, or
-        ``None`` on a first start. A checkpoint on remote storage is downloaded to a local folder first."""
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        from pyarrow.fs import LocalFileSystem  # Ray's storage layer: pyarrow comes with ray[train]
-
-        on_this_machine = isinstance(checkpoint.filesystem, LocalFileSystem)
-        folder = checkpoint.path if on_this_machine else checkpoint.to_directory()
-        return str(Path(folder) / CHECKPOINT_NAME)
+        """The checkpoint Ray restored this worker group from (``ray.train.get_checkpoint()`` before this attempt
+        reported any) as a local path for ``fit(ckpt_path=...)``, or ``None`` on a first start; the same on every
+        worker. A checkpoint on remote storage is downloaded to a local folder first (once)."""
+        return _restored_path()
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         context = _ray_train_context()
+        _restored_checkpoint()  # before this attempt reports: Ray's answer then names what it reported last
         hosts = [""] * trainer.world_size
         if dist.is_initialized():
             dist.all_gather_object(hosts, socket.gethostname())
@@ -138,6 +132,29 @@ class RayReport(Callback):
         metrics.update(step=step, epoch=trainer.current_epoch)
         checkpoint = ray.train.Checkpoint.from_directory(str(self._folder)) if trainer.is_global_zero else None
         ray.train.report(metrics, checkpoint=checkpoint)  # every rank: Ray's barrier; rank 0's folder is the whole
+
+
+@functools.cache
+def _restored_checkpoint() -> Any:
+    """What ``ray.train.get_checkpoint()`` answers before this process reports: the checkpoint Ray restarted the group
+    from, handed to every worker alike. Afterwards Ray answers, on the reporting worker only, with the last checkpoint
+    reported (the worker group is new processes after every restart, so this is one attempt's)."""
+    _ray_train_context()  # one line outside a Ray Train worker
+    import ray.train
+
+    return ray.train.get_checkpoint()
+
+
+@functools.cache
+def _restored_path() -> str | None:
+    checkpoint = _restored_checkpoint()
+    if checkpoint is None:
+        return None
+    from pyarrow.fs import LocalFileSystem  # Ray's storage layer: pyarrow comes with ray[train]
+
+    on_this_machine = isinstance(checkpoint.filesystem, LocalFileSystem)
+    folder = checkpoint.path if on_this_machine else checkpoint.to_directory()
+    return str(Path(folder) / CHECKPOINT_NAME)
 
 
 def _published(path: Path, wait: bool, trainer: Trainer) -> bool:

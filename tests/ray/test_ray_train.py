@@ -1,12 +1,14 @@
 """Our strategies under Ray Train, against a real Ray cluster of two Ray nodes on this machine (``conftest.py``).
 
-One ``TorchTrainer`` job of two workers (one per Ray node, gloo) runs ``train_func`` as Ray's guide writes it
-(``plugins=[RayLightningEnvironment()]``, ``prepare_trainer``): one uninterrupted fit each under Ray's own
-``RayDDPStrategy``, ``FastDDPStrategy()``, ``FastFSDPStrategy(sharding="zero3")`` and
-``FastDeepSpeedStrategy(stage=2)``, then ``FastDDPStrategy`` through ``RayReport(every_n_train_steps=2)`` with rank 1
-killed (SIGKILL) at a random step; ``FailureConfig(max_failures=1)`` lets Ray restart the group, which resumes from
-the checkpoint Ray restored (``RayReport.latest()``). Every test reads that one job (``tests/support/ray_training.py``
-says what it leaves). Times are not asserted: ``benchmarks/ray_flows.py`` measures them (``docs/ray.md``).
+One ``TorchTrainer`` job (one or two workers, one per Ray node, gloo; ``FailureConfig(max_failures=2)``) runs
+``train_func`` as Ray's guide writes it (``plugins=[RayLightningEnvironment()]``, ``prepare_trainer``): one
+uninterrupted fit each under Ray's own ``RayDDPStrategy``, ``FastDDPStrategy()``,
+``FastFSDPStrategy(sharding="zero3", async_checkpointing=True)`` and ``FastDeepSpeedStrategy(stage=2)``, ours through
+``RayReport(every_n_train_steps=4)``; then ``FastDDPStrategy`` through RayReport (every 2) with rank 1 killed at a
+random step, Ray restarting both workers, which resume from the checkpoint Ray restored (``RayReport.latest()``); then
+the same with the second Ray node removed at a random step, Ray restarting one worker (elastic sizing), which resumes
+at the smaller world. Every test reads that one job (``tests/support/ray_training.py`` says what it leaves). Times
+are not asserted: ``benchmarks/ray_flows.py`` measures them (``docs/ray.md``).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.ray_cluster import WORKERS, RayTestCluster
-from tests.support.ray_training import STEPS, read_lines, train_engines_then_killed
+from lightning_fastdist.callbacks.ray_report import CHECKPOINT_NAME
+from tests.support.ray_cluster import SECOND_NODE_ADDRESS, WORKERS, RayTestCluster
+from tests.support.ray_training import SAMPLES, STEPS, read_lines, train_engines_then_lose_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.xdist_group("ray")]
 
-REPORT_EVERY = 2
+REPORT_EVERY = 2  # the killed and node-removed fits'
+ENGINES_REPORT_EVERY = 4  # the uninterrupted fits'
 EXACT = 1e-5  # the contract matrix's tolerance for exact engines (fp32 sums in another order)
 
 
@@ -34,6 +38,7 @@ class RayJob:
     out: Path
     result: Any  # Ray's Result
     kill_step: int
+    removal_step: int
 
     def results(self, fit: str) -> list[dict]:
         return [torch.load(self.out / fit / f"result-rank{rank}.pt") for rank in range(WORKERS)]
@@ -43,6 +48,16 @@ class RayJob:
 
     def starts(self, fit: str, rank: int) -> list[dict]:
         return read_lines(self.out / fit / f"starts-rank{rank}.jsonl")
+
+    def reports(self) -> list[tuple[str, int, Path]]:
+        """Every checkpoint Ray registered, in the order reported: the kind of checkpoint in it (``"file"``: DDP's;
+        ``"sharded"``: FSDP's folder; ``"deepspeed"``: DeepSpeed's folder), the step and the checkpoint's path."""
+        reports = []
+        for checkpoint, metrics in sorted(self.result.best_checkpoints, key=lambda pair: pair[0].path):
+            path = Path(checkpoint.path) / CHECKPOINT_NAME
+            kind = "file" if path.is_file() else "sharded" if (path / ".metadata").exists() else "deepspeed"
+            reports.append((kind, metrics["step"], path))
+        return reports
 
 
 def unequal_weights(result: dict, reference: dict) -> list[str]:
@@ -57,18 +72,39 @@ def unequal_weights(result: dict, reference: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def job(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -> RayJob:
     out = tmp_path_factory.mktemp("ray_train")
-    kill_step = random.randint(3, STEPS - 1)  # after the first report, before the last step
-    config = {"out": str(out), "report_every": REPORT_EVERY, "kill": {"rank": 1, "step": kill_step}}
-    result = ray_cluster.fit(train_engines_then_killed, config, out / "storage", max_failures=1)
-    return RayJob(out, result, kill_step)
+    kill_step, removal_step = (random.randint(3, STEPS - 1) for _ in range(2))  # after a report, before the last
+    config = {
+        "out": str(out),
+        "report_every": REPORT_EVERY,
+        "engines_report_every": ENGINES_REPORT_EVERY,
+        "kill_step": kill_step,
+        "removal_step": removal_step,
+        "second_node": SECOND_NODE_ADDRESS,
+    }
+    removal = out / "node_removed" / "lost.json"
+    try:
+        result = ray_cluster.fit(
+            train_engines_then_lose_workers,
+            config,
+            out / "storage",
+            max_failures=2,
+            remove_second_node_at=removal,
+            num_workers=(1, WORKERS),  # elastic: after the node is removed, Ray restarts one worker
+        )
+    finally:
+        if Path(f"{removal}.removed").exists():
+            ray_cluster.restore_second_node()  # the cluster as the session's next test expects it
+    return RayJob(out, result, kill_step, removal_step)
 
 
 def test_the_job_finishes_after_the_restart(job: RayJob):
     assert job.result.error is None, job.result.error
     for rank in range(WORKERS):
         starts = job.starts("killed", rank)
-        assert [start["attempt"] for start in starts] == [0, 1], starts
+        assert [(start["attempt"], start["world_size"]) for start in starts] == [(0, 2), (1, 2)], starts
         assert starts[0]["ckpt_path"] is None and starts[1]["ckpt_path"] is not None, starts
+    starts = job.starts("node_removed", 0)
+    assert [(start["attempt"], start["world_size"]) for start in starts] == [(0, 2), (1, 1)], starts
 
 
 def test_our_strategies_take_rays_job(job: RayJob):
@@ -101,15 +137,34 @@ def test_fsdp_zero3_and_deepspeed_stage2_match_ddp(job: RayJob, engine: str):
             assert torch.allclose(ours["weights"][name], weight, rtol=EXACT, atol=EXACT / 100), name
 
 
+def test_sharded_and_background_checkpoints_reach_ray_complete(job: RayJob):
+    """FastFSDPStrategy(async_checkpointing=True) and FastDeepSpeedStrategy through RayReport: Ray holds every step
+    reported, each checkpoint whole (every rank's shards and the index; nothing staged)."""
+    reports = job.reports()
+    every_report = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
+    for kind in ("sharded", "deepspeed"):
+        assert [step for each, step, _ in reports if each == kind] == every_report, (kind, reports)
+    for kind, _, path in reports:
+        assert not [part for part in path.parent.rglob("*") if part.name.endswith(".partial")], path
+        if kind == "sharded":
+            assert {part.name for part in path.iterdir()} >= {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"}
+        elif kind == "deepspeed":
+            tag = path / (path / "latest").read_text().strip()
+            files = {part.name for part in tag.iterdir()}
+            assert {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(WORKERS)} <= files, files
+
+
 def test_a_killed_worker_resumes_from_the_last_reported_checkpoint_exactly(job: RayJob):
     """Rank 1 killed at step k (after Ray registered the reports so far): the restart resumes from the last step
     reported before k, trains again only the steps since (each rank the samples the uninterrupted run trained at that
     step) and ends on the uninterrupted run's weights bit for bit."""
-    killed = json.loads((job.out / "killed" / "killed.json").read_text())
+    killed = json.loads((job.out / "killed" / "lost.json").read_text())
     assert killed["step"] == job.kill_step
     resumed_at = (job.kill_step - 1) // REPORT_EVERY * REPORT_EVERY  # the kill comes before step k's own report
-    reported = sorted({metrics["step"] for _, metrics in job.result.best_checkpoints})
-    assert reported == list(range(REPORT_EVERY, STEPS + 1, REPORT_EVERY)), reported
+    every_report = list(range(REPORT_EVERY, STEPS + 1, REPORT_EVERY))
+    uninterrupted = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
+    # the uninterrupted fit's, the killed fit's, the node-removed fit's: each restart reports the steps after r
+    assert [step for kind, step, _ in job.reports() if kind == "file"] == uninterrupted + every_report * 2
     for rank in range(WORKERS):
         uninterrupted = {step["step"]: step["samples"] for step in job.steps("fast_ddp", rank)}
         lines = job.steps("killed", rank)
@@ -123,3 +178,28 @@ def test_a_killed_worker_resumes_from_the_last_reported_checkpoint_exactly(job: 
         assert trained_twice <= set(range(resumed_at + 1, job.kill_step + 1)), (rank, trained_twice)
     for resumed, uninterrupted in zip(job.results("killed"), job.results("fast_ddp")):
         assert not unequal_weights(resumed, uninterrupted), job.kill_step
+
+
+def test_a_removed_node_restarts_a_smaller_world_that_resumes_and_says_so(job: RayJob):
+    """The second Ray node removed while its worker is at step k (``ScalingConfig(num_workers=(1, 2))``): Ray restarts
+    one worker, which resumes from the last step reported before k at world size 1, says so in one line, reads each
+    sample once per epoch across the change (ResumableDataLoader) and trains to the last step."""
+    lost = json.loads((job.out / "node_removed" / "lost.json").read_text())
+    assert lost["step"] == job.removal_step
+    resumed_at = (job.removal_step - 1) // REPORT_EVERY * REPORT_EVERY
+    lines = {rank: job.steps("node_removed", rank) for rank in range(WORKERS)}
+    before = [line for rank in range(WORKERS) for line in lines[rank] if line["attempt"] == 0]
+    after = [line for line in lines[0] if line["attempt"] == 1]
+    assert [line["step"] for line in after] == list(range(resumed_at + 1, STEPS + 1)), job.removal_step
+    assert not [line for line in lines[1] if line["attempt"] == 1]  # one worker after the restart
+    kept = sorted((line for line in before if line["step"] <= resumed_at), key=lambda line: line["step"])
+    read = [sample for line in kept + after for sample in line["samples"]]
+    epochs = [read[start : start + SAMPLES] for start in range(0, len(read), SAMPLES)]
+    for epoch in epochs:
+        assert len(set(epoch)) == len(epoch), (job.removal_step, epochs)
+    assert all(sorted(epoch) == list(range(SAMPLES)) for epoch in epochs[:-1]), epochs
+    [result] = [torch.load(job.out / "node_removed" / "result-rank0.pt")]
+    assert result["global_step"] == STEPS
+    assert result["lightning_job"][2] == 1
+    said = [line for line in result["warnings"] if "written by 2 ranks and is resumed by 1 rank" in line]
+    assert len(said) == 1, result["warnings"]

@@ -2,9 +2,10 @@
 leave for the tests and ``benchmarks/ray_flows.py`` to read.
 
 A ``train_func`` runs in Ray's worker processes, which import this module by name (the driver puts the repository on
-their ``PYTHONPATH``). What a run leaves is on the disk of this one machine, written as it goes (one line per step
-and per start), so that a worker killed mid-run has left everything up to its last step: ``steps-rank<R>.jsonl``,
-``starts-rank<R>.jsonl``, ``killed.json``, and each fit's final weights and losses (``result-<engine>-rank<R>.pt``).
+their ``PYTHONPATH``). What a run leaves is on the disk of this one machine, in a folder per fit, written as it goes
+(one line per step and per start), so that a worker killed mid-run has left everything up to its last step:
+``steps-rank<R>.jsonl``, ``starts-rank<R>.jsonl``, ``lost.json``, and each fit's final weights and what Lightning
+made of the job (``result-rank<R>.pt``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +39,21 @@ def strategy(engine: str) -> Any:
         return RayDDPStrategy()
     if engine == "fast_ddp":
         return lf.FastDDPStrategy()
-    if engine == "fast_fsdp":
-        return lf.FastFSDPStrategy(sharding="zero3")
+    if engine == "fast_fsdp":  # its checkpoints written in the background: RayReport hands each over once published
+        return lf.FastFSDPStrategy(sharding="zero3", async_checkpointing=True)
     if engine == "fast_deepspeed":
         return lf.FastDeepSpeedStrategy(stage=2)
     raise ValueError(engine)
 
 
-def shuffled_windows() -> DataLoader:
-    """Seeded distinct ``(input, target)`` windows, shuffled: Lightning gives each rank a shuffled half per epoch."""
+def shuffled_windows(resumable: bool = False) -> DataLoader:
+    """Seeded distinct ``(input, target)`` windows, shuffled: Lightning gives each rank a shuffled half per epoch
+    (``resumable``: through ResumableDataLoader, whose position a resume at another world size continues from)."""
+    from lightning_fastdist.data import ResumableDataLoader
+
     windows = torch.randint(0, 256, (SAMPLES, BLOCK_SIZE + 1), generator=torch.Generator().manual_seed(1))
-    return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=BATCH_SIZE, shuffle=True)
+    loader = ResumableDataLoader if resumable else DataLoader
+    return loader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=BATCH_SIZE, shuffle=True)
 
 
 def sample_ids(inputs: torch.Tensor) -> list[int]:
@@ -74,24 +80,29 @@ class StepLog(L.Callback):
             log.write(json.dumps(line) + "\n")
 
 
-class KillAt(L.Callback):
-    """SIGKILL this process at the end of optimizer step ``step`` (a worker lost without warning), before anything
-    else of that step's end: the time goes to ``killed.json`` first.
+class LoseThisWorkerAt(L.Callback):
+    """At the end of optimizer step ``step``, before anything else of that step's end, lose this worker: ``"kill"``
+    SIGKILLs the process (a worker lost without warning); ``"hold"`` waits until its Ray node is taken away (the test
+    removes the node once ``record`` exists). ``record`` gets the step and the time first.
 
     Ray registers a reported checkpoint when its controller next polls the workers (every 2 s); a worker lost before
     that poll resumes from the one before. To make the resumed step the test's to predict, this first waits until
-    Ray has registered every report so far (``ray.train.get_all_reported_checkpoints``); the kill stays abrupt."""
+    Ray has registered every report so far (``ray.train.get_all_reported_checkpoints``); the loss stays abrupt."""
 
-    def __init__(self, step: int, record: Path) -> None:
-        self.step, self.record = step, record
+    def __init__(self, step: int, how: str, record: Path) -> None:
+        self.step, self.how, self.record = step, how, record
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            import ray.train
+        if trainer.global_step != self.step:
+            return
+        import ray.train
 
-            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-            self.record.write_text(json.dumps({"step": self.step, "time": time.time()}))
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        self.record.write_text(json.dumps({"step": self.step, "time": time.time()}))
+        if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # until the node goes, and this process with it
+            time.sleep(0.05)
 
 
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,25 +115,34 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def fit_once(engine: str, out: Path, report_every: int | None = None, kill: dict | None = None) -> None:
+def fit_once(
+    engine: str, out: Path, report_every: int | None = None, lose: dict | None = None, resumable: bool = False
+) -> None:
     """One fit of ``STEPS`` steps of ``engine``, as Ray's guide writes it, logging into ``out``; with ``report_every``
-    through :class:`~lightning_fastdist.RayReport` and resumed from the checkpoint Ray restored; ``kill``
-    (``{"rank": R, "step": S}``) kills rank R at step S of the first attempt."""
+    through :class:`~lightning_fastdist.RayReport` and, if this fit was interrupted, resumed from the checkpoint Ray
+    restored (a run's one latest checkpoint: another fit's where this one was not lost). ``lose``: in the first
+    attempt, the worker of rank ``lose["rank"]`` (or the one on the node at address ``lose["node"]``) is lost at step
+    ``lose["step"]`` as ``lose["how"]`` says (:class:`LoseThisWorkerAt`); ``resumable``: the data through
+    ResumableDataLoader."""
     import ray.train
+    import ray.util
     from ray.train.lightning import RayLightningEnvironment, prepare_trainer
 
     from lightning_fastdist import RayReport
 
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
     out.mkdir(parents=True, exist_ok=True)
     starts = out / f"starts-rank{rank}.jsonl"
     attempt = len(starts.read_text().splitlines()) if starts.exists() else 0
-    ckpt_path = RayReport.latest() if report_every else None
+    ckpt_path = RayReport.latest() if report_every and attempt > 0 else None  # Ray's one latest: this fit's if lost
     with starts.open("a") as log:
-        log.write(json.dumps({"attempt": attempt, "time": time.time(), "ckpt_path": ckpt_path}) + "\n")
+        line = {"attempt": attempt, "time": time.time(), "ckpt_path": ckpt_path, "world_size": world_size}
+        log.write(json.dumps(line) + "\n")
     callbacks: list[L.Callback] = []
-    if kill is not None and kill["rank"] == rank and attempt == 0:
-        callbacks.append(KillAt(kill["step"], out / "killed.json"))
+    if lose is not None and attempt == 0 and rank == lose.get("rank", rank):
+        if lose.get("node", ray.util.get_node_ip_address()) == ray.util.get_node_ip_address():
+            callbacks.append(LoseThisWorkerAt(lose["step"], lose["how"], out / "lost.json"))
     callbacks.append(StepLog(out / f"steps-rank{rank}.jsonl", attempt))
     if report_every:
         callbacks.append(RayReport(every_n_train_steps=report_every))
@@ -137,12 +157,15 @@ def fit_once(engine: str, out: Path, report_every: int | None = None, kill: dict
         enable_model_summary=False,
     )
     trainer = prepare_trainer(trainer)
-    trainer.fit(tiny_gpt(), shuffled_windows(), ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(tiny_gpt(), shuffled_windows(resumable), ckpt_path=ckpt_path)
     result = {
         "weights": full_weights(trainer.lightning_module),
         "global_step": trainer.global_step,
         "lightning_job": (trainer.num_nodes, trainer.num_devices, trainer.world_size, trainer.global_rank),
         "device": str(trainer.strategy.root_device),
+        "warnings": [str(warning.message) for warning in warned],
     }
     torch.save(result, out / f"result-rank{rank}.pt")
 
@@ -152,19 +175,29 @@ def fitted(out: Path, world_size: int) -> bool:
     return all((out / f"result-rank{rank}.pt").exists() for rank in range(world_size))
 
 
-def train_engines_then_killed(config: dict) -> None:
-    """``train_func``: one uninterrupted fit per engine of ``ENGINES`` (each logging into ``<out>/<engine>``), then
-    FastDDPStrategy through RayReport every ``config["report_every"]`` steps (into ``<out>/killed``), rank
-    ``config["kill"]["rank"]`` killed at step ``config["kill"]["step"]`` of its first attempt. Ray restarts the group
-    (``FailureConfig(max_failures=1)``): the fits done are not repeated, the killed one resumes from the checkpoint
-    Ray restored."""
+def train_engines_then_lose_workers(config: dict) -> None:
+    """``train_func`` of the job ``tests/ray`` reads (``FailureConfig(max_failures=2)``, 1 to 2 workers):
+
+    1. one uninterrupted fit per engine of ``ENGINES``, each logging into ``<out>/<engine>``, ours through RayReport
+       every ``config["engines_report_every"]`` steps;
+    2. FastDDPStrategy through RayReport into ``<out>/killed``, rank 1 SIGKILLed at step ``config["kill_step"]`` of
+       its first attempt: Ray restarts the two workers, which resume;
+    3. the same into ``<out>/node_removed`` through ResumableDataLoader, the worker on the second Ray node holding at
+       step ``config["removal_step"]`` until the test removes that node: Ray restarts one worker (elastic sizing),
+       which resumes at the smaller world.
+
+    A restarted ``train_func`` does not fit again what every rank finished."""
     import ray.train
 
     out, world_size = Path(config["out"]), ray.train.get_context().get_world_size()
     for engine in ENGINES:
         if not fitted(out / engine, world_size):
-            fit_once(engine, out / engine)
-    fit_once("fast_ddp", out / "killed", config["report_every"], config["kill"])
+            fit_once(engine, out / engine, config["engines_report_every"] if engine != "ray_ddp" else None)
+    report_every = config["report_every"]
+    if not fitted(out / "killed", world_size):
+        fit_once("fast_ddp", out / "killed", report_every, {"rank": 1, "step": config["kill_step"], "how": "kill"})
+    lose = {"node": config["second_node"], "step": config["removal_step"], "how": "hold"}
+    fit_once("fast_ddp", out / "node_removed", report_every, lose, resumable=True)
 
 
 def read_lines(path: Path) -> list[dict]:
