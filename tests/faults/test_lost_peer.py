@@ -1,7 +1,7 @@
 """The lost-peer line tells a crashed peer from a silent one, and under NCCL names what the watchdog does.
 
-The gloo messages are provoked for real in tests/faults/test_no_hangs.py; NCCL's cannot be here (no GPU), so
-its messages are the ones torch's ProcessGroupNCCL writes, verbatim.
+The gloo messages are provoked for real by the fault campaign's kill_rank and hung_peer trials; NCCL's cannot be here
+(no GPU), so its messages are the ones torch's ProcessGroupNCCL writes, verbatim.
 """
 
 from __future__ import annotations

@@ -9,20 +9,18 @@ batch. Each interrupted run must stop on both ranks at the same step with
 ``Preempted`` (exit status 143 / 138), leave ``last.ckpt`` holding exactly that
 step, and the run resumed from it must end with weights equal to an
 uninterrupted run's (dropout on: the random states are restored too). The same
-holds for the sharded engines, FSDP2 and DeepSpeed ZeRO-2.
+holds for the sharded engines, FSDP2 (the fault campaign's trials, ``test_fault_campaign.py``) and DeepSpeed ZeRO-2.
 
-A CLI run checks the same from outside: ``kill -TERM`` to one rank process of
-``lightning-fastdist fit`` makes both exit 143, and ``--ckpt_path last`` finishes
-with the uninterrupted run's final loss.
+From outside, on the command line, the SLURM tests send the signals as SLURM delivers them to ``lightning-fastdist
+fit``'s processes (``tests/slurm/test_stops_under_slurm.py``: every rank exits 143 and the requeued run resumes bit for
+bit).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import lightning as L
@@ -34,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from lightning_fastdist import FastDDPStrategy, FastFSDPStrategy
 from lightning_fastdist.demo import TextDataModule, TinyGPT
 from lightning_fastdist.trainer.preemption import EXIT_STATUS_BASE, Preempted
-from tests.support.fault_runs import BATCH, BLOCK, run_ranks, saved_step, write_corpus, write_recipe
+from tests.support.fault_runs import BATCH, BLOCK, saved_step, write_corpus
 from tests.support.harness import run_function
 
 pytestmark = pytest.mark.multiprocess
@@ -168,7 +166,7 @@ def test_ddp_ten_signals_at_random_points_stop_save_and_resume_exactly(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("kind", ["deepspeed"])  # FSDP's: the fault campaign's trials (test_fault_campaign.py)
 def test_sharded_engines_stop_on_signals_save_and_resume_exactly(tmp_path, kind):
     corpus = str(write_corpus(tmp_path / "corpus.bin", train_batches_per_rank=8))
     cases = [
@@ -197,42 +195,3 @@ def test_under_gradient_accumulation_the_ranks_agree_within_the_step_and_stop_at
     )
     check(cases, ranks)
     assert [rank0["saved_step"] for rank0 in ranks[0]] == [case["step"] + 1 for case in cases]
-
-
-class ProgressFile(L.Callback):
-    """Rank 0 writes the global step after every batch to ``path`` (so that the test knows when to signal).
-
-    From step ``slow_from`` on, every step takes at least ``seconds`` longer, so that the run cannot end
-    before a signal sent at that step arrives, however loaded the machine.
-    """
-
-    def __init__(self, path: str, slow_from: int = 3, seconds: float = 0.3) -> None:
-        self.path, self.slow_from, self.seconds = Path(path), slow_from, seconds
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.is_global_zero:
-            self.path.write_text(str(trainer.global_step))
-        if trainer.global_step >= self.slow_from:
-            time.sleep(self.seconds)
-
-
-@pytest.mark.slow
-def test_cli_sigterm_to_one_rank_process_exits_143_and_resumes_to_the_same_loss(tmp_path):
-    strategy = {"class_path": "lightning_fastdist.FastDDPStrategy", "init_args": {"timeout": 60}}
-    straight = write_recipe(tmp_path / "straight", strategy, max_steps=12)
-    assert all(
-        end.returncode == 0 for end in run_ranks(["fit", "--config", str(straight)], 2, 120, tmp_path / "straight")
-    )
-
-    progress = tmp_path / "stopped" / "progress.txt"
-    report_progress = {"class_path": "tests.faults.test_preemption.ProgressFile", "init_args": {"path": str(progress)}}
-    stopped = write_recipe(tmp_path / "stopped", strategy, max_steps=12, extra_callbacks=[report_progress])
-    ends = run_ranks(["fit", "--config", str(stopped)], 2, 120, tmp_path / "stopped", signal_when=(progress, 3, 1))
-    assert [end.returncode for end in ends] == [EXIT_STATUS_BASE + signal.SIGTERM] * 2, ends[0].output[-2000:]
-    assert all(not end.killed_by_test for end in ends)
-    assert "stopped by SIGTERM after step" in ends[0].output and "exiting with status 143" in ends[0].output
-
-    resumed = run_ranks(["fit", "--config", str(stopped), "--ckpt_path", "last"], 2, 120, tmp_path / "stopped")
-    assert all(end.returncode == 0 for end in resumed), resumed[0].output[-2000:]
-    expected = json.loads((tmp_path / "straight" / "final.json").read_text())
-    assert json.loads((tmp_path / "stopped" / "final.json").read_text()) == expected

@@ -29,7 +29,7 @@ SUMMARY_CHECKS = {
     "processes_left": ("no_process_left",),
     "served_to_stranger": ("nothing_served_to_stranger",),
     "executed_for_stranger": ("no_replica_named_to_stranger",),
-    "not_one_line": ("ends_in_one_line",),
+    "not_one_line": ("ends_in_one_line", "names_the_cause"),
     "did_not_go_on": ("went_on",),
 }
 

@@ -19,10 +19,12 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 
+from lightning_fastdist.parallel.faults.collective_timeout import lost_peer_message
 from tests.support.fault_campaign import (
     MAX_STEPS,
     USER_FILE,
@@ -166,6 +168,11 @@ def one_world_trial(trial: Trial, root: Path) -> Outcome:
         intruder_codes, _ = wait_as_torchrun(intruder, 120)
         errors = [(intruder_folder / f"intruder.rank{r}.err").read_text() for r in range(2)]
         checks["ends_in_one_line"] = all(code != 0 for code in intruder_codes) and all(map(_one_line_of_ours, errors))
+        checks["names_the_cause"] = (  # its rank 0 cannot listen, its rank 1 finds the other job's run id
+            f"[rank 0] cannot start: port {port} (MASTER_PORT) is already in use" in errors[0]
+            and "[rank 1] refusing to join: the process group at" in errors[1]
+            and "its run id is LIGHTNING_FASTDIST_RUN_ID=faulted" in errors[1]
+        )
         release.write_text("")
         codes, _ = wait_as_torchrun(job)
         outcome = "refused"
@@ -174,6 +181,11 @@ def one_world_trial(trial: Trial, root: Path) -> Outcome:
         codes, noticed_s = wait_as_torchrun(job)
         error = (folder / "faulted.rank0.err").read_text()
         checks["ends_in_one_line"] = codes[0] not in (0, None) and _one_line_of_ours(error)
+        cause = "timed out" if trial.fault == "hung_peer" else "crashed"  # a timeout is quoted for a hang only
+        expected = lost_peer_message(timedelta(seconds=STRATEGY_TIMEOUT_S), 0, cause)
+        checks["names_the_cause"] = expected in error and (f"({STRATEGY_TIMEOUT_S} s)" in error) == (
+            cause == "timed out"
+        )
         checks["no_hang_past_timeout"] = noticed_s < STRATEGY_TIMEOUT_S + MARGIN_S
         resumed = launch(recipe, folder, free_port(), "resumed", resume=True)
         sessions += [rank.pid for rank in resumed]
