@@ -33,6 +33,7 @@ from lightning_fastdist.parallel.checkpoint.save_failure import CheckpointSaveEr
 from lightning_fastdist.parallel.faults.collective_timeout import explained_lost_peer
 from lightning_fastdist.parallel.faults.job_identity import JobIdentityError
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import NonFiniteCheckpointError
+from lightning_fastdist.strategies.common.ray_worker import ray_train_context
 
 PROGRAM = "lightning-fastdist"
 # Failures during a run whose one-line message is the whole story (no traceback is printed for them).
@@ -95,8 +96,9 @@ def _close_process_group(wait_for_peers: bool) -> None:
 
     A gloo group alive at interpreter exit can abort the process ("terminate called without an active exception"),
     and so can one rank tearing its connections down while another still uses them: hence the barrier after a run.
+    Inside a Ray Train worker the group is Ray's, made before the command ran and closed by Ray: it stays.
     """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or ray_train_context():
         return
     if wait_for_peers:
         torch.distributed.barrier()

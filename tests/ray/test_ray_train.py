@@ -4,7 +4,8 @@ One ``TorchTrainer`` job (one or two workers, one per Ray node, gloo; ``FailureC
 ``train_func`` as Ray's guide writes it (``plugins=[RayLightningEnvironment()]``, ``prepare_trainer``): one
 uninterrupted fit each under Ray's own ``RayDDPStrategy``, ``FastDDPStrategy()``,
 ``FastFSDPStrategy(sharding="zero3", async_checkpointing=True)`` and ``FastDeepSpeedStrategy(stage=2)``, ours through
-``RayReport(every_n_train_steps=4)``; then ``FastDDPStrategy`` through RayReport (every 2) with rank 1 killed at a
+``RayReport(every_n_train_steps=4)``; the packaged script's worker part (``lightning_fastdist.cli.ray_train``) on a
+recipe; then ``FastDDPStrategy`` through RayReport (every 2) with rank 1 killed at a
 random step, Ray restarting both workers, which resume from the checkpoint Ray restored (``RayReport.latest()``); then
 the same with the second Ray node removed at a random step, Ray restarting one worker (elastic sizing), which resumes
 at the smaller world. Every test reads that one job (``tests/support/ray_training.py`` says what it leaves). Times
@@ -24,7 +25,13 @@ import torch
 
 from lightning_fastdist.callbacks.ray_report import CHECKPOINT_NAME
 from tests.support.ray_cluster import SECOND_NODE_ADDRESS, WORKERS, RayTestCluster
-from tests.support.ray_training import SAMPLES, STEPS, read_lines, train_engines_then_lose_workers
+from tests.support.ray_training import (
+    SAMPLES,
+    SCRIPT_STEPS,
+    STEPS,
+    read_lines,
+    train_engines_then_lose_workers,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.xdist_group("ray")]
 
@@ -137,6 +144,16 @@ def test_fsdp_zero3_and_deepspeed_stage2_match_ddp(job: RayJob, engine: str):
             assert torch.allclose(ours["weights"][name], weight, rtol=EXACT, atol=EXACT / 100), name
 
 
+def test_the_packaged_script_runs_a_recipe_under_ray(job: RayJob):
+    """``python -m lightning_fastdist.cli.ray_train ... fit --config cpu_smoke ...``'s workers: the recipe's fit on
+    both, its outputs where the script was started, and its step reported to Ray."""
+    folder = job.out / "script"
+    assert all((folder / f"done-rank{rank}").exists() for rank in range(WORKERS))
+    assert (folder / "checkpoints" / "cpu_smoke" / "last.ckpt").is_file()
+    assert (folder / "lightning_logs" / "cpu_smoke" / "version_0" / "metrics.csv").is_file()
+    assert ("file", SCRIPT_STEPS) in [(kind, step) for kind, step, _ in job.reports()]
+
+
 def test_sharded_and_background_checkpoints_reach_ray_complete(job: RayJob):
     """FastFSDPStrategy(async_checkpointing=True) and FastDeepSpeedStrategy through RayReport: Ray holds every step
     reported, each checkpoint whole (every rank's shards and the index; nothing staged)."""
@@ -161,10 +178,10 @@ def test_a_killed_worker_resumes_from_the_last_reported_checkpoint_exactly(job: 
     killed = json.loads((job.out / "killed" / "lost.json").read_text())
     assert killed["step"] == job.kill_step
     resumed_at = (job.kill_step - 1) // REPORT_EVERY * REPORT_EVERY  # the kill comes before step k's own report
-    every_report = list(range(REPORT_EVERY, STEPS + 1, REPORT_EVERY))
+    every_report = list(range(REPORT_EVERY, STEPS + 1, REPORT_EVERY))  # each restart reports the steps after r
     uninterrupted = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
-    # the uninterrupted fit's, the killed fit's, the node-removed fit's: each restart reports the steps after r
-    assert [step for kind, step, _ in job.reports() if kind == "file"] == uninterrupted + every_report * 2
+    files = uninterrupted + [SCRIPT_STEPS] + every_report + every_report  # then the killed and node-removed fits'
+    assert [step for kind, step, _ in job.reports() if kind == "file"] == files
     for rank in range(WORKERS):
         uninterrupted = {step["step"]: step["samples"] for step in job.steps("fast_ddp", rank)}
         lines = job.steps("killed", rank)

@@ -175,14 +175,35 @@ def fitted(out: Path, world_size: int) -> bool:
     return all((out / f"result-rank{rank}.pt").exists() for rank in range(world_size))
 
 
+# The packaged script's command at a tiny size: the cpu_smoke recipe, 3 steps, one validation, one report at step 3.
+SCRIPT_STEPS = 3
+SCRIPT_COMMAND = [
+    "fit", "--config", "cpu_smoke", "--trainer.max_steps", str(SCRIPT_STEPS),
+    "--trainer.val_check_interval", str(SCRIPT_STEPS), "--trainer.limit_val_batches", "1",
+    "--trainer.enable_progress_bar", "false", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
+    "--model.block_size", "32", "--data.block_size", "32", "--data.batch_size", "4",
+]  # fmt: skip
+
+
+def run_packaged_script(folder: Path, rank: int) -> None:
+    """What each worker of ``python -m lightning_fastdist.cli.ray_train ... fit`` runs (its ``train_func``), started
+    in ``folder``; then ``done-rank<R>``."""
+    from lightning_fastdist.cli.ray_train import train_func
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_func({"command": SCRIPT_COMMAND, "report_every": SCRIPT_STEPS, "folder": str(folder)})
+    (folder / f"done-rank{rank}").touch()
+
+
 def train_engines_then_lose_workers(config: dict) -> None:
     """``train_func`` of the job ``tests/ray`` reads (``FailureConfig(max_failures=2)``, 1 to 2 workers):
 
     1. one uninterrupted fit per engine of ``ENGINES``, each logging into ``<out>/<engine>``, ours through RayReport
        every ``config["engines_report_every"]`` steps;
-    2. FastDDPStrategy through RayReport into ``<out>/killed``, rank 1 SIGKILLed at step ``config["kill_step"]`` of
+    2. the packaged Ray script's worker part, in ``<out>/script`` (:func:`run_packaged_script`);
+    3. FastDDPStrategy through RayReport into ``<out>/killed``, rank 1 SIGKILLed at step ``config["kill_step"]`` of
        its first attempt: Ray restarts the two workers, which resume;
-    3. the same into ``<out>/node_removed`` through ResumableDataLoader, the worker on the second Ray node holding at
+    4. the same into ``<out>/node_removed`` through ResumableDataLoader, the worker on the second Ray node holding at
        step ``config["removal_step"]`` until the test removes that node: Ray restarts one worker (elastic sizing),
        which resumes at the smaller world.
 
@@ -193,6 +214,9 @@ def train_engines_then_lose_workers(config: dict) -> None:
     for engine in ENGINES:
         if not fitted(out / engine, world_size):
             fit_once(engine, out / engine, config["engines_report_every"] if engine != "ray_ddp" else None)
+    rank = ray.train.get_context().get_world_rank()
+    if not all((out / "script" / f"done-rank{each}").exists() for each in range(world_size)):
+        run_packaged_script(out / "script", rank)
     report_every = config["report_every"]
     if not fitted(out / "killed", world_size):
         fit_once("fast_ddp", out / "killed", report_every, {"rank": 1, "step": config["kill_step"], "how": "kill"})
