@@ -115,7 +115,8 @@ def test_the_job_finishes_after_the_restart(job: RayJob):
 
 
 def test_our_strategies_take_rays_job(job: RayJob):
-    """Lightning's picture of each fit is Ray's: 2 nodes of 1 worker, Ray's ranks, the CPU Ray assigned."""
+    """Lightning's picture of each fit is Ray's: 2 nodes of 1 worker, Ray's ranks, the CPU Ray assigned (the DeepSpeed
+    fit without ``plugins=[RayLightningEnvironment()]``: ours put it in, and ``prepare_trainer`` accepted that)."""
     for engine in ("fast_ddp", "fast_fsdp", "fast_deepspeed"):
         for rank, result in enumerate(job.results(engine)):
             assert result["lightning_job"] == (2, 1, WORKERS, rank), (engine, result["lightning_job"])

@@ -148,7 +148,7 @@ def fit_once(
         callbacks.append(RayReport(every_n_train_steps=report_every))
     trainer = L.Trainer(
         strategy=strategy(engine),
-        plugins=[RayLightningEnvironment()],
+        plugins=[] if engine == "fast_deepspeed" else [RayLightningEnvironment()],  # ours put it in when left out
         callbacks=callbacks,
         max_steps=STEPS,
         logger=False,
