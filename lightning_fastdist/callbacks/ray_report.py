@@ -49,7 +49,8 @@ class RayReport(Callback):
         self.staging_dir = Path(staging_dir) if staging_dir is not None else None
         self._folder: Path | None = None  # this fit's staging folder, the same on every rank
         self._pending: int | None = None  # the step of the checkpoint saved and not yet reported
-        self._saved_step = -1  # the last step saved, so that accumulation's micro-batches save once
+        self._saved_step = 0  # the last step saved: accumulation's micro-batches save a step once
+        self._staged = False  # whether this fit's folder holds a checkpoint (every rank alike)
 
     @staticmethod
     def latest() -> str | None:
@@ -75,7 +76,11 @@ class RayReport(Callback):
         root = self.staging_dir or Path(tempfile.gettempdir()) / "lightning_fastdist-ray"
         run = trainer.strategy.broadcast(f"{context.get_experiment_name()}-{uuid.uuid4().hex[:12]}")
         self._folder = root / run
-        self._pending, self._saved_step = None, -1
+        self._pending, self._staged = None, False
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._saved_step = trainer.global_step  # a fresh start's step 0, or the step the restored checkpoint holds
 
     @override
     def on_train_batch_end(
@@ -105,10 +110,11 @@ class RayReport(Callback):
         path = self._folder / CHECKPOINT_NAME
         if trainer.is_global_zero:
             self._folder.mkdir(parents=True, exist_ok=True)
-        if self._saved_step >= 0:
-            trainer.strategy.remove_checkpoint(path)  # its copy in Ray's storage is the one a restart reads
+        if self._staged:  # the last one: its copy in Ray's storage is the one a restart reads
+            trainer.strategy.remove_checkpoint(path)
         trainer.strategy.barrier("ray_report_staged")
         trainer.save_checkpoint(path)
+        self._staged = True
         self._saved_step = self._pending = trainer.global_step
         self._report_if_published(trainer, wait=False)  # a synchronous save: published already
 

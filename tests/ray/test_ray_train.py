@@ -27,6 +27,7 @@ from lightning_fastdist.callbacks.ray_report import CHECKPOINT_NAME
 from tests.support.ray_cluster import SECOND_NODE_ADDRESS, WORKERS, RayTestCluster
 from tests.support.ray_training import (
     SAMPLES,
+    SCRIPT_REPORT_EVERY,
     SCRIPT_STEPS,
     STEPS,
     read_lines,
@@ -147,12 +148,13 @@ def test_fsdp_zero3_and_deepspeed_stage2_match_ddp(job: RayJob, engine: str):
 
 def test_the_packaged_script_runs_a_recipe_under_ray(job: RayJob):
     """``python -m lightning_fastdist.cli.ray_train ... fit --config cpu_smoke ...``'s workers: the recipe's fit on
-    both, its outputs where the script was started, and its step reported to Ray."""
+    both, its outputs where the script was started, its steps reported to Ray (the last at the end of training)."""
     folder = job.out / "script"
     assert all((folder / f"done-rank{rank}").exists() for rank in range(WORKERS))
     assert (folder / "checkpoints" / "cpu_smoke" / "last.ckpt").is_file()
     assert (folder / "lightning_logs" / "cpu_smoke" / "version_0" / "metrics.csv").is_file()
-    assert ("file", SCRIPT_STEPS) in [(kind, step) for kind, step, _ in job.reports()]
+    reports = [(kind, step) for kind, step, _ in job.reports()]
+    assert ("file", SCRIPT_REPORT_EVERY) in reports and ("file", SCRIPT_STEPS) in reports
 
 
 def test_sharded_and_background_checkpoints_reach_ray_complete(job: RayJob):
@@ -181,7 +183,8 @@ def test_a_killed_worker_resumes_from_the_last_reported_checkpoint_exactly(job: 
     resumed_at = (job.kill_step - 1) // REPORT_EVERY * REPORT_EVERY  # the kill comes before step k's own report
     every_report = list(range(REPORT_EVERY, STEPS + 1, REPORT_EVERY))  # each restart reports the steps after r
     uninterrupted = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
-    files = uninterrupted + [SCRIPT_STEPS] + every_report + every_report  # then the killed and node-removed fits'
+    script = [SCRIPT_REPORT_EVERY, SCRIPT_STEPS]  # the last one saved at the end of training
+    files = uninterrupted + script + every_report + every_report  # then the killed and node-removed fits'
     assert [step for kind, step, _ in job.reports() if kind == "file"] == files
     for rank in range(WORKERS):
         uninterrupted = {step["step"]: step["samples"] for step in job.steps("fast_ddp", rank)}

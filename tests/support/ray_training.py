@@ -175,8 +175,9 @@ def fitted(out: Path, world_size: int) -> bool:
     return all((out / f"result-rank{rank}.pt").exists() for rank in range(world_size))
 
 
-# The packaged script's command at a tiny size: the cpu_smoke recipe, 3 steps, one validation, one report at step 3.
-SCRIPT_STEPS = 3
+# The packaged script's command at a tiny size: the cpu_smoke recipe, 3 steps, one validation; reports at step 2 and
+# at the end of training.
+SCRIPT_STEPS, SCRIPT_REPORT_EVERY = 3, 2
 SCRIPT_COMMAND = [
     "fit", "--config", "cpu_smoke", "--trainer.max_steps", str(SCRIPT_STEPS),
     "--trainer.val_check_interval", str(SCRIPT_STEPS), "--trainer.limit_val_batches", "1",
@@ -191,7 +192,7 @@ def run_packaged_script(folder: Path, rank: int) -> None:
     from lightning_fastdist.cli.ray_train import train_func
 
     folder.mkdir(parents=True, exist_ok=True)
-    train_func({"command": SCRIPT_COMMAND, "report_every": SCRIPT_STEPS, "folder": str(folder)})
+    train_func({"command": SCRIPT_COMMAND, "report_every": SCRIPT_REPORT_EVERY, "folder": str(folder)})
     (folder / f"done-rank{rank}").touch()
 
 
