@@ -213,7 +213,12 @@ PRIVATE_ATTRIBUTES = {
         ("strategies.deepspeed.strategy",), "build the DeepSpeed engine with a torch optimizer"
     ),
     "lightning.pytorch.core.module.LightningModule._trainer": PrivateName(
-        ("precision", "strategies.checkpoint.fault_tolerance", "strategies.common.shared_hooks"),
+        (
+            "precision",
+            "strategies.checkpoint.fault_tolerance",
+            "strategies.checkpoint.saves",
+            "strategies.common.shared_hooks",
+        ),
         "know, when converting a module, that FSDP2 shards it next (fp8 weights gathered in fp8); save and load a "
         "checkpoint where the module is attached to no trainer (the main process after a spawned fit), as Lightning "
         "does",

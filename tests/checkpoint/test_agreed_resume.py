@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.strategies.across_nodes import OneWorld
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
+from lightning_fastdist.strategies.checkpoint.saves import CheckpointSaves
 from tests.support.harness import run_function
 
 
@@ -26,9 +27,9 @@ def resume_where_rank_1_cannot_read(folder: str, unreadable: str) -> dict:
     """This rank's resume from ``last.ckpt`` (the fall-back allowed) and from ``step=3.ckpt`` given by path, where
     rank 1 cannot read ``unreadable``."""
     rank = dist.get_rank()
-    strategy = SimpleNamespace(  # what load_or_fall_back reads of a strategy: no trainer, one world
-        lightning_module=SimpleNamespace(_trainer=None), shared=SimpleNamespace(across_nodes=OneWorld())
-    )
+    module = SimpleNamespace(_trainer=None)  # what load_or_fall_back reads of a strategy: no trainer, one world
+    saves = CheckpointSaves(SimpleNamespace(lightning_module=module), asynchronous=False)  # nothing in flight
+    strategy = SimpleNamespace(lightning_module=module, shared=SimpleNamespace(across_nodes=OneWorld(), saves=saves))
 
     def load(path: Path) -> dict:
         if rank == 1 and path.name == unreadable:

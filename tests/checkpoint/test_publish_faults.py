@@ -30,7 +30,7 @@ from lightning_fastdist.parallel.checkpoint.checkpoint_files import (
 from lightning_fastdist.parallel.checkpoint.folder_lock import hold_folder, lock_file
 from lightning_fastdist.parallel.checkpoint.save_failure import CheckpointSaveError
 from lightning_fastdist.parallel.checkpoint.side_saves import OUTER_SYNC_NODES
-from lightning_fastdist.strategies.checkpoint.fault_tolerance import save_one_file
+from lightning_fastdist.strategies.checkpoint.saves import CheckpointSaves
 from tests.support.harness import run_function
 from tests.support.workloads import make_trainer, repeated_batches, tiny_gpt
 
@@ -267,9 +267,12 @@ def test_torch_saves_cut_short_by_a_full_disk_are_the_same_one_line(small_disk):
 
 def save_onto_a_full_disk(disk: str) -> str:
     """Rank 0 writes a checkpoint larger than the disk; every rank's outcome (the way FastDDPStrategy saves)."""
-    strategy = SimpleNamespace(is_global_zero=dist.get_rank() == 0, checkpoint_io=TorchCheckpointIO())
+    strategy = SimpleNamespace(checkpoint_io=TorchCheckpointIO(), lightning_module=None)
+    saves = CheckpointSaves(strategy, asynchronous=False)
     try:
-        save_one_file(strategy, {"state_dict": {"weight": torch.zeros(600_000)}}, Path(disk) / "last.ckpt")
+        saves.one_file(
+            {"state_dict": {"weight": torch.zeros(600_000)}}, Path(disk) / "last.ckpt", dist.get_rank() == 0, []
+        )
     except CheckpointSaveError as error:
         return str(error)
     return "saved"

@@ -39,8 +39,15 @@ def rank_state(rank: int, iteration: int = 7) -> PowerSGDState:
     return state
 
 
+def save_rank(path: Path, world: int, rank: int, iteration: int, step: int) -> dict:
+    """What ``rank`` puts in the checkpoint, once its part of the save (its file) is written."""
+    shared, part = save_hook_state(rank_state(rank, iteration), "powersgd", path, world, rank, step)
+    part.write(part.state)
+    return shared
+
+
 def save_all(path: Path, world: int = WORLD, iteration: int = 7, step: int = 7) -> dict:
-    saved = [save_hook_state(rank_state(r, iteration), "powersgd", path, world, r, step) for r in range(world)]
+    saved = [save_rank(path, world, r, iteration, step) for r in range(world)]
     return remember_location(saved[0], path)  # what rank 0 puts in the checkpoint, as loaded back
 
 
@@ -76,7 +83,7 @@ def test_another_world_size_restarts_error_feedback_with_one_line_and_reads_no_f
 def test_a_later_save_that_died_leaves_the_published_files_and_a_missing_one_restarts_that_rank(tmp_path):
     path = tmp_path / "last.ckpt"
     saved = save_all(path, iteration=7, step=7)
-    save_hook_state(rank_state(1, iteration=9), "powersgd", path, WORLD, 1, 9)  # a later save died after rank 1's file
+    save_rank(path, WORLD, 1, iteration=9, step=9)  # a later save died after rank 1's file
     assert torch.equal(restored(saved, WORLD, 1).errors[0], torch.ones(3, 2))  # the published save's own file
     assert torch.equal(restored(saved, WORLD, 0).errors[0], torch.zeros(3, 2))
     (save_folder(path) / "rank00000.pt").unlink()

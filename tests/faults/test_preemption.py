@@ -10,6 +10,9 @@ batch. Each interrupted run must stop on both ranks at the same step with
 step, and the run resumed from it must end with weights equal to an
 uninterrupted run's (dropout on: the random states are restored too). The same
 holds for the sharded engines, FSDP2 (the fault campaign's trials, ``test_fault_campaign.py``) and DeepSpeed ZeRO-2.
+Every other DDP case and two DeepSpeed cases save with ``async_checkpointing``: the stop's save waits for the one in
+flight and is complete before the exit, and the resume equals the uninterrupted run with synchronous saves (FSDP's:
+``tests/checkpoint/test_async_checkpoints.py``).
 
 From outside, on the command line, the SLURM tests send the signals as SLURM delivers them to ``lightning-fastdist
 fit``'s processes (``tests/slurm/test_stops_under_slurm.py``: every rank exits 143 and the requeued run resumes bit for
@@ -85,17 +88,26 @@ def local_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def make_strategy(kind: str):
+def make_strategy(kind: str, asynchronous: bool = False):
     if kind == "deepspeed":
         from lightning_fastdist import FastDeepSpeedStrategy  # noqa: PLC0415 - deepspeed is an optional extra
 
-        return FastDeepSpeedStrategy(stage=2, timeout=60)
-    return FastDDPStrategy(timeout=60) if kind == "ddp" else FastFSDPStrategy(timeout=60)
+        return FastDeepSpeedStrategy(stage=2, timeout=60, async_checkpointing=asynchronous)
+    strategy = FastDDPStrategy if kind == "ddp" else FastFSDPStrategy
+    return strategy(timeout=60, async_checkpointing=asynchronous)
 
 
-def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool, accumulate: int = 1) -> L.Trainer:
+def fit(
+    kind: str,
+    corpus: str,
+    folder: str,
+    callbacks: list,
+    resume: bool,
+    accumulate: int = 1,
+    asynchronous: bool = False,
+) -> L.Trainer:
     L.seed_everything(0, verbose=False)
-    strategy = make_strategy(kind)
+    strategy = make_strategy(kind, asynchronous)
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=MAX_STEPS, deterministic=True, logger=False,
@@ -109,18 +121,20 @@ def fit(kind: str, corpus: str, folder: str, callbacks: list, resume: bool, accu
 
 
 def interrupt_and_resume(kind: str, corpus: str, root: str, cases: list[dict], accumulate: int = 1) -> list[dict]:
-    """On this rank: an uninterrupted run, then each case interrupted by its signal and resumed from last.ckpt."""
+    """On this rank: an uninterrupted run (synchronous saves), then each case interrupted by its signal and resumed
+    from last.ckpt (a case with ``async``: its periodic saves in the background, one may be in flight at the stop)."""
     straight = local_weights(fit(kind, corpus, f"{root}/straight", [], False, accumulate).lightning_module)
     results = []
     for index, case in enumerate(cases):
         folder = f"{root}/case{index}"
         sender = SignalAt(case["step"], tuple(case["ranks"]), case["moment"], case["signum"])
+        asynchronous = case.get("async", False)
         try:
-            fit(kind, corpus, folder, [sender], False, accumulate)
+            fit(kind, corpus, folder, [sender], False, accumulate, asynchronous)
             stopped = {"status": "finished"}
         except Preempted as stop:
             stopped = {"status": stop.code, "saved_step": saved_step(Path(folder, "last.ckpt"))}
-        resumed = fit(kind, corpus, folder, [], True, accumulate)
+        resumed = fit(kind, corpus, folder, [], True, accumulate, asynchronous)
         equal = all(
             torch.equal(weight, straight[name]) for name, weight in local_weights(resumed.lightning_module).items()
         )
@@ -139,7 +153,10 @@ def seeded_cases(count: int, seed: int) -> list[dict]:
         if moment == "save":
             step += step % 2  # checkpoints are written at even steps
         signum = signal.SIGUSR1 if index == count - 1 else signal.SIGTERM
-        cases.append({"ranks": targets[index % 3], "step": step, "moment": moment, "signum": signum})
+        asynchronous = index % 2 == 1  # every other case with async_checkpointing: a save in flight at the stop
+        cases.append(
+            {"ranks": targets[index % 3], "step": step, "moment": moment, "signum": signum, "async": asynchronous}
+        )
     return cases
 
 
@@ -171,8 +188,8 @@ def test_sharded_engines_stop_on_signals_save_and_resume_exactly(tmp_path, kind)
     corpus = str(write_corpus(tmp_path / "corpus.bin", train_batches_per_rank=8))
     cases = [
         {"ranks": [1], "step": 3, "moment": "backward", "signum": signal.SIGTERM},
-        {"ranks": [0], "step": 4, "moment": "save", "signum": signal.SIGTERM},
-        {"ranks": [0, 1], "step": 5, "moment": "forward", "signum": signal.SIGUSR1},
+        {"ranks": [0], "step": 4, "moment": "save", "signum": signal.SIGTERM, "async": True},
+        {"ranks": [0, 1], "step": 5, "moment": "forward", "signum": signal.SIGUSR1, "async": True},
     ]
     ranks = run_function(
         interrupt_and_resume, 2, args=(kind, corpus, str(tmp_path), cases), init_process_group=False, timeout=300

@@ -62,7 +62,7 @@ def test_the_old_name_shard_modules_still_works_with_one_deprecation_line():
         (dict(activation_checkpointing="some"), r"activation_checkpointing: got 'some'"),
         (dict(blocks="Block"), r"blocks: got 'Block'; use 'auto' or a list of module class names, e.g. \['Block'\]"),
         (dict(checkpoint_format="zip"), r"checkpoint_format: got 'zip'; use one of 'sharded', 'full'"),
-        (dict(checkpoint_format="full", async_checkpointing=True), r"async_checkpointing: needs checkpoint_format"),
+        (dict(async_checkpointing="yes"), r"FastFSDPStrategy: async_checkpointing: got 'yes'; use True or False"),
     ],
 )
 def test_bad_options_are_refused_at_construction(options, message):

@@ -22,15 +22,14 @@ import errno
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import fsspec.utils
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_fastdist.parallel.checkpoint.background_save import Publication, SavePart
 from lightning_fastdist.parallel.checkpoint.checkpoint_files import (
     DEEPSPEED_INDEX,
     LIGHTNING_METADATA,
@@ -185,7 +184,7 @@ def _replace(staged: Path, path: Path) -> None:
     delete_checkpoint(aside)  # the previous copy; or one a crash between the two renames left, now superseded
 
 
-def _write_staged(write: Callable[[Path], None], staged: Path, path: Path, expected_bytes: int | None) -> None:
+def write_staged(write: Callable[[Path], None], staged: Path, path: Path, expected_bytes: int | None) -> None:
     """``write(staged)``, where a full disk becomes one line naming ``path`` and the bytes needed."""
     try:
         write(staged)
@@ -207,17 +206,41 @@ def save_file_atomically(
     Raises:
         CheckpointSaveError: the disk is full (the partial file removed).
     """
+    publish(write_staged_file(write, path, expected_bytes), Path(path), step)
+
+
+def file_part(
+    state: Any, path: Path, write: Callable[[Any, Path], None], step: int | None = None
+) -> tuple[SavePart, Publication]:
+    """A file written by one rank and published by it, as a :class:`~.background_save.BackgroundSave` part: its
+    write ``write(state, staging_file)``, its publication at ``path`` (``step`` as for :func:`publish`)."""
+    path = Path(path)
+
+    def write_file(copy: Any) -> None:
+        write_staged_file(lambda staged: write(copy, staged), path, state_bytes(copy))
+
+    return SavePart(state, write_file), Publication(lambda: publish(staging_path(path), path, step), staging_path(path))
+
+
+def write_staged_file(write: Callable[[Path], None], path: Path, expected_bytes: int | None = None) -> Path:
+    """Call ``write(staging_file)`` for the file ``path`` and return the staging file, complete, for :func:`publish`
+    (one process only); a failed write leaves no staging file.
+
+    Raises:
+        IsADirectoryError: ``path`` is a folder that is not a checkpoint (:func:`check_save_target`).
+        CheckpointSaveError: the disk is full.
+    """
     path = Path(path)
     check_save_target(path, sharded=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = staging_path(path)
     delete_checkpoint(staged)
     try:
-        _write_staged(write, staged, path, expected_bytes)
+        write_staged(write, staged, path, expected_bytes)
     except _WRITE_ERRORS:
         delete_checkpoint(staged)  # a partial save of ours: never left to fill the disk
         raise
-    publish(staged, path, step)
+    return staged
 
 
 def _attempt(part: Callable[[], None]) -> BaseException | None:
@@ -244,94 +267,20 @@ def save_folder_atomically(write: Callable[[Path], None], path: Path, step: int 
     """Every rank calls this, and ``write(staging_folder)``, a collective that writes a checkpoint folder
     (DeepSpeed's ``save_checkpoint``); rank 0 then publishes the complete folder at ``path``. A failure on any rank
     raises on every rank (:class:`~.save_failure.CheckpointSaveError` where it was another's)."""
+    staged = stage_folder(write, path)
+    agree_on_save(_attempt(lambda: publish(staged, Path(path), step)) if _is_rank_zero() else None, Path(path))
+
+
+def stage_folder(write: Callable[[Path], None], path: Path) -> Path:
+    """The first steps of :func:`save_folder_atomically`: every rank calls ``write(staging_folder)`` into a fresh
+    ``<name>.partial``; return it once every rank's call returned (a failure raises on every rank, the folder
+    removed). A background save writes the rest of it before rank 0 publishes it."""
     path = Path(path)
     staged = staging_path(path)
     agree_on_save(_attempt(lambda: delete_checkpoint(staged)) if _is_rank_zero() else None, path)
-    _agree_or_remove(_attempt(lambda: _write_staged(write, staged, path, None)), staged, path)
-    agree_on_save(_attempt(lambda: publish(staged, path, step)) if _is_rank_zero() else None, path)
+    _agree_or_remove(_attempt(lambda: write_staged(write, staged, path, None)), staged, path)
+    return staged
 
 
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _then_publish(written: Future, staged: Path, path: Path, step: int | None) -> Future:
-    """A future that completes once ``written`` has and ``staged`` is published at ``path`` (from the writer thread)."""
-    published: Future = Future()
-
-    def on_written(done: Future) -> None:
-        try:
-            done.result()
-            publish(staged, path, step)
-            published.set_result(None)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits
-            published.set_exception(error)
-
-    written.add_done_callback(on_written)
-    return published
-
-
-class ShardedCheckpointWriter:
-    """Saves a distributed checkpoint folder atomically; every rank calls :meth:`save` and :meth:`wait`.
-
-    Args:
-        asynchronous: return from :meth:`save` once the state is in host memory and write it in a background
-            thread; rank 0 publishes the folder once every rank has finished. The next save waits for the previous.
-        process_group: the group the background writes coordinate over: a dedicated gloo group, never the one
-            training communicates on (two threads would mix their collectives).
-    """
-
-    def __init__(self, asynchronous: bool = False, process_group: dist.ProcessGroup | None = None) -> None:
-        self.asynchronous = asynchronous
-        self.process_group = process_group
-        self._pending: Future | None = None
-
-    def save(
-        self,
-        state: dict[str, Any],
-        path: Path,
-        write_extra: Callable[[Path], None] | None = None,
-        step: int | None = None,
-    ) -> None:
-        """Save ``state`` (a distributed-checkpoint state dict) as the folder ``path``.
-
-        Args:
-            path: the folder to publish; the same on every rank.
-            write_extra: called on rank 0 with the staging folder to add files of its own (non-tensor metadata).
-            step: as for :func:`publish` (a checkpoint's global step; ``None`` for a side file's folder).
-
-        Raises:
-            CheckpointSaveError: on every rank, where another rank's part failed; a full disk on the rank it filled.
-        """
-        self.wait()
-        path = Path(path)
-        staged = staging_path(path)
-        expected_bytes = state_bytes(state) * (dist.get_world_size() if dist.is_initialized() else 1)
-
-        def prepare() -> None:
-            delete_checkpoint(staged)
-            staged.mkdir(parents=True)
-            if write_extra is not None:
-                _write_staged(write_extra, staged, path, expected_bytes)
-
-        def write_shards(folder: Path) -> None:
-            dcp.save(state, checkpoint_id=folder)
-
-        _agree_or_remove(_attempt(prepare) if _is_rank_zero() else None, staged, path)
-        if not self.asynchronous:
-            _agree_or_remove(_attempt(lambda: _write_staged(write_shards, staged, path, expected_bytes)), staged, path)
-            agree_on_save(_attempt(lambda: publish(staged, path, step)) if _is_rank_zero() else None, path)
-            return
-        written = dcp.async_save(state, checkpoint_id=staged, process_group=self.process_group)
-        # Rank 0 coordinates: its save completes only after every rank has written its shards.
-        self._pending = _then_publish(written, staged, path, step) if _is_rank_zero() else written
-
-    def wait(self) -> None:
-        """Block until this rank's part of the pending background save (if any) is done.
-
-        Only on rank 0 is the checkpoint then published; other ranks that need it must synchronise with rank 0.
-        """
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
-        pending.result()

@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_fastdist.parallel.across_nodes.group import LEFT_OUT_AFTER, ReplicaGroup
 from lightning_fastdist.parallel.across_nodes.outer_sync.run import OuterSyncRun
-from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter, is_local_path
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
+from lightning_fastdist.parallel.checkpoint.sharded_folder import save_sharded_folder
 from lightning_fastdist.parallel.checkpoint.side_saves import OUTER_SYNC_NODES
 from lightning_fastdist.strategies.checkpoint.side_files import read_side_file, write_side_file
 
@@ -81,11 +82,7 @@ def save_node_state(
     if group.sharded:  # each rank's shards of the weights and of both optimizers' states
         shared.pop("outer_optimizers")
         shared["ranks_per_node"] = group.ranks_per_node
-        ShardedCheckpointWriter().save(
-            _sharded_state(run, model, optimizer),
-            Path(path),
-            write_extra=lambda folder: torch.save(own, folder / _SHARDED_NODE_META),
-        )
+        save_sharded_folder(_sharded_state(run, model, optimizer), {_SHARDED_NODE_META: own}, Path(path))
     else:
         weights = [p.detach().to("cpu", copy=True) for p in model.parameters()]
         failure = None

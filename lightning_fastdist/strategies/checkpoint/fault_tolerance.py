@@ -1,7 +1,7 @@
 """What every strategy of this package does so that a checkpoint is never half written, garbage, or a dead end:
 a non-finite state is refused before anything is written, one run writes a checkpoint folder at a time (what failed
-saves left there goes at its first save), a file is staged and renamed once complete, a failure on one rank fails the
-save on every rank in one line, and the ranks resume from a checkpoint they all load (a ``last*.ckpt`` that does not
+saves left there goes at its first save), a failure on one rank fails the save on every rank in one line (the writes
+themselves: :mod:`.saves`), and the ranks resume from a checkpoint they all load (a ``last*.ckpt`` that does not
 load, or cannot resume this run, falls back to the newest that does).
 """
 
@@ -20,10 +20,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fastdist.parallel.checkpoint.agreed_load import load_on_every_rank
-from lightning_fastdist.parallel.checkpoint.atomic import check_save_target, is_local_path, save_file_atomically
+from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.checkpoint.folder_lock import hold_folder
 from lightning_fastdist.parallel.checkpoint.leftovers import remove_leftovers
-from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save, state_bytes
+from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
 from lightning_fastdist.parallel.faults.finite_state import non_finite_entry
 
 log = logging.getLogger(__name__)
@@ -83,35 +83,6 @@ def _claim(node: int, checkpoint: dict[str, Any], folder: Path, fitting: bool) -
         log.info(f"removed what failed saves left in {folder}: {', '.join(removed)}")
 
 
-def save_one_file(
-    strategy: Strategy,
-    checkpoint: dict[str, Any],
-    filepath: Any,
-    storage_options: Any = None,
-    writer: bool | None = None,
-) -> None:
-    """The ``writer`` rank (``None``: global rank 0) writes ``checkpoint`` with the strategy's ``checkpoint_io`` under
-    ``<name>.partial``, renamed onto ``<name>`` once complete (the side files of older saves of that name then go).
-
-    Every rank first refuses a folder at ``filepath`` that is not a checkpoint, so all ranks stop alike, and then
-    learns whether the write succeeded: a failure raises on every rank, a full disk in one line.
-    """
-    path = Path(filepath)
-    check_save_target(path, sharded=False)
-    failure = None
-    if strategy.is_global_zero if writer is None else writer:
-        try:
-            save_file_atomically(
-                lambda staged: strategy.checkpoint_io.save_checkpoint(checkpoint, staged, storage_options),
-                path,
-                expected_bytes=state_bytes(checkpoint),
-                step=checkpoint.get("global_step"),
-            )
-        except Exception as error:  # noqa: BLE001 - every rank raises it, through agree_on_save
-            failure = error
-    agree_on_save(failure, path)
-
-
 def load_or_fall_back(
     strategy: Strategy, path: Any, load: Callable[[Any], dict[str, Any]], expects_folder: bool | None
 ) -> tuple[dict[str, Any], Any]:
@@ -130,6 +101,7 @@ def load_or_fall_back(
     Raises:
         UnusableCheckpointError: neither ``path`` nor (for ``last``) any other checkpoint of its folder loads.
     """
+    strategy.shared.saves.wait()  # a save in flight is published first: it may be the one to load
     requested = Path(path)
     lists_folder = is_last_checkpoint(requested) and (not dist.is_initialized() or dist.get_rank() == 0)
     candidates = [requested, *_older_checkpoints(requested)] if lists_folder else [requested]  # rank 0's are taken

@@ -83,13 +83,15 @@ def check_bucket_cap_mb(bucket_cap_mb: Any) -> None:
         raise ValueError(f"bucket_cap_mb must be a finite number > 0 or 'auto', got {bucket_cap_mb!r}.")
 
 
-def check_checkpoint_format(checkpoint_format: str, async_checkpointing: bool) -> None:
-    """Refuse an FSDP checkpoint format we do not write, and a background write of the one rank 0 writes alone."""
+def check_checkpoint_format(checkpoint_format: str) -> None:
+    """Refuse an FSDP checkpoint format we do not write."""
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"checkpoint_format: got {checkpoint_format!r}; use one of {', '.join(map(repr, CHECKPOINT_FORMATS))}."
         )
-    if async_checkpointing and checkpoint_format != "sharded":
-        raise ValueError(
-            "async_checkpointing: needs checkpoint_format='sharded' (a full file is written by rank 0 alone)."
-        )
+
+
+def check_async_checkpointing(async_checkpointing: Any) -> None:
+    """Refuse an ``async_checkpointing`` that is not a bool (a string from a script would read as on)."""
+    if not isinstance(async_checkpointing, bool):
+        raise ValueError(f"async_checkpointing: got {async_checkpointing!r}; use True or False.")

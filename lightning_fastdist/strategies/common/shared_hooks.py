@@ -20,6 +20,7 @@ from lightning_fastdist.parallel.checkpoint.folder_lock import release_folders
 from lightning_fastdist.strategies.across_nodes import AcrossNodes, OneWorld, TrainingStart
 from lightning_fastdist.strategies.checkpoint.exact_resume import ResumeState
 from lightning_fastdist.strategies.checkpoint.fault_tolerance import claim_checkpoint_folder, refuse_non_finite
+from lightning_fastdist.strategies.checkpoint.saves import CheckpointSaves
 from lightning_fastdist.strategies.common.comm_metrics import CommMetricsLog, end_comm_step
 from lightning_fastdist.strategies.common.job import explain_lost_peer_of_job
 from lightning_fastdist.trainer.loop_state import (
@@ -41,15 +42,22 @@ class SharedHooks:
             ``exposed_comm`` and ``comm_collectives`` (what its engine counts, once counted).
         across_nodes: the strategy's form of training across nodes (:func:`~.across_nodes.across_nodes`).
         log_comm_bytes: log each collective's bytes per optimizer step and the exposed wait (``comm/*``).
+        async_checkpointing: write checkpoints in the background during a fit (:class:`~.saves.CheckpointSaves`).
 
     Attributes:
         resume: this rank's random states of a loaded checkpoint, until the point of the data where they apply.
+        saves: where the strategy's checkpoint writes go.
     """
 
     def __init__(
-        self, strategy: ParallelStrategy, across_nodes: AcrossNodes | None = None, log_comm_bytes: bool = True
+        self,
+        strategy: ParallelStrategy,
+        across_nodes: AcrossNodes | None = None,
+        log_comm_bytes: bool = True,
+        async_checkpointing: bool = False,
     ) -> None:
         self.strategy = strategy
+        self.saves = CheckpointSaves(strategy, async_checkpointing)
         self.across_nodes = across_nodes if across_nodes is not None else OneWorld()
         self.log_comm_bytes = log_comm_bytes
         self.resume = ResumeState()
@@ -57,9 +65,11 @@ class SharedHooks:
         self._preemption: PreemptionHandler | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Install the preemption handler: first in a strategy's ``setup``, since it agrees with the other ranks."""
+        """Install the preemption handler and make the background saves' group: first in a strategy's ``setup``,
+        since both are collectives."""
         self._preemption = PreemptionHandler(trainer, self.strategy.timeout)
         self._preemption.install()
+        self.saves.setup()
 
     def on_train_start(self) -> None:
         """A new fit logs into new results; training across nodes starts once Lightning restored a checkpoint's state
@@ -154,11 +164,15 @@ class SharedHooks:
         return continue_epoch(dataloader, *resumed, functools.partial(training_loader_mode, module.trainer))
 
     def on_exception(self, exception: BaseException) -> None:
-        """Name a peer lost during a collective in one line."""
+        """Name a peer lost during a collective in one line; finish the checkpoint being written (or leave it
+        unpublished)."""
         explain_lost_peer_of_job(exception, self.strategy.timeout, self.strategy.global_rank)
+        self.saves.on_exception()
 
     def teardown(self) -> None:
-        """Stop training across nodes, give the signal handlers back and let other runs save where this one did."""
+        """Publish the checkpoint being written, stop training across nodes, give the signal handlers back and let
+        other runs save where this one did."""
+        self.saves.teardown()
         self.across_nodes.teardown()
         release_folders()
         if self._preemption is not None:

@@ -3,7 +3,8 @@ rank's error feedback in a file of its own, beside the checkpoint.
 
 Error feedback differs per rank and is as large as the gradients, so it never travels to rank 0: the checkpoint
 holds what every rank shares (step count, ``Q`` factors, world size) and each rank writes its error feedback to
-``<checkpoint>.powersgd/stepSSSSSSSSS/rankNNNNN.pt`` before rank 0 publishes the checkpoint, which names that save's
+``<checkpoint>.powersgd/stepSSSSSSSSS/rankNNNNN.pt`` (a part of the save, in the background with the rest under
+``async_checkpointing``) before rank 0 publishes the checkpoint, which names that save's
 folder: the files and the checkpoint are published together, the previous pair kept until then
 (:mod:`~lightning_fastdist.parallel.checkpoint.side_saves`; resume pitfalls: ``docs/ddp.md``).
 """
@@ -19,7 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
-from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
+from lightning_fastdist.parallel.checkpoint.background_save import SavePart
 from lightning_fastdist.parallel.checkpoint.side_saves import POWERSGD_ERRORS
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AutoCommState
 from lightning_fastdist.parallel.ddp.comm_hooks import HookState
@@ -69,20 +70,20 @@ class CommHookCheckpoint:
             self._restore(self._pending)
             self._pending = None
 
-    def save(self, checkpoint: dict[str, Any], filepath: Any) -> bool:
-        """Put the hook's state into ``checkpoint`` and each rank's error feedback beside ``filepath``; return whether
-        rank files were written (the caller then waits for every rank before the checkpoint is published)."""
+    def save(self, checkpoint: dict[str, Any], filepath: Any) -> list[SavePart]:
+        """Put the hook's state into ``checkpoint``; return this rank's file of error feedback beside ``filepath``,
+        to write as part of the save (every rank's is complete before the checkpoint is published)."""
         if self.hook is None:
-            return False
+            return []
         if isinstance(self.hook.state, AutoCommState):
             checkpoint[AUTO_CHECKPOINT_KEY] = self.hook.state.state_dict()
         powersgd_state = self.hook.powersgd_state
         if powersgd_state is None:
-            return False
-        checkpoint[CHECKPOINT_KEY] = save_hook_state(
+            return []
+        checkpoint[CHECKPOINT_KEY], part = save_hook_state(
             powersgd_state, "powersgd", filepath, self.hook.world_size, self.hook.rank, checkpoint.get("global_step", 0)
         )
-        return True
+        return [part]
 
     @staticmethod
     def note_location(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
@@ -127,28 +128,20 @@ def shard_path(checkpoint_path: Any, step: int, rank: int, follow_link: bool = F
 
 def save_hook_state(
     hook_state: PowerSGDState, comm_hook: str, checkpoint_path: Any, world_size: int, rank: int, step: int
-) -> dict[str, Any]:
-    """Write this rank's error feedback beside ``checkpoint_path``, in the folder of the save at global step
-    ``step``; return what the checkpoint itself holds (naming that save).
-
-    Call on every rank (a failure on any rank raises on every rank), then publish the checkpoint (rank 0).
-    """
+) -> tuple[dict[str, Any], SavePart]:
+    """What the checkpoint itself holds of the hook (naming the save at global step ``step``), and this rank's part
+    of that save: its error feedback, written beside ``checkpoint_path`` in the folder of that save."""
     state = hook_state.state_dict()
     shard = {"rank": rank, "world_size": world_size, "iteration": state["iteration"], "errors": state["errors"]}
     path = shard_path(checkpoint_path, step, rank)
-    failure = None
-    try:
-        write_side_file(shard, path)
-    except Exception as error:  # noqa: BLE001 - every rank raises it, through agree_on_save
-        failure = error
-    agree_on_save(failure, Path(path))
-    return {
+    shared = {
         "comm_hook": comm_hook,
         "world_size": world_size,
         "iteration": state["iteration"],
         "q_memory": state["q_memory"],
         "errors_of_step": step,
     }
+    return shared, SavePart(shard, lambda copy: write_side_file(copy, path))
 
 
 def remember_location(saved: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -26,7 +25,6 @@ from typing_extensions import override
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
-from lightning_fastdist.parallel.checkpoint.atomic import is_local_path
 from lightning_fastdist.parallel.comm.accounting import ALL_REDUCE, CommStats
 from lightning_fastdist.parallel.comm.exposed import BackwardTail, ExposedCommClock, watch_ddp
 from lightning_fastdist.parallel.ddp.auto_comm_hook import AUTO_LEVELS, AutoCommState, AutoPolicy
@@ -48,7 +46,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
 )
 from lightning_fastdist.strategies.across_nodes import across_nodes
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
-from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back, save_one_file
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
 from lightning_fastdist.strategies.common.job import (
     check_names_at_launch,
     check_names_before_joining,
@@ -57,6 +55,7 @@ from lightning_fastdist.strategies.common.job import (
 )
 from lightning_fastdist.strategies.common.options import (
     blocks_option,
+    check_async_checkpointing,
     check_bucket_cap_mb,
     check_ddp_kwargs,
     named_errors,
@@ -94,6 +93,7 @@ class FastDDPStrategy(DDPStrategy):
             leaves the others training (``ReplicaGroups``' options, ``{min_nodes: 1}``). ``None``: one world.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
+        async_checkpointing: write checkpoints in the background while the fit trains on (``docs/checkpoints.md``).
         accelerator: with ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``: set
             by the Trainer.
         block_modules: deprecated spelling of ``blocks`` (one more release).
@@ -124,6 +124,7 @@ class FastDDPStrategy(DDPStrategy):
         replica_groups: ReplicaGroups | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
+        async_checkpointing: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -136,6 +137,7 @@ class FastDDPStrategy(DDPStrategy):
         with named_errors(type(self).__name__):
             check_ddp_kwargs(kwargs)
             check_bucket_cap_mb(bucket_cap_mb)
+            check_async_checkpointing(async_checkpointing)
             blocks = blocks_option(type(self).__name__, blocks, "block_modules", block_modules)
             self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
             broadcast_buffers = kwargs.get("broadcast_buffers", True)
@@ -171,7 +173,7 @@ class FastDDPStrategy(DDPStrategy):
         )
         self.bucket_cap_mb = bucket_cap_mb
         self.across_nodes = nodes
-        self.shared = SharedHooks(self, nodes, log_comm_bytes)
+        self.shared = SharedHooks(self, nodes, log_comm_bytes, async_checkpointing)
         self.hook_state: HookState | None = None
         self._hook_checkpoint = CommHookCheckpoint()
         self.prepared: PreparedBlocks | None = None
@@ -328,16 +330,9 @@ class FastDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         this_world_writes = self.shared.prepare_save(checkpoint, filepath)
-        if self._hook_checkpoint.save(checkpoint, filepath):
-            self.barrier("powersgd_state_written")  # every rank's file is complete before rank 0 publishes
-        if not this_world_writes:
-            return
-        writer = self.across_nodes.writes_files(self)
-        if not (isinstance(self.checkpoint_io, TorchCheckpointIO) and is_local_path(filepath)):
-            if writer:  # e.g. a remote or asynchronous writer, as Lightning's save_checkpoint calls it
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        save_one_file(self, checkpoint, filepath, storage_options, writer)
+        side_files = self._hook_checkpoint.save(checkpoint, filepath)  # each rank's PowerSGD memory, if any
+        writer = this_world_writes and self.across_nodes.writes_files(self)
+        self.shared.saves.one_file(checkpoint, filepath, writer, side_files, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -350,10 +345,8 @@ class FastDDPStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.across_nodes.writes_files(self):  # the rank that wrote the checkpoint
-            self.checkpoint_io.remove_checkpoint(filepath)
-            remove_shards(filepath)  # the ranks' PowerSGD files of that checkpoint, if any
-            remove_node_files(filepath)  # the nodes' own states beside a checkpoint written across nodes, if any
+        # The rank that wrote it, with the ranks' PowerSGD files and the nodes' own states beside it, if any.
+        self.shared.saves.remove(filepath, self.across_nodes.writes_files(self), remove_shards, remove_node_files)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

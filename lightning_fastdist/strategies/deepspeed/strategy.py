@@ -19,13 +19,11 @@ import torch
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_fastdist.parallel.checkpoint.atomic import save_folder_atomically
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.comm.buffers import broadcast_buffers
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
@@ -56,7 +54,7 @@ from lightning_fastdist.strategies.common.job import (
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.common.options import named_errors
+from lightning_fastdist.strategies.common.options import check_async_checkpointing, named_errors
 from lightning_fastdist.strategies.common.registry import register_once
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks, attached_trainer
 from lightning_fastdist.strategies.common.unsupported import DEEPSPEED_REFUSALS, refuse_unsupported
@@ -64,9 +62,11 @@ from lightning_fastdist.strategies.deepspeed.accumulation_windows import (
     epoch_ends_at_this_batch,
     window_closes_at_this_batch,
 )
+from lightning_fastdist.strategies.deepspeed.checkpoint_folder import save_checkpoint_folder
 from lightning_fastdist.strategies.deepspeed.consolidate import full_weights_of_folder
 from lightning_fastdist.strategies.deepspeed.micro_batch_size import micro_batch_size
 from lightning_fastdist.strategies.deepspeed.offload import offloaded_optimizer
+from lightning_fastdist.strategies.deepspeed.trainer_settings import refuse_settings_deepspeed_ignores
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -87,6 +87,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
             (host-side, no device sync) and the time the step waited for them as ``comm/exposed_s``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks by device.
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks; ``None`` keeps torch's.
+        async_checkpointing: write checkpoint folders in the background while the fit trains on.
         accelerator: with ``parallel_devices``, ``cluster_environment``, ``precision_plugin``: set by the Trainer
             (``Trainer(precision=...)``: DeepSpeed runs bf16/fp16 itself).
     """
@@ -106,6 +107,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         log_comm_bytes: bool = True,
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = None,
+        async_checkpointing: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -118,6 +120,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
             )
             # No compile option: DeepSpeed's engine wraps the module and runs its forward.
             self.plan = ParallelPlan(blocks, activation_checkpointing)
+            check_async_checkpointing(async_checkpointing)
         self.timeout = collective_timeout(timeout, type(self).__name__)
         until_sized = self.settings.bucket_sizes()  # "auto" is sized to the model in _setup_model
         super().__init__(
@@ -137,7 +140,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         # Offload may keep the module's own torch optimizer (where DeepSpeedCPUAdam, a C++ op compiled at run
         # time, cannot replace it: see _offloaded_optimizer); DeepSpeed would otherwise refuse it.
         self.config["zero_force_ds_cpu_optimizer"] = False
-        self.shared = SharedHooks(self, log_comm_bytes=log_comm_bytes)
+        self.shared = SharedHooks(self, log_comm_bytes=log_comm_bytes, async_checkpointing=async_checkpointing)
         self.comm_stats: CommStats | None = None  # this rank's collective bytes and gradient rounds, once counted
         self._stop_counting: Callable[[], None] | None = None
         self.exposed_comm: ExposedCommClock | None = None  # set when the engine is built
@@ -146,24 +149,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # Before any process starts: DeepSpeed runs mixed precision itself, from Trainer(precision=...), and
-        # synchronises no BatchNorm.
-        if not isinstance(self.precision_plugin, DeepSpeedPrecision):
-            raise ValueError(
-                f"{type(self).__name__}: precision comes from Trainer(precision=...), which DeepSpeed runs itself; "
-                f"remove the {type(self.precision_plugin).__name__} plugin."
-            )
-        if self.precision_plugin.precision == "16-true":  # Lightning's DeepSpeedStrategy trains something else
-            raise ValueError(
-                f"{type(self).__name__}: precision='16-true' (fp16 weights, no loss scaling) is not what DeepSpeed's "
-                "fp16 computes (fp32 master weights, a loss scaler that skips steps while it calibrates); use "
-                "precision='16-mixed' (fp16 with loss scaling) or 'bf16-true'."
-            )
-        if self._layer_sync is not None:  # Lightning's DeepSpeedStrategy trains on with unsynchronised BatchNorm
-            raise ValueError(
-                f"{type(self).__name__}: sync_batchnorm=True is not honoured by DeepSpeed's engine, which never "
-                "converts BatchNorm layers; use FastDDPStrategy or FastFSDPStrategy, or remove sync_batchnorm."
-            )
+        refuse_settings_deepspeed_ignores(type(self).__name__, self.precision_plugin, self._layer_sync)
         super()._configure_launcher()
         check_names_at_launch(self._launcher, self, self.check_names, self.num_nodes)
 
@@ -351,7 +337,12 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         path = Path(self.broadcast(filepath))
         self.shared.prepare_save(checkpoint, path)
         # DeepSpeed's writer fills <name>.partial on every rank; rank 0 then publishes it as <name>.
-        save_folder_atomically(functools.partial(super().save_checkpoint, checkpoint), path)
+        write = functools.partial(super().save_checkpoint, checkpoint)
+        save_checkpoint_folder(self.shared.saves, self.deepspeed_engine, write, path)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.shared.saves.remove(filepath, self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

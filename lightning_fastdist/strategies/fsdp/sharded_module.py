@@ -20,8 +20,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
 from lightning_fastdist.parallel.checkpoint.problems import SHARDED_METADATA
+from lightning_fastdist.strategies.checkpoint.saves import CheckpointSaves
 
 T = TypeVar("T")
 
@@ -93,18 +93,13 @@ def under_module_names(strategy: Strategy, function: Callable[..., T]) -> Callab
     return call
 
 
-def save_sharded(writer: ShardedCheckpointWriter, checkpoint: dict[str, Any], path: Path) -> None:
+def save_sharded(saves: CheckpointSaves, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` as Lightning lays out a sharded one: the weights and each optimizer's state as shards of
     every rank, the rest in Lightning's metadata file (once published, the side files of older saves of ``path``
     go)."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    writer.save(
-        tensors,
-        path,
-        write_extra=lambda folder: torch.save(checkpoint, folder / _METADATA_FILENAME),
-        step=checkpoint.get("global_step"),
-    )
+    saves.sharded(tensors, {_METADATA_FILENAME: checkpoint}, path, step=checkpoint.get("global_step"))
 
 
 def drop_group_keys_not_saved(checkpoint_path: Any, optimizers: list[torch.optim.Optimizer]) -> None:

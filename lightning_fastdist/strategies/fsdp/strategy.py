@@ -30,7 +30,6 @@ from typing_extensions import override
 from lightning_fastdist.diagnostics.recompiles import RecompileWatcher
 from lightning_fastdist.parallel.across_nodes.outer_sync.settings import OuterSync
 from lightning_fastdist.parallel.across_nodes.replica_groups.settings import ReplicaGroups
-from lightning_fastdist.parallel.checkpoint.atomic import ShardedCheckpointWriter
 from lightning_fastdist.parallel.comm.accounting import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommStats
 from lightning_fastdist.parallel.comm.buffers import broadcast_buffers
 from lightning_fastdist.parallel.comm.exposed import ExposedCommClock
@@ -49,7 +48,7 @@ from lightning_fastdist.parallel.plan.parallel_plan import (
 )
 from lightning_fastdist.strategies.across_nodes import across_nodes
 from lightning_fastdist.strategies.across_nodes.outer_sync_checkpoint import remove_node_files
-from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back, save_one_file
+from lightning_fastdist.strategies.checkpoint.fault_tolerance import load_or_fall_back
 from lightning_fastdist.strategies.common.comm_metrics import one_gradient_round
 from lightning_fastdist.strategies.common.job import (
     check_names_at_launch,
@@ -57,7 +56,12 @@ from lightning_fastdist.strategies.common.job import (
     join_process_group_once,
     names_checkable,
 )
-from lightning_fastdist.strategies.common.options import blocks_option, check_checkpoint_format, named_errors
+from lightning_fastdist.strategies.common.options import (
+    blocks_option,
+    check_async_checkpointing,
+    check_checkpoint_format,
+    named_errors,
+)
 from lightning_fastdist.strategies.common.registry import register_once
 from lightning_fastdist.strategies.common.shared_hooks import SharedHooks
 from lightning_fastdist.strategies.common.unsupported import FSDP_REFUSALS, refuse_unsupported
@@ -82,7 +86,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         sharding: ``"zero3"``, ``"zero2"`` or ``"hsdp"``; it and ``hsdp_group_size``, ``cpu_offload``, ``keep_fp32``
             are described in ``FSDPSharding``.
         checkpoint_format: ``"sharded"`` (per-rank shards, loadable at any world size) or ``"full"`` (one file).
-        async_checkpointing: write sharded checkpoints in a background thread, once the state is in host memory.
+        async_checkpointing: write checkpoints (either format) in the background while the fit trains on.
         outer_sync: as FastDDPStrategy's, each rank crossing nodes with the same shard's ranks. Not with HSDP.
         replica_groups: as FastDDPStrategy's, each rank crossing nodes as under ``outer_sync``. Not with HSDP.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks the device's default.
@@ -117,7 +121,8 @@ class FastFSDPStrategy(ModelParallelStrategy):
             self.fsdp = FSDPSharding(sharding, hsdp_group_size, cpu_offload, tuple(keep_fp32 or ()))
             blocks = blocks_option(owner, blocks, "shard_modules", shard_modules)
             self.plan = ParallelPlan(blocks, activation_checkpointing, compile, compile_scope)
-            check_checkpoint_format(checkpoint_format, async_checkpointing)
+            check_checkpoint_format(checkpoint_format)
+            check_async_checkpointing(async_checkpointing)
             nodes = across_nodes(outer_sync, replica_groups, owner, self.plan.blocks, sharded=True)
             nodes.check_sharding(sharding)
         self.timeout = collective_timeout(timeout, owner)
@@ -129,8 +134,7 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.async_checkpointing = async_checkpointing
         self.across_nodes = nodes
-        self.shared = SharedHooks(self, nodes, log_comm_bytes)
-        self._checkpoint_writer = ShardedCheckpointWriter()
+        self.shared = SharedHooks(self, nodes, log_comm_bytes, async_checkpointing)
         self.comm_stats: CommStats | None = None  # this rank's FSDP collective bytes and gradient rounds, once counted
         self._root: RootUnit | None = None
         self._root_regather = RootRegather()
@@ -166,8 +170,6 @@ class FastFSDPStrategy(ModelParallelStrategy):
         self._device_mesh = self.fsdp.mesh(self.root_device.type, dist.get_world_size())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        if self.async_checkpointing:  # background writes coordinate over a group of their own
-            self._checkpoint_writer = ShardedCheckpointWriter(True, process_group=dist.new_group(backend="gloo"))
 
     @property
     @override
@@ -330,22 +332,17 @@ class FastFSDPStrategy(ModelParallelStrategy):
         if not self.shared.prepare_save(checkpoint, path):
             return
         if self.checkpoint_format == "full":
-            save_one_file(self, checkpoint, path, writer=self.across_nodes.writes_files(self))
-            self.barrier()
+            self.shared.saves.one_file(checkpoint, path, self.across_nodes.writes_files(self), [])
             return
-        save_sharded(self._checkpoint_writer, checkpoint, path)
+        save_sharded(self.shared.saves, checkpoint, path)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        self._checkpoint_writer.wait()  # never delete the previous checkpoint before the one replacing it is written
-        if self.across_nodes.writes_files(self):  # the rank that wrote the checkpoint
-            self.checkpoint_io.remove_checkpoint(filepath)
-            remove_node_files(filepath)  # the nodes' own states beside a checkpoint written across nodes, if any
+        # The rank that wrote it, with the nodes' own states beside a checkpoint written across nodes, if any.
+        self.shared.saves.remove(filepath, self.across_nodes.writes_files(self), remove_node_files)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        self._checkpoint_writer.wait()
-        self.barrier()
         read = functools.partial(under_module_names(self, super().load_checkpoint), weights_only=weights_only)
         load = with_saved_group_keys(read, self.optimizers)  # each candidate's index read where a fall-back sees it
         checkpoint, checkpoint_path = load_or_fall_back(self, checkpoint_path, load, expects_folder=None)
@@ -389,7 +386,6 @@ class FastFSDPStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.recompiles.stop()
-        self._checkpoint_writer.wait()
         self.shared.teardown()
         if self._synced_batchnorm and self._root is not None:  # as Lightning's DDPStrategy and FSDPStrategy do
             sync_batchnorm_in_place(self._root, sync=False)
