@@ -170,7 +170,12 @@ class Fault(L.Callback):
         self._land(trainer, "forward")
         if self.trial.moment == "backward" and trainer.global_step == self.trial.step:
             block = module.blocks[-1]  # its backward runs first: the rest of the backward is still to come
-            handle = block.register_full_backward_hook(lambda *_: (self._land(trainer, "backward"), handle.remove()))
+
+            def land_in_backward(*_) -> None:  # a full backward hook that returns something replaces the gradients
+                self._land(trainer, "backward")
+                handle.remove()
+
+            handle = block.register_full_backward_hook(land_in_backward)
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self._land(trainer, "optimizer_step")
@@ -269,7 +274,8 @@ def _in_process_trial(trial: Trial, engine: str, corpus: str, folder: Path, stra
     ended, line = "finished", ""
     try:
         if trial.fault in ("corrupt_newest", "read_error"):
-            saved = trial.step + trial.step % SAVE_EVERY  # a step a checkpoint was written at
+            # a step a checkpoint was written at, after an older one: with none older, the one line is all there is
+            saved = max(2 * SAVE_EVERY, trial.step + trial.step % SAVE_EVERY)
             fit(engine, corpus, folder, [], False, max_steps=saved)
             if rank == 0:
                 damage_newest(folder, saved, 1 if trial.fault == "read_error" else None)
@@ -283,7 +289,11 @@ def _in_process_trial(trial: Trial, engine: str, corpus: str, folder: Path, stra
     if rank == 0 and (folder / "filler.bin").exists():
         (folder / "filler.bin").unlink()  # the user frees the space, then resumes
     _barrier()
-    resumed = fit(engine, corpus, folder, [], True)
+    try:
+        resumed = fit(engine, corpus, folder, [], True)
+        resumed_steps, equal = resumed.global_step, digest(local_weights(resumed.lightning_module)) == straight
+    except Exception as error:  # noqa: BLE001 - a resume that fails is a lost trial, not the end of the campaign
+        resumed_steps, equal, line = -1, False, f"{line} | the resume failed: {type(error).__name__}: {error}"
     expected_end = {
         "sigterm": f"exit {EXIT_STATUS_BASE + signal.SIGTERM}",
         "sigusr1": f"exit {EXIT_STATUS_BASE + signal.SIGUSR1}",
@@ -295,10 +305,10 @@ def _in_process_trial(trial: Trial, engine: str, corpus: str, folder: Path, stra
         "number": trial.number,
         "ended": ended,
         "one_line": ended == expected_end and "\n" not in line,
-        "resumed_steps": resumed.global_step,
-        "equal": digest(local_weights(resumed.lightning_module)) == straight,
+        "resumed_steps": resumed_steps,
+        "equal": equal,
         "user_files": user_files_intact(folder),
-        "line": line[:300],
+        "line": line[:600],
     }
 
 
