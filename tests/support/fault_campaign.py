@@ -1,6 +1,7 @@
 """The fault campaign: seeded random faults at random points of real training runs, and what each did to the job.
 
-A trial is a fault kind, a setup (an engine and a form: one world, or the nodes as torchft replica groups) and a step.
+A trial is a fault kind, a setup (an engine and a form: one world, or the nodes as torchft replica groups or under
+outer_sync) and a step.
 Each trial trains the tiny GPT on 2 CPU processes (gloo), injects its fault, and checks what a user would check:
 
 - the job went on, or ended with one line (an exit status of a stop, a one-line error) and no traceback of ours;
@@ -91,16 +92,18 @@ def kinds_for(engine: str, form: str) -> tuple[str, ...]:
 SETUPS = (
     *[(engine, "one_world") for engine in ENGINES],
     ("ddp", "replica_groups"),
+    ("ddp", "outer_sync"),
 )
 
 
 def plan(trials: int, seed: int) -> list[Trial]:
-    """``trials`` seeded trials; the first ones run every fault kind once, so that any ``trials`` at least the number
-    of kinds covers them all; the rest draw a kind, a setup that takes it, a step and where in it."""
+    """``trials`` seeded trials: the fault kinds in turn, so that any ``trials`` at least the number of kinds covers
+    them all and each kind runs ``trials // len(FAULT_KINDS)`` times or more; each draws a setup that takes its kind,
+    a step and where in it."""
     generator = random.Random(seed)
     planned = []
     for number in range(trials):
-        kind = FAULT_KINDS[number] if number < len(FAULT_KINDS) else generator.choice(FAULT_KINDS)
+        kind = FAULT_KINDS[number % len(FAULT_KINDS)]
         engine, form = generator.choice([setup for setup in SETUPS if kind in kinds_for(*setup)])
         step = generator.randrange(1, MAX_STEPS - 2)
         moment = generator.choice(MOMENTS) if kind in ("sigterm", "sigusr1") else "batch_end"

@@ -7,8 +7,8 @@ resumes where the job ended (``tests/support/fault_campaign.py`` has the campaig
   the launcher then ends rank 1, as torchrun's agent does; the resume reaches the straight run;
 - ``second_job``: a second job started on the port of a running one (held at a step meanwhile): the second's ranks
   are refused in one line, the first trains on to the straight run's weights;
-- ``kill_node``: under ``replica_groups``, node 1 SIGKILLed after a step and started again: node 0 goes on, node 1
-  rejoins from its memory, both end with the same weights;
+- ``kill_node``: under ``replica_groups`` or ``outer_sync``, node 1 SIGKILLed after a step and started again: node 0
+  goes on, node 1 rejoins from its memory, both end with the same weights;
 - ``stranger``: the same job in the emulated cluster, a stranger on the nodes' network trying every port node 0
   listens on while it holds: it is answered nothing, learns no replica to kill, and the job ends as without it.
 """
@@ -200,20 +200,34 @@ def one_world_trial(trial: Trial, root: Path) -> Outcome:
     return Outcome(trial, outcome, checks, detail)
 
 
+def _across_nodes_fit(trial: Trial) -> tuple[list[str], int, int]:
+    """The command each node runs in ``trial``'s form, its steps, and the step node 0 holds at until node 1 is back.
+    ``replica_groups``: node 1 rejoins at the next step. ``outer_sync`` (a sync every 2 steps, ``min_nodes`` 1): node
+    0 notices the loss at its next sync and node 1 rejoins at a sync after it started, so the fit is 4 steps longer
+    and node 0 holds 4 steps after the kill."""
+    if trial.form == "replica_groups":
+        steps = MAX_STEPS
+        command = [sys.executable, "-m", "tests.support.replica_groups_fit", "fast", "mlp", str(steps), "1"]
+        return command, steps, min(trial.step + 2, steps - 1)
+    steps = MAX_STEPS + 4
+    options = {"every": 2, "fragments": 1, "delay": 0, "min_nodes": 1}
+    command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
+    return command, steps, trial.step + 4
+
+
 def across_nodes_trial(trial: Trial, root: Path) -> Outcome:
-    """``kill_node`` under ``replica_groups`` (2 loopback nodes of 1 rank): node 1 SIGKILLed after the trial's step
-    and started again once node 0 holds 2 steps later; both must end with the same weights and every step of node 0
-    applied. ``stranger``: the same job in the emulated cluster, node 1 killed and a stranger probing node 0 while it
-    holds."""
+    """``kill_node`` under the trial's form (2 loopback nodes of 1 rank): node 1 SIGKILLed after the trial's step
+    and started again once node 0 holds at its step (:func:`_across_nodes_fit`); both must end with the same weights
+    and every step of node 0 applied. ``stranger``: the same job in the emulated cluster, node 1 killed and a
+    stranger probing node 0 while it holds."""
     from tests.support.emulated_cluster import REPO_ROOT, EmulatedCluster  # noqa: PLC0415 - only these trials
     from tests.support.node_faults import start_again_once_held  # noqa: PLC0415
 
     folder = root / f"trial{trial.number:04d}"
     folder.mkdir(parents=True)
     started = folder / "started"
-    hold_at = min(trial.step + 2, MAX_STEPS - 1)
-    faults = {"NODE_FAULT_KILL": f"1:{trial.step}", "NODE_FAULT_HOLD": f"{hold_at}:{started}", "REPLICA_FIT_NODES": "2"}
-    command = [sys.executable, "-m", "tests.support.replica_groups_fit", "fast", "mlp", str(MAX_STEPS), "1"]
+    command, steps, hold_at = _across_nodes_fit(trial)
+    faults = {"NODE_FAULT_KILL": f"1:{trial.step}", "NODE_FAULT_HOLD": f"{hold_at}:{started}"}
     checks: dict[str, bool] = {}
     if trial.fault == "kill_node":
         port = free_port_span(3)
@@ -238,6 +252,7 @@ def across_nodes_trial(trial: Trial, root: Path) -> Outcome:
             endpoints = [e for e in cluster.listening(0) if not e.startswith("127.")]
             probe = [sys.executable, "-m", "tests.support.stranger", *endpoints]
             answers = [json.loads(line) for line in cluster.run_as_stranger(probe, timeout=120).splitlines()]
+            checks["stranger_tried_ports"] = len(answers) == len(endpoints) > 0  # else the checks below say nothing
             checks["nothing_served_to_stranger"] = all(answer["answered_200"] == 0 for answer in answers)
             checks["no_replica_named_to_stranger"] = all(answer["replicas_named"] == 0 for answer in answers)
             again = {**faults, "NODE_FAULT_ANNOUNCE": str(started)}
@@ -246,7 +261,7 @@ def across_nodes_trial(trial: Trial, root: Path) -> Outcome:
             outputs = [((folder / name).read_text(), "") for name in ("node0.out", "node1.again.out")]
             sessions = []
     reports = [[json.loads(line[4:]) for line in out.splitlines() if line.startswith("FIT ")] for out, _ in outputs]
-    checks["went_on"] = codes == [0, 0] and bool(reports[0]) and reports[0][0]["steps"] == list(range(1, MAX_STEPS + 1))
+    checks["went_on"] = codes == [0, 0] and bool(reports[0]) and reports[0][0]["steps"] == list(range(1, steps + 1))
     checks["consistent"] = bool(reports[1]) and reports[0][0]["final"] == reports[1][0]["final"]
     checks["no_process_left"] = session_members(sessions) == []
     detail = "" if all(checks.values()) else f"{codes} {outputs[0][1][-1500:]}"
