@@ -34,10 +34,9 @@ lint: install
 # starts rank 1 once rank 0 has imported everything) and waiting for them, which leaves a core idle.
 # One intra-op thread per process: two workers share two cores, and torch's default (a thread per core in every
 # process, the ranks each test starts included) made them wait on each other's threads: 739 s, with one 685 s.
-# --dist loadgroup: the tests of one xdist_group run on one worker (tests/ray: one Ray cluster for all of them).
 test: lint slurm-daemons
 	$(BIN)/python -m compileall -q lightning_fastdist tests
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=15
 
 # The daemons of tests/slurm (a real SLURM cluster on this machine): Debian's slurm-wlm and munge, installed where they
 # are missing and this is root with apt-get (as on CI). Elsewhere nothing is installed and those tests skip, each with

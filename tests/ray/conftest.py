@@ -1,8 +1,7 @@
-"""One Ray cluster for the session's Ray tests: two Ray nodes on this machine, this process their driver.
-
-Every test here is marked ``xdist_group("ray")`` (``make test`` distributes with ``--dist loadgroup``), so one
-pytest-xdist worker runs them all on one cluster, started once (about 10 s) and stopped at the end. Where ray[train]
-is not installed every test skips with one line saying so.
+"""One Ray cluster for the session's Ray tests: two Ray nodes on this machine, this process their driver, started
+when a test first asks (about 10 s) and stopped at the end. The one job the tests read is run once per session
+(``test_ray_train.py``'s ``job``): under ``make test``'s two pytest-xdist workers only the worker that runs it starts a
+cluster. Where ray[train] is not installed every test skips with one line saying so.
 """
 
 from __future__ import annotations

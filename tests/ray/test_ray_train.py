@@ -33,8 +33,9 @@ from tests.support.ray_training import (
     read_lines,
     train_engines_then_lose_workers,
 )
+from tests.support.shared_runs import once_per_session
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPORT_EVERY = 2  # the killed and node-removed fits'
 ENGINES_REPORT_EVERY = 4  # the uninterrupted fits'
@@ -43,8 +44,13 @@ EXACT = 1e-5  # the contract matrix's tolerance for exact engines (fp32 sums in 
 
 @dataclass(frozen=True)
 class RayJob:
+    """What the job left: its folder, Ray's error (``None``: it finished), every checkpoint Ray registered in the order
+    reported (the kind of checkpoint in it, ``"file"``: DDP's, ``"sharded"``: FSDP's folder, ``"deepspeed"``:
+    DeepSpeed's folder; the step; its path), and the steps the job lost a worker at."""
+
     out: Path
-    result: Any  # Ray's Result
+    error: str | None
+    reports: list[tuple[str, int, Path]]
     kill_step: int
     removal_step: int
 
@@ -57,15 +63,15 @@ class RayJob:
     def starts(self, fit: str, rank: int) -> list[dict]:
         return read_lines(self.out / fit / f"starts-rank{rank}.jsonl")
 
-    def reports(self) -> list[tuple[str, int, Path]]:
-        """Every checkpoint Ray registered, in the order reported: the kind of checkpoint in it (``"file"``: DDP's;
-        ``"sharded"``: FSDP's folder; ``"deepspeed"``: DeepSpeed's folder), the step and the checkpoint's path."""
-        reports = []
-        for checkpoint, metrics in sorted(self.result.best_checkpoints, key=lambda pair: pair[0].path):
-            path = Path(checkpoint.path) / CHECKPOINT_NAME
-            kind = "file" if path.is_file() else "sharded" if (path / ".metadata").exists() else "deepspeed"
-            reports.append((kind, metrics["step"], path))
-        return reports
+
+def registered(result: Any) -> list[tuple[str, int, Path]]:
+    """:attr:`RayJob.reports` of Ray's ``Result``."""
+    reports = []
+    for checkpoint, metrics in sorted(result.best_checkpoints, key=lambda pair: pair[0].path):
+        path = Path(checkpoint.path) / CHECKPOINT_NAME
+        kind = "file" if path.is_file() else "sharded" if (path / ".metadata").exists() else "deepspeed"
+        reports.append((kind, metrics["step"], path))
+    return reports
 
 
 def unequal_weights(result: dict, reference: dict) -> list[str]:
@@ -77,9 +83,7 @@ def unequal_weights(result: dict, reference: dict) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def job(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -> RayJob:
-    out = tmp_path_factory.mktemp("ray_train")
+def run_the_job(ray_cluster: RayTestCluster, out: Path) -> RayJob:
     kill_step, removal_step = (random.randint(3, STEPS - 1) for _ in range(2))  # after a report, before the last
     config = {
         "out": str(out),
@@ -102,11 +106,23 @@ def job(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -
     finally:
         if Path(f"{removal}.removed").exists():
             ray_cluster.restore_second_node()  # the cluster as the session's next test expects it
-    return RayJob(out, result, kill_step, removal_step)
+    error = None if result.error is None else str(result.error)
+    return RayJob(out, error, registered(result), kill_step, removal_step)
+
+
+@pytest.fixture(scope="module")
+def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> RayJob:
+    """The job, run once per test session: under ``make test``'s two pytest-xdist workers the first to ask runs it
+    (and starts the Ray cluster), the other reads what it left."""
+
+    def run() -> RayJob:
+        return run_the_job(request.getfixturevalue("ray_cluster"), tmp_path_factory.mktemp("ray_train"))
+
+    return once_per_session(tmp_path_factory, "ray_train_job", run)
 
 
 def test_the_job_finishes_after_the_restart(job: RayJob):
-    assert job.result.error is None, job.result.error
+    assert job.error is None, job.error
     for rank in range(WORKERS):
         starts = job.starts("killed", rank)
         assert [(start["attempt"], start["world_size"]) for start in starts] == [(0, 2), (1, 2)], starts
@@ -153,14 +169,14 @@ def test_the_packaged_script_runs_a_recipe_under_ray(job: RayJob):
     assert all((folder / f"done-rank{rank}").exists() for rank in range(WORKERS))
     assert (folder / "checkpoints" / "cpu_smoke" / "last.ckpt").is_file()
     assert (folder / "lightning_logs" / "cpu_smoke" / "version_0" / "metrics.csv").is_file()
-    reports = [(kind, step) for kind, step, _ in job.reports()]
+    reports = [(kind, step) for kind, step, _ in job.reports]
     assert ("file", SCRIPT_REPORT_EVERY) in reports and ("file", SCRIPT_STEPS) in reports
 
 
 def test_sharded_and_background_checkpoints_reach_ray_complete(job: RayJob):
     """FastFSDPStrategy(async_checkpointing=True) and FastDeepSpeedStrategy through RayReport: Ray holds every step
     reported, each checkpoint whole (every rank's shards and the index; nothing staged)."""
-    reports = job.reports()
+    reports = job.reports
     every_report = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
     for kind in ("sharded", "deepspeed"):
         assert [step for each, step, _ in reports if each == kind] == every_report, (kind, reports)
@@ -185,7 +201,7 @@ def test_a_killed_worker_resumes_from_the_last_reported_checkpoint_exactly(job: 
     uninterrupted = list(range(ENGINES_REPORT_EVERY, STEPS + 1, ENGINES_REPORT_EVERY))
     script = [SCRIPT_REPORT_EVERY, SCRIPT_STEPS]  # the last one saved at the end of training
     files = uninterrupted + script + every_report + every_report  # then the killed and node-removed fits'
-    assert [step for kind, step, _ in job.reports() if kind == "file"] == files
+    assert [step for kind, step, _ in job.reports if kind == "file"] == files
     for rank in range(WORKERS):
         uninterrupted = {step["step"]: step["samples"] for step in job.steps("fast_ddp", rank)}
         lines = job.steps("killed", rank)
