@@ -46,12 +46,14 @@ class RayJob:
         devices: Lightning's ``devices`` per node: the workers on each node (the whole world where nodes differ).
         local_rank: this worker's index among ``devices``.
         device: the device Ray assigned this worker (``ray.train.torch.get_device()``).
+        per_node: each worker's count of the workers on its node, by rank.
     """
 
     nodes: int
     devices: int
     local_rank: int
     device: torch.device
+    per_node: tuple[int, ...]
 
     @classmethod
     def of_this_worker(cls, context: Any, ray_torch: ModuleType) -> RayJob:
@@ -61,12 +63,18 @@ class RayJob:
         dist.all_gather_object(per_node, local_world_size)  # Ray may place more workers on one node than another
         device = ray_torch.get_device()
         if len(set(per_node)) == 1:
-            return cls(world_size // local_world_size, local_world_size, context.get_local_rank(), device)
-        rank_zero_info(
-            f"Ray placed {sorted(per_node)} workers per node: Lightning counts one node of {world_size} devices "
+            nodes = world_size // local_world_size
+            return cls(nodes, local_world_size, context.get_local_rank(), device, tuple(per_node))
+        return cls(1, world_size, context.get_world_rank(), device, tuple(per_node))
+
+    def uneven_line(self) -> str | None:
+        """The line that says Lightning counts one node, where Ray placed more workers on one node than another."""
+        if len(set(self.per_node)) == 1:
+            return None
+        return (
+            f"Ray placed {sorted(self.per_node)} workers per node: Lightning counts one node of {self.devices} devices "
             "(ZeRO and DDP are unaffected; HSDP's default group is then the whole world)."
         )
-        return cls(1, world_size, context.get_world_rank(), device)
 
     def parallel_devices(self) -> list[torch.device]:
         """Lightning's list of the node's devices, this worker's own at its local rank."""
@@ -94,6 +102,10 @@ def take_ray_job(strategy: ParallelStrategy) -> None:
     job = RayJob.of_this_worker(context, ray_torch)
     strategy.parallel_devices = job.parallel_devices()
     strategy.num_nodes = job.nodes
+    strategy.set_world_ranks()  # Lightning set them from its own picture: rank_zero_only's rank becomes Ray's too
+    line = job.uneven_line()
+    if line is not None:
+        rank_zero_info(line)
     _accepted_by_prepare_trainer(type(strategy), ray_lightning)
 
 
