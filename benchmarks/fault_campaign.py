@@ -6,9 +6,10 @@ Faults: a stop signal (SIGTERM, SIGUSR1) at any moment of a step, a full disk (a
 newest checkpoint, a read error on one rank (its own shard or partition truncated), a rank SIGKILLed, a peer that
 hangs, a second job on the job's port, a node SIGKILLed under replica_groups, and a stranger on the nodes' network (the
 emulated cluster; needs root and tc). Over DDP, FSDP and DeepSpeed in one world, and DDP with replica_groups or
-outer_sync across two nodes. Each trial checks that the job went on or ended in one line, that a resume reaches the uninterrupted run's
-weights bit for bit (the steps since the last complete save trained again), that no file of the user's changed, that no
-process is left, and that nothing was served to or done for a stranger (tests/support/fault_campaign.py).
+outer_sync across two nodes. Each trial checks that the job went on or ended in one line, that a resume reaches the
+uninterrupted run's weights bit for bit (the steps since the last complete save trained again), that no file of the
+user's changed, that no process is left, and that nothing was served to or done for a stranger
+(tests/support/fault_campaign.py).
 
 Any seed and any --trials of at least the number of fault kinds runs every kind. Prints the trials by fault and
 outcome, and writes fault_campaign.json into --out: the trials (each with its fault, engine, form, seed, outcome and
