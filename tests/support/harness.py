@@ -63,10 +63,10 @@ class RankOutput:
 # free_port and rank_environment repeat lightning_fastdist.commands.local_ranks' on purpose: importing anything
 # from the package imports Lightning (about 8 s), and `python -m tests.support.emulated_cluster` imports this module.
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that was free a moment ago, below the kernel's range for outgoing connections: a port the kernel
+    handed out (a bind to port 0) can be taken by any process's next connection before the job binds it (a Ray
+    cluster starting beside a DeepSpeed test took one that way)."""
+    return free_port_span(1)
 
 
 def free_port_span(count: int) -> int:

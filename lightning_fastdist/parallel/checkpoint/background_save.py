@@ -81,6 +81,11 @@ class BackgroundSave:
         self._unpublished = 0  # saves started and neither published nor failed
         self._failed = False  # a save failed and the failure is not raised yet
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        """A copy (the strategy a spawned process starts from) starts with no save of its own: the thread, lock and
+        group of this one belong to this process."""
+        return (BackgroundSave, ())
+
     def go_background(self, group: dist.ProcessGroup | None) -> None:
         """Write later saves in the background, agreeing over ``group`` (of their own: the background thread's
         collectives must never mix with training's; ``None`` in a single process)."""
