@@ -74,8 +74,11 @@ class RayReport(Callback):
                 "see (one worker hands Ray each checkpoint whole)."
             )
         root = self.staging_dir or Path(tempfile.gettempdir()) / "lightning_fastdist-ray"
-        run = trainer.strategy.broadcast(f"{context.get_experiment_name()}-{uuid.uuid4().hex[:12]}")
-        self._folder = root / run
+        run = f"{ray_job_id()}-{context.get_experiment_name()}"
+        if trainer.is_global_zero:  # what earlier attempts of this run staged (a worker lost cannot remove its own)
+            for earlier in root.glob(f"{run}-*"):
+                shutil.rmtree(earlier, ignore_errors=True)
+        self._folder = root / trainer.strategy.broadcast(f"{run}-{uuid.uuid4().hex[:12]}")
         self._pending, self._staged = None, False
 
     @override
@@ -99,7 +102,15 @@ class RayReport(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self._folder is not None and trainer.is_global_zero:
+        if stage == "fit":
+            self._remove_staged(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove_staged(trainer)  # Lightning calls no teardown after an exception
+
+    def _remove_staged(self, trainer: Trainer) -> None:
+        if self._folder is not None and trainer.is_global_zero:
             shutil.rmtree(self._folder, ignore_errors=True)  # what Ray copied lives on in its storage
         self._folder = None
 
@@ -161,6 +172,13 @@ def _restored_path() -> str | None:
     on_this_machine = isinstance(checkpoint.filesystem, LocalFileSystem)
     folder = checkpoint.path if on_this_machine else checkpoint.to_directory()
     return str(Path(folder) / CHECKPOINT_NAME)
+
+
+def ray_job_id() -> str:
+    """The Ray job's id: the same in every attempt of a run, another for another job."""
+    import ray
+
+    return ray.get_runtime_context().get_job_id()
 
 
 def _published(path: Path, wait: bool, trainer: Trainer) -> bool:

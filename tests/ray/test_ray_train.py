@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,19 +41,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 REPORT_EVERY = 2  # the killed and node-removed fits'
 ENGINES_REPORT_EVERY = 4  # the uninterrupted fits'
 EXACT = 1e-5  # the contract matrix's tolerance for exact engines (fp32 sums in another order)
+STAGING_ROOT = Path(tempfile.gettempdir()) / "lightning_fastdist-ray"  # RayReport's default staging_dir
 
 
 @dataclass(frozen=True)
 class RayJob:
     """What the job left: its folder, Ray's error (``None``: it finished), every checkpoint Ray registered in the order
     reported (the kind of checkpoint in it, ``"file"``: DDP's, ``"sharded"``: FSDP's folder, ``"deepspeed"``:
-    DeepSpeed's folder; the step; its path), and the steps the job lost a worker at."""
+    DeepSpeed's folder; the step; its path), the steps the job lost a worker at, and what it left staged."""
 
     out: Path
     error: str | None
     reports: list[tuple[str, int, Path]]
     kill_step: int
     removal_step: int
+    staged_left: list[Path]  # RayReport's staging folders the job left behind
 
     def results(self, fit: str) -> list[dict]:
         return [torch.load(self.out / fit / f"result-rank{rank}.pt") for rank in range(WORKERS)]
@@ -94,6 +97,7 @@ def run_the_job(ray_cluster: RayTestCluster, out: Path) -> RayJob:
         "second_node": SECOND_NODE_ADDRESS,
     }
     removal = out / "node_removed" / "lost.json"
+    staged_before = set(STAGING_ROOT.iterdir()) if STAGING_ROOT.is_dir() else set()
     try:
         result = ray_cluster.fit(
             train_engines_then_lose_workers,
@@ -107,7 +111,8 @@ def run_the_job(ray_cluster: RayTestCluster, out: Path) -> RayJob:
         if Path(f"{removal}.removed").exists():
             ray_cluster.restore_second_node()  # the cluster as the session's next test expects it
     error = None if result.error is None else str(result.error)
-    return RayJob(out, error, registered(result), kill_step, removal_step)
+    staged_left = sorted(set(STAGING_ROOT.iterdir()) - staged_before) if STAGING_ROOT.is_dir() else []
+    return RayJob(out, error, registered(result), kill_step, removal_step, staged_left)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,7 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def test_the_job_finishes_after_the_restart(job: RayJob):
     assert job.error is None, job.error
+    assert not job.staged_left  # each fit's staging folder removed: at its end, on its exception, or at a restart
     for rank in range(WORKERS):
         starts = job.starts("killed", rank)
         assert [(start["attempt"], start["world_size"]) for start in starts] == [(0, 2), (1, 2)], starts
