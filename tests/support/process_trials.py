@@ -16,6 +16,7 @@ resumes where the job ended (``tests/support/fault_campaign.py`` has the campaig
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -96,12 +97,18 @@ def launch(recipe: Path, folder: Path, port: int, run_id: str, resume: bool = Fa
     return ranks
 
 
-def wait_as_torchrun(ranks: list[ForkedModule], deadline_s: float = LAUNCH_DEADLINE_S) -> tuple[list[int], float]:
+def wait_as_torchrun(ranks: list[ForkedModule], deadline_s: float = LAUNCH_DEADLINE_S) -> tuple[list[int], list[float]]:
     """Wait for the ranks; once one ended with a failure the others get ``MARGIN_S`` to end on their own, then are
     killed, as torchrun's agent kills a failed group. Their exit statuses (``None``-free: a killed rank's is
-    negative) and the seconds from the first failure to the last exit (0 without a failure)."""
+    negative) and the wall-clock time each ended on its own (``math.inf``: it was still running, and was killed)."""
     deadline, failed_at = time.monotonic() + deadline_s, None
-    while time.monotonic() < deadline and any(rank.poll() is None for rank in ranks):
+    ended = [math.inf] * len(ranks)
+    while time.monotonic() < deadline:
+        for index, rank in enumerate(ranks):
+            if ended[index] == math.inf and rank.poll() is not None:
+                ended[index] = time.time()
+        if all(rank.poll() is not None for rank in ranks):
+            break
         if failed_at is None and any(rank.poll() not in (None, 0) for rank in ranks):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > MARGIN_S:
@@ -111,7 +118,7 @@ def wait_as_torchrun(ranks: list[ForkedModule], deadline_s: float = LAUNCH_DEADL
         if rank.poll() is None:
             os.killpg(rank.pid, 9)
             rank.wait()
-    return [rank.returncode for rank in ranks], (time.monotonic() - failed_at) if failed_at else 0.0
+    return [rank.returncode for rank in ranks], ended
 
 
 def _final(folder: Path) -> list[dict]:
@@ -178,7 +185,9 @@ def one_world_trial(trial: Trial, root: Path) -> Outcome:
         outcome = "refused"
         checks["went_on"] = codes == [0, 0]
     else:
-        codes, noticed_s = wait_as_torchrun(job)
+        codes, ended = wait_as_torchrun(job)
+        fault = folder / "faulted"  # written by rank 1 at the moment it dies or hangs
+        noticed_s = ended[0] - fault.stat().st_mtime if fault.exists() else math.inf
         error = (folder / "faulted.rank0.err").read_text()
         checks["ends_in_one_line"] = codes[0] not in (0, None) and _one_line_of_ours(error)
         cause = "timed out" if trial.fault == "hung_peer" else "crashed"  # a timeout is quoted for a hang only

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from types import ModuleType
 
 import torch
@@ -93,6 +94,16 @@ def call_current_collective_names() -> None:
 
     comm.cdb.all_gather_function = getattr(dist, ALL_GATHER_FUNCTION)
     comm.cdb.reduce_scatter_function = getattr(dist, REDUCE_SCATTER_FUNCTION)
+
+
+def groups_wait_as_long_as(timeout: timedelta) -> None:
+    """Make the process groups DeepSpeed creates (its copy of the world, ZeRO's data-parallel group) wait ``timeout``
+    in a collective, as the job's own do. Its backend creates them with torch's default (30 minutes), so a peer that
+    hung held every other rank for half an hour, silent, instead of ending at the strategy's ``timeout`` in one line
+    (found by the fault campaign). Call after ``init_distributed``, which builds the backend, before the engine."""
+    from deepspeed.comm import comm  # noqa: PLC0415 - optional
+
+    comm.cdb.new_group = lambda ranks: dist.new_group(ranks, timeout=timeout)
 
 
 def deepspeed_device_type() -> str:

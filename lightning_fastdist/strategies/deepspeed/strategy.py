@@ -32,6 +32,7 @@ from lightning_fastdist.parallel.deepspeed.runtime import (
     call_current_collective_names,
     check_deepspeed_device,
     engines_placed_on,
+    groups_wait_as_long_as,
     import_deepspeed,
     skip_jit_built_comm_ops,
 )
@@ -188,6 +189,7 @@ class FastDeepSpeedStrategy(DeepSpeedStrategy):
         skip_jit_built_comm_ops()
         super()._init_deepspeed_distributed()
         call_current_collective_names()
+        groups_wait_as_long_as(self.timeout)
 
     @override
     def setup(self, trainer: Any) -> None:
