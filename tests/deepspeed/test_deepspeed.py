@@ -110,7 +110,13 @@ def fit(corpus: str, folder: Path, max_steps: int, resume: bool = False, precisi
         "state_bytes": state_bytes(strategy),
         "compiled_ops": sorted(JIT_OPS & set(sys.modules)),
         "shm_comm_op": comm.cdb.shm_comm_op,
+        "zero_group_timeout": group_timeout(strategy.deepspeed_engine.optimizer.dp_process_group),
     }
+
+
+def group_timeout(group: torch.distributed.ProcessGroup) -> float:
+    """How long a collective of ``group`` waits, in seconds."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def shape_of(record: dict) -> TrainingShape:
@@ -152,6 +158,16 @@ def runs(tmp_path_factory) -> tuple[list[dict], Path]:
         return records, tmp_path
 
     return once_per_session(tmp_path_factory, "deepspeed_resume", lambda: run_in(tmp_path_factory.mktemp("deepspeed")))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_zeros_own_process_group_waits_the_strategys_timeout(runs):
+    # DeepSpeed makes it with torch's default, 30 minutes: a hung peer held the other ranks silent that long.
+    records, _ = runs
+    timeouts = {(rank, name): run["zero_group_timeout"] for rank, record in enumerate(records)
+                for name, run in record.items() if isinstance(run, dict) and "zero_group_timeout" in run}  # fmt: skip
+    assert len(timeouts) == 2 * 9 and set(timeouts.values()) == {60.0}, timeouts
 
 
 @pytest.mark.slow
