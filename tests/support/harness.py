@@ -64,8 +64,8 @@ class RankOutput:
 # from the package imports Lightning (about 8 s), and `python -m tests.support.emulated_cluster` imports this module.
 def free_port() -> int:
     """A TCP port that was free a moment ago, below the kernel's range for outgoing connections: a port the kernel
-    handed out (a bind to port 0) can be taken by any process's next connection before the job binds it (a Ray
-    cluster starting beside a DeepSpeed test took one that way)."""
+    handed out (a bind to port 0) can be taken by any process's next connection before the job binds it (in an idle
+    full run, the DeepSpeed module's, while the Ray cluster started beside it)."""
     return free_port_span(1)
 
 
