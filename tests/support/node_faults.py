@@ -8,8 +8,9 @@ on ``PYTHONPATH``):
   ``NODE_FAULT_KILL_IN=backward``, at the end of step ``S``'s backward instead: under ``replica_groups`` once the
   step's quorum holds the node and before its gradients cross the link (the others' all-reduce of that step fails);
 - ``NODE_FAULT_HOLD=S:FILE``: the other nodes write ``FILE.held`` after step ``S`` and wait until ``FILE`` exists, and
-  ``NODE_FAULT_ANNOUNCE=FILE``: a node writes ``FILE`` when its training starts. Together: a node restarted after
-  the others held joins them before their run ends, whatever the machine's speed.
+  ``NODE_FAULT_ANNOUNCE=FILE``: a node writes ``FILE`` when its training starts (``NODE_FAULT_HOLD_GRACE=SECONDS``:
+  the others hold that much longer, for its first quorum request to reach the lighthouse before theirs). Together: a
+  node restarted after the others held joins them before their run ends (with the grace: on a loaded machine too).
 
 Put it before callbacks that record a step, so that they record no step of a node killed after it.
 """
@@ -55,6 +56,7 @@ class NodeFaults(L.Callback):
             open(f"{hold_file}.held", "w").close()
             while not os.path.exists(hold_file):
                 time.sleep(0.1)
+            time.sleep(float(os.environ.get("NODE_FAULT_HOLD_GRACE", "0")))
 
     def _kill_if_due(self, trainer: L.Trainer, step: int) -> None:
         killed_node, _, kill_step = os.environ.get("NODE_FAULT_KILL", "-1:0").partition(":")
