@@ -27,7 +27,6 @@ from typing import Any
 
 import fsspec.utils
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fastdist.parallel.checkpoint.background_save import Publication, SavePart
 from lightning_fastdist.parallel.checkpoint.checkpoint_files import (
@@ -44,8 +43,10 @@ from lightning_fastdist.parallel.checkpoint.checkpoint_files import (
     staging_path,
 )
 from lightning_fastdist.parallel.checkpoint.save_failure import (
+    SAVE_ERRORS,
     agree_on_save,
     disk_full_error,
+    failure_of,
     is_disk_full,
     state_bytes,
 )
@@ -58,7 +59,6 @@ def is_local_path(path: Any) -> bool:
 
 
 # What a failed write can raise: torch.distributed.checkpoint's error is a BaseException.
-_WRITE_ERRORS = (Exception, CheckpointException)
 
 
 def _describe_folder(path: Path) -> str:
@@ -188,7 +188,7 @@ def write_staged(write: Callable[[Path], None], staged: Path, path: Path, expect
     """``write(staged)``, where a full disk becomes one line naming ``path`` and the bytes needed."""
     try:
         write(staged)
-    except _WRITE_ERRORS as error:
+    except SAVE_ERRORS as error:
         if is_disk_full(error, staged.parent):
             raise disk_full_error(path, staged, expected_bytes) from error
         raise
@@ -237,19 +237,10 @@ def write_staged_file(write: Callable[[Path], None], path: Path, expected_bytes:
     delete_checkpoint(staged)
     try:
         write_staged(write, staged, path, expected_bytes)
-    except _WRITE_ERRORS:
+    except SAVE_ERRORS:
         delete_checkpoint(staged)  # a partial save of ours: never left to fill the disk
         raise
     return staged
-
-
-def _attempt(part: Callable[[], None]) -> BaseException | None:
-    """Run this rank's ``part`` of a save; what it raised, for :func:`~.save_failure.agree_on_save`."""
-    try:
-        part()
-    except _WRITE_ERRORS as error:
-        return error
-    return None
 
 
 def _agree_or_remove(failure: BaseException | None, staged: Path, path: Path) -> None:
@@ -257,7 +248,7 @@ def _agree_or_remove(failure: BaseException | None, staged: Path, path: Path) ->
     finished its part: the agreement is a barrier) before raising."""
     try:
         agree_on_save(failure, path)
-    except _WRITE_ERRORS:
+    except SAVE_ERRORS:
         if _is_rank_zero():
             delete_checkpoint(staged)
         raise
@@ -268,7 +259,7 @@ def save_folder_atomically(write: Callable[[Path], None], path: Path, step: int 
     (DeepSpeed's ``save_checkpoint``); rank 0 then publishes the complete folder at ``path``. A failure on any rank
     raises on every rank (:class:`~.save_failure.CheckpointSaveError` where it was another's)."""
     staged = stage_folder(write, path)
-    agree_on_save(_attempt(lambda: publish(staged, Path(path), step)) if _is_rank_zero() else None, Path(path))
+    agree_on_save(failure_of(lambda: publish(staged, Path(path), step)) if _is_rank_zero() else None, Path(path))
 
 
 def stage_folder(write: Callable[[Path], None], path: Path) -> Path:
@@ -277,8 +268,8 @@ def stage_folder(write: Callable[[Path], None], path: Path) -> Path:
     removed). A background save writes the rest of it before rank 0 publishes it."""
     path = Path(path)
     staged = staging_path(path)
-    agree_on_save(_attempt(lambda: delete_checkpoint(staged)) if _is_rank_zero() else None, path)
-    _agree_or_remove(_attempt(lambda: write_staged(write, staged, path, None)), staged, path)
+    agree_on_save(failure_of(lambda: delete_checkpoint(staged)) if _is_rank_zero() else None, path)
+    _agree_or_remove(failure_of(lambda: write_staged(write, staged, path, None)), staged, path)
     return staged
 
 

@@ -30,16 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from lightning_fastdist.parallel.checkpoint.checkpoint_files import delete_checkpoint
-from lightning_fastdist.parallel.checkpoint.save_failure import agree_on_save
+from lightning_fastdist.parallel.checkpoint.save_failure import SAVE_ERRORS, agree_on_save, failure_of
 
 log = logging.getLogger(__name__)
-
-_WRITE_ERRORS = (Exception, CheckpointException)  # torch.distributed.checkpoint's error is a BaseException
 
 
 @dataclass(frozen=True)
@@ -145,7 +142,7 @@ class BackgroundSave:
         and a save that fails leaves the previous checkpoint the resumable one."""
         try:
             self.wait()
-        except _WRITE_ERRORS as error:
+        except SAVE_ERRORS as error:
             log.warning(f"the checkpoint being written when the fit failed was not published: {error}")
 
     def release_memory(self) -> None:
@@ -181,7 +178,7 @@ class BackgroundSave:
             if previous is not None:
                 previous.result()  # its failure is this save's too: every rank raises it
             self._write_agree_publish(path, parts, publication, self.group)
-        except _WRITE_ERRORS:
+        except SAVE_ERRORS:
             with self._lock:
                 self._after_publish, self._unpublished, self._failed = [], self._unpublished - 1, True
             raise
@@ -197,22 +194,14 @@ class BackgroundSave:
         path: Path, parts: list[SavePart], publication: Publication | None, group: dist.ProcessGroup | None
     ) -> None:
         """On every rank, a failure of any rank's part raises, the partial save removed by the publishing rank."""
-        failure = _attempt(lambda: [part.write(part.state) for part in parts])
+        failure = failure_of(lambda: [part.write(part.state) for part in parts])
         try:
             agree_on_save(failure, path, group)
-        except _WRITE_ERRORS:
+        except SAVE_ERRORS:
             if publication is not None:
                 delete_checkpoint(publication.staged)
             raise
-        agree_on_save(_attempt(publication.publish) if publication is not None else None, path, group)
-
-
-def _attempt(part: Callable[[], Any]) -> BaseException | None:
-    try:
-        part()
-    except _WRITE_ERRORS as error:
-        return error
-    return None
+        agree_on_save(failure_of(publication.publish) if publication is not None else None, path, group)
 
 
 def _run_logged(action: Callable[[], None]) -> None:

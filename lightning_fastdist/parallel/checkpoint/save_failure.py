@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,18 @@ from lightning_fastdist.parallel.checkpoint.checkpoint_files import size_on_disk
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 LITTLE_ROOM_BYTES = 1 << 20  # free on a disk where a write just failed: it failed for want of room
+
+
+SAVE_ERRORS = (Exception, CheckpointException)  # what a rank's part of a save may raise (DCP's is a BaseException)
+
+
+def failure_of(part: Callable[[], Any]) -> BaseException | None:
+    """Run this rank's ``part`` of a save; what it raised, for :func:`agree_on_save`."""
+    try:
+        part()
+    except SAVE_ERRORS as error:
+        return error
+    return None
 
 
 class CheckpointSaveError(RuntimeError):
