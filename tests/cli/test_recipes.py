@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from lightning_fastdist.cli import main
 from lightning_fastdist.recipes import available_recipes, recipes_dir
 from tests.support.emulated_cluster import REPO_ROOT
 from tests.support.fault_runs import saved_step
-from tests.support.harness import cli_command, free_port_span, run_cli, run_cli_forked, run_processes
+from tests.support.harness import ForkedModule, cli_command, free_port_span, run_cli_forked, run_processes
 from tests.support.node_faults import start_again_once_held
 
 # A tiny model for multi_node's loopback run: seconds on a CPU, eager "compile", no validation.
@@ -30,7 +29,8 @@ EAGER_COMPILE = ["--trainer.strategy.init_args.compile", "{backend: eager}"]
 # What a 2-core CPU needs to run a recipe's own workload (its data, batch, sequence length, strategy,
 # precision, accumulation and callbacks) in seconds: CPU processes, a narrow model, no loader workers,
 # eager instead of inductor, validation and a checkpoint after every optimizer step, every step logged.
-# The two ranks are launched as torchrun would (both start at once: half the start-up time of devices=2).
+# The two ranks are forked with torchrun's environment from the suite's server, which imported everything once (the
+# CLI's own start-up is test_cli's).
 CPU_OVERRIDES = [
     "--trainer.accelerator", "cpu", "--trainer.devices", "2",
     "--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--data.num_workers", "0",
@@ -95,7 +95,7 @@ def accumulation(name: str) -> int:
 def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_last(name, in_tmp_dir):
     batches_per_step = accumulation(name)
     overrides = [*CPU_OVERRIDES, *RECIPE_CPU_OVERRIDES[name], "--trainer.val_check_interval", str(batches_per_step)]
-    run_cli(["fit", "--config", name, *overrides, "--trainer.max_steps", "2"], timeout=240)
+    run_cli_forked(["fit", "--config", name, *overrides, "--trainer.max_steps", "2"], timeout=240)
     last = in_tmp_dir / "checkpoints" / name / "last.ckpt"
     assert saved_step(last) == 2
     first = metrics(in_tmp_dir / "lightning_logs", "version_0")
@@ -103,7 +103,7 @@ def test_recipe_runs_its_workload_through_validation_and_resumes_with_ckpt_path_
     if name not in RESUMED:
         return
     resume = ["fit", "--config", name, *overrides, "--trainer.max_steps", "4", "--ckpt_path", "last"]
-    run_cli_forked(resume, timeout=240)  # launched as the first run was, without its start-up
+    run_cli_forked(resume, timeout=240)
     assert saved_step(last) == 4
     second = metrics(in_tmp_dir / "lightning_logs", "version_1")
     assert sorted({int(r["step"]) for r in second if r["train_loss"]}) == [2, 3]  # continued at step 2
@@ -157,25 +157,21 @@ def lose_node_1_and_start_it_again(config: str, *options: str, **faults: str) ->
     command, trains. Returns each node's ``(stdout, stderr)`` (node 1's of its second start, then of its first) and the
     step after which node 1 came back."""
     started = Path("started").resolve()
-    command = cli_command(
-        "fit", "--config", config, *TINY, *EAGER_COMPILE, "--trainer.accelerator", "cpu",
+    command = [
+        sys.executable, "-m", "lightning_fastdist.cli", "fit", "--config", config, *TINY, *EAGER_COMPILE,
+        "--trainer.accelerator", "cpu",
         "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_steps", "16",
         "--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.support.node_faults.NodeFaults", *options,
-    )  # fmt: skip
+    ]  # fmt: skip
     port = str(free_port_span(4))
     environments = [
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "PYTHONPATH": str(REPO_ROOT),
          "NODE_FAULT_KILL": "1:4", "NODE_FAULT_HOLD": f"8:{started}", **faults}
         for node in range(2)
     ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            command, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for extra in environments
-    ]
+    nodes = [ForkedModule(command, {**os.environ, **extra}) for extra in environments]  # no start-up of their own
     lost = nodes[1]
-    nodes[1] = start_again_once_held(lost, command, environments[1], started)
+    nodes[1] = start_again_once_held(lost, command, environments[1], started, start=ForkedModule)
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
     came_back = int(re.search(r"node1 rejoined the job at step (\d+) .* of node0", outputs[1][1]).group(1))
