@@ -167,8 +167,8 @@ def test_under_a_slow_link_auto_switches_to_bf16_then_powersgd_and_a_resume_keep
     # 5 Mbit/s: fp32 gradients take ~200 ms each way, bf16 ~100 ms, so each share passes its threshold by far even
     # when a loaded machine slows the compute (at 10 Mbit/s, bf16's share fell under 25% on a busy machine).
     with EmulatedCluster(nodes=2, link_mbit=5) as cluster:
-        trained = cluster.run([*command, "--steps", str(first)], timeout=240)
-        resumed = cluster.run([*command, "--steps", str(first + 2), "--resume"], timeout=240)
+        trained = cluster.run([*command, "--steps", str(first)], timeout=240, forked=True)
+        resumed = cluster.run([*command, "--steps", str(first + 2), "--resume"], timeout=240, forked=True)
     report = json.loads(trained[0].stdout.split("AUTO ", 1)[1])
     assert [decision[:3] for decision in report["decisions"]] == [
         [WARMUP + WINDOW, "none", "bf16"],

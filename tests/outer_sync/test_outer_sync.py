@@ -360,7 +360,7 @@ def test_what_crosses_the_link_is_the_pseudo_gradients_and_the_first_weights():
     command = [sys.executable, "-m", "tests.support.outer_sync_fit", json.dumps(options), str(steps)]
     with EmulatedCluster(nodes=2, ranks_per_node=1) as cluster:
         before = cluster.link_counters()
-        outputs = cluster.run(command, timeout=240, cwd=REPO_ROOT)
+        outputs = cluster.run(command, timeout=240, cwd=REPO_ROOT, forked=True)
         after = cluster.link_counters()
     reports = [json.loads(line[4:]) for o in outputs for line in o.stdout.splitlines() if line.startswith("FIT ")]
     for report, start, end in zip(reports, before, after):

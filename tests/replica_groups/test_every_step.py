@@ -323,7 +323,7 @@ def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_an
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
     with EmulatedCluster(nodes=2, strangers=1) as cluster:
-        nodes = cluster.start(command, {**every_7, "NODE_FAULT_KILL": "1:2"}, REPO_ROOT, tmp_path / "a")
+        nodes = cluster.start(command, {**every_7, "NODE_FAULT_KILL": "1:2"}, REPO_ROOT, tmp_path / "a", forked=True)
         assert nodes[1].wait(timeout=240) == -signal.SIGKILL
         wait_until_held(started)
         # A stranger on the nodes' network tries every port node 0 listens on (register, lighthouse, stores, manager
@@ -335,7 +335,7 @@ def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_an
         assert len(answers) == len(endpoints) >= 5 and not on_a_wildcard(listening), listening
         assert [(a["answered_200"], a["replicas_named"]) for a in answers] == [(0, 0)] * len(answers), answers
         again = {**every_7, "NODE_FAULT_ANNOUNCE": str(started)}
-        nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, tmp_path / "a")
+        nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, tmp_path / "a", forked=True)
         assert [node.wait(timeout=240) for node in nodes] == [0, 0], (tmp_path / "a" / "node0.err").read_text()[-3000:]
         straight = fit_reports(tmp_path / "a", ["node0", "node1.again"])
         came_back = straight[1]["rejoined"]["step"]
@@ -343,11 +343,11 @@ def test_after_a_node_was_lost_and_came_back_a_checkpoint_resumes_bit_for_bit_an
         assert straight[0]["members"][6:] == [2] * 4
         assert sorted(path.name for path in periodic.iterdir()) == ["step=7.ckpt"]
 
-        stopping = cluster.start(command, stop_at_9, REPO_ROOT, tmp_path / "b")
+        stopping = cluster.start(command, stop_at_9, REPO_ROOT, tmp_path / "b", forked=True)
         assert [node.wait(timeout=240) for node in stopping] == [143, 143]
         assert sorted(path.name for path in stopped.iterdir()) == ["last.ckpt"]
 
-        resumed = [_reports(output.stdout)[0] for output in cluster.run(command, 240, resume, REPO_ROOT)]
+        resumed = [_reports(output.stdout)[0] for output in cluster.run(command, 240, resume, REPO_ROOT, forked=True)]
     for before, after in zip(straight, resumed, strict=True):
         assert after["steps"] == [10] and after["members"] == [2]
         assert after["losses"] == before["losses"][-1:] and after["final"] == before["final"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import functools
 import itertools
 import json
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,13 +53,14 @@ from types import FrameType
 from typing import Any
 
 # _wait_all and _kill_group: the same wait-with-grace and process-group kill as run_processes, for streamed output.
-from tests.support.harness import RankOutput, _kill_group, _wait_all, run_processes
+from tests.support.harness import ForkedModule, RankOutput, _kill_group, _wait_all, run_processes
 
 PREFIX = "fdcl"
 SUBNET = "198.18.0"
 NIC = "eth0"
 MTU = 9000
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000  # <sched.h>: setns(2) and unshare(2) take them
 # A namespace of ours: fdcl-<creator pid>-<cluster number>-<sw | nK | sK> (switch, node, stranger).
 _OUR_NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|n\d+|s\d+)$")
 _cluster_numbers = itertools.count()
@@ -118,15 +121,35 @@ def sweep_stale_namespaces() -> list[str]:
     return stale
 
 
+def enter_node(namespace: str, hostname: str) -> None:
+    """Move this (single-threaded, just forked) process into node ``namespace``'s network namespace and a UTS
+    namespace of its own named ``hostname``: what ``ip netns exec NAMESPACE unshare --uts`` gives a command, less the
+    remounted ``/sys`` (a forked node reads no ``/sys/class/net``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{namespace}") as handle:
+        entered = libc.setns(handle.fileno(), CLONE_NEWNET) == 0
+    if not entered or libc.unshare(CLONE_NEWUTS) != 0:
+        raise EmulationError(f"entering {namespace}: {os.strerror(ctypes.get_errno())}")
+    socket.sethostname(hostname)
+
+
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
 def _start(
-    command: list[str], env: dict[str, str], cwd: str | Path | None, output: Path | None, name: str
-) -> subprocess.Popen:
+    command: list[str],
+    env: dict[str, str],
+    cwd: str | Path | None,
+    output: Path | None,
+    name: str,
+    node: tuple[str, str] | None = None,
+) -> subprocess.Popen | ForkedModule:
     """Start one node's command leading its own process group; with ``output``, writing ``NAME.out`` and ``NAME.err``
-    there."""
+    there. With ``node`` (its namespace and hostname), ``command`` is ``python -m MODULE ...`` forked into it."""
+    if node is not None:
+        files = (output / f"{name}.out", output / f"{name}.err") if output is not None else (None, None)
+        return ForkedModule(command, {**os.environ, **env}, cwd, *files, prepare=functools.partial(enter_node, *node))
     streams = {}
     if output is not None:
         streams = {stream: open(output / f"{name}.{stream[3:]}", "w") for stream in ("stdout", "stderr")}
@@ -289,11 +312,17 @@ class EmulatedCluster:
             "unshare", "--uts", "sh", "-c", hostname_then_exec, self.address(node), *command,
         ]  # fmt: skip
 
-    def _launch(self, command: Sequence[str], env: dict[str, str] | None) -> tuple[list[list[str]], list[dict]]:
+    def _node(self, node: int) -> tuple[str, str]:
+        """Node ``node``'s namespace and hostname, for :func:`enter_node`."""
+        return self.namespace(node), self.address(node)
+
+    def _launch(
+        self, command: Sequence[str], env: dict[str, str] | None, forked: bool
+    ) -> tuple[list[list[str]], list[dict]]:
         if not self._created:
             raise RuntimeError("the cluster is not built: use it as `with EmulatedCluster(...) as cluster:`")
         self._port = next(self._ports)
-        commands = [self.node_command(node, command) for node in range(self.nodes)]
+        commands = [list(command) if forked else self.node_command(node, command) for node in range(self.nodes)]
         environments = [{**self.node_environment(node, self._port), **(env or {})} for node in range(self.nodes)]
         return commands, environments
 
@@ -303,14 +332,18 @@ class EmulatedCluster:
         timeout: float = 180.0,
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
+        forked: bool = False,
     ) -> list[RankOutput]:
         """Run ``command`` once per node (its ``NODE_RANK`` tells which) and return each node's output, by node.
+        ``forked``: ``command`` is ``python -m MODULE ...``, forked into each node from the suite's server (no
+        start-up of its own: :class:`~tests.support.harness.ForkedModule`).
 
         Raises :class:`tests.support.harness.DistributedRunError` with the failing nodes' output if one exits
         non-zero or the run exceeds ``timeout`` seconds (every node's process group is then killed).
         """
-        commands, environments = self._launch(command, env)
-        return run_processes(commands, environments, timeout=timeout, cwd=cwd)
+        commands, environments = self._launch(command, env, forked)
+        prepares = [functools.partial(enter_node, *self._node(node)) for node in range(self.nodes)] if forked else None
+        return run_processes(commands, environments, timeout=timeout, cwd=cwd, forked=forked, prepares=prepares)
 
     def start(
         self,
@@ -318,15 +351,17 @@ class EmulatedCluster:
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
         output: Path | None = None,
-    ) -> list[subprocess.Popen]:
+        forked: bool = False,
+    ) -> list[subprocess.Popen | ForkedModule]:
         """Start ``command`` on every node without waiting; its output goes to this process's, or with ``output`` (a
-        folder) to ``nodeK.out`` and ``nodeK.err`` there.
+        folder) to ``nodeK.out`` and ``nodeK.err`` there (forked: to files of its own unless ``output`` is given).
+        ``forked``: as in :meth:`run`.
 
         Each node's command leads its own process group; :meth:`close` kills whatever is left in the namespaces.
         """
-        commands, environments = self._launch(command, env)
+        commands, environments = self._launch(command, env, forked)
         return [
-            _start(node_command, extra, cwd, output, f"node{node}")
+            _start(node_command, extra, cwd, output, f"node{node}", self._node(node) if forked else None)
             for node, (node_command, extra) in enumerate(zip(commands, environments))
         ]
 
@@ -337,10 +372,14 @@ class EmulatedCluster:
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
         output: Path | None = None,
-    ) -> subprocess.Popen:
+        forked: bool = False,
+    ) -> subprocess.Popen | ForkedModule:
         """Start ``command`` on node ``node`` alone, in the job :meth:`start` began last (its ports): a node restarted
-        while the others run. With ``output``, its output goes to ``nodeK.again.out`` and ``nodeK.again.err`` there."""
+        while the others run. With ``output``, its output goes to ``nodeK.again.out`` and ``nodeK.again.err`` there.
+        ``forked``: as in :meth:`run`."""
         environment = {**self.node_environment(node, self._port), **(env or {})}
+        if forked:
+            return _start(list(command), environment, cwd, output, f"node{node}.again", self._node(node))
         return _start(self.node_command(node, command), environment, cwd, output, f"node{node}.again")
 
     # ------------------------------------------------------------ what crossed the link

@@ -212,9 +212,20 @@ def run_function(
     return [outputs[rank] for rank in range(world_size)]
 
 
-def _module_entry(module: str, args: list[str], environment: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """``python -m MODULE ARGS`` in this forked process: its own session, environment, directory and output files."""
+def _module_entry(
+    module: str,
+    args: list[str],
+    environment: dict[str, str],
+    cwd: str,
+    out: str,
+    err: str,
+    prepare: Callable[[], None] | None,
+) -> None:
+    """``python -m MODULE ARGS`` in this forked process: its own session, environment, directory and output files,
+    after ``prepare()`` where given."""
     os.setsid()  # as start_new_session: the test kills the process with whatever it started
+    if prepare is not None:
+        prepare()
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(cwd)
@@ -243,7 +254,8 @@ class ForkedModule:
     environment. Its output goes to the files ``out`` and ``err`` (by default two of its own, which
     :meth:`communicate` reads); ``pid``, ``poll``, ``wait``, ``communicate`` and ``returncode`` are
     :class:`subprocess.Popen`'s (a negative status for a signal, the status ``sys.exit`` gave otherwise). Python's
-    ``atexit`` handlers do not run at its exit (it ends as a multiprocessing child does)."""
+    ``atexit`` handlers do not run at its exit (it ends as a multiprocessing child does). ``prepare`` (picklable) is
+    called in the new process before the module runs (to enter an emulated node's namespaces)."""
 
     stderr = None  # no pipe to read while it runs
 
@@ -254,6 +266,7 @@ class ForkedModule:
         cwd: str | Path | None = None,
         out: Path | None = None,
         err: Path | None = None,
+        prepare: Callable[[], None] | None = None,
     ):
         if list(command[:2]) != [sys.executable, "-m"]:
             raise ValueError(f"ForkedModule runs `{sys.executable} -m MODULE ...`, not {' '.join(command)}")
@@ -261,7 +274,7 @@ class ForkedModule:
             self._folder = tempfile.TemporaryDirectory(prefix="fastdist-forked-")  # removed with this object
             out, err = Path(self._folder.name, "out"), Path(self._folder.name, "err")
         self._files = (out, err)
-        arguments = (command[2], list(command[3:]), env, str(cwd or os.getcwd()), str(out), str(err))
+        arguments = (command[2], list(command[3:]), env, str(cwd or os.getcwd()), str(out), str(err), prepare)
         self._process = _RANK_STARTER.Process(target=_module_entry, args=arguments, daemon=False)
         self._process.start()
         self.pid = self._process.pid
@@ -328,6 +341,7 @@ def run_processes(
     timeout: float = 180.0,
     cwd: str | Path | None = None,
     forked: bool = False,
+    prepares: Sequence[Callable[[], None] | None] | None = None,
 ) -> list[RankOutput]:
     """Run several commands at once (for example one launcher per "node"); return their outputs in order.
 
@@ -340,8 +354,10 @@ def run_processes(
         timeout: seconds for the whole run; then every process is killed with its children.
         cwd: working directory of every process.
         forked: the commands are ``python -m MODULE ...``, each run as a :class:`ForkedModule`.
+        prepares: with ``forked``, each command's ``prepare`` (:class:`ForkedModule`).
     """
     environments = environments or [{}] * len(commands)
+    prepares = prepares or [None] * len(commands)
     with tempfile.TemporaryDirectory(prefix="fastdist-ranks-") as log_dir:
         processes, files = [], []
         for index, (command, extra_env) in enumerate(zip(commands, environments)):
@@ -350,7 +366,8 @@ def run_processes(
             files.append((stdout, stderr))
             environment = {**os.environ, **extra_env}
             if forked:
-                processes.append(ForkedModule(command, environment, cwd, Path(stdout.name), Path(stderr.name)))
+                files_of_its_own = (Path(stdout.name), Path(stderr.name))
+                processes.append(ForkedModule(command, environment, cwd, *files_of_its_own, prepare=prepares[index]))
                 continue
             processes.append(
                 subprocess.Popen(

@@ -256,7 +256,7 @@ def across_nodes_trial(trial: Trial, root: Path) -> Outcome:
         codes = [node.returncode for node in nodes]
     else:
         with EmulatedCluster(nodes=2, strangers=1) as cluster:
-            nodes = cluster.start(command, faults, REPO_ROOT, folder)
+            nodes = cluster.start(command, faults, REPO_ROOT, folder, forked=True)
             nodes[1].wait(timeout=LAUNCH_DEADLINE_S)
             from tests.support.node_faults import wait_until_held  # noqa: PLC0415
 
@@ -268,7 +268,7 @@ def across_nodes_trial(trial: Trial, root: Path) -> Outcome:
             checks["nothing_served_to_stranger"] = all(answer["answered_200"] == 0 for answer in answers)
             checks["no_replica_named_to_stranger"] = all(answer["replicas_named"] == 0 for answer in answers)
             again = {**faults, "NODE_FAULT_ANNOUNCE": str(started)}
-            nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, folder)
+            nodes[1] = cluster.start_again(1, command, again, REPO_ROOT, folder, forked=True)
             codes = [node.wait(timeout=LAUNCH_DEADLINE_S) for node in nodes]
             outputs = [((folder / name).read_text(), "") for name in ("node0.out", "node1.again.out")]
             sessions = []
