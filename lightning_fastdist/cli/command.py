@@ -28,6 +28,7 @@ from lightning_fastdist.cli.quiet import silence_known_noise
 from lightning_fastdist.cli.report import final_numbers, where_things_went
 from lightning_fastdist.data import ResumeRefusedError
 from lightning_fastdist.diagnostics.slurm_allocation import LaunchMismatchError
+from lightning_fastdist.parallel.across_nodes.group import JobEndedError
 from lightning_fastdist.parallel.checkpoint.problems import UnusableCheckpointError
 from lightning_fastdist.parallel.checkpoint.save_failure import CheckpointSaveError
 from lightning_fastdist.parallel.faults.collective_timeout import explained_lost_peer
@@ -38,6 +39,7 @@ from lightning_fastdist.strategies.common.ray_worker import ray_train_context
 PROGRAM = "lightning-fastdist"
 # Failures during a run whose one-line message is the whole story (no traceback is printed for them).
 EXPLAINED_FAILURES = (
+    JobEndedError,
     JobIdentityError,
     UnusableCheckpointError,
     CheckpointSaveError,

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -84,13 +85,12 @@ def _reports(output: str) -> list[dict]:
 
 
 LATE_HEARTBEAT_S = 2.0  # node 1's manager starts this long after node 0 asked for its first quorum
+REJOIN_TIMEOUT_S = 60  # torchft's quorum timeout where a restarted node waits to be taken back
 
 
 def _equalize_with_a_late_node(first_port: int) -> dict:
     """One node of two (``RANK``) makes its weights equal to node 0's through a real lighthouse; node 1's torchft
     manager starts late, so that the lighthouse has not heard from it when node 0 asks for its first quorum."""
-    import time
-
     from lightning_fastdist.parallel.across_nodes.group import Membership, ReplicaGroup, equalize_weights
     from lightning_fastdist.parallel.across_nodes.state_transport import NodeStateTransport
     from lightning_fastdist.parallel.across_nodes.torchft_servers import Lighthouse, new_manager
@@ -137,6 +137,68 @@ def _equalize_with_a_late_node(first_port: int) -> dict:
         lighthouse.shutdown()
     del node_store
     return result
+
+
+def _rejoin_as_the_job_ends(first_port: int) -> dict:
+    """Node 0 (``RANK`` 0) holds the register and lighthouse of a job whose nodes train; node 1 starts as a restarted
+    node does (it reads that the nodes train) and waits for the quorum that takes it back, which never comes: node 0
+    ends the job (closes the fit in the register) once node 1 read it. Node 1's run ends in one error."""
+    import threading
+
+    from lightning_fastdist.parallel.across_nodes.group import TRAINING_KEY, FitRegister, JobEndedError, ReplicaGroup
+    from lightning_fastdist.parallel.across_nodes.replica_groups.run import EveryStepRun
+    from lightning_fastdist.parallel.across_nodes.torchft_servers import Lighthouse
+
+    node = int(os.environ["RANK"])
+    timeout = timedelta(seconds=REJOIN_TIMEOUT_S)
+    register = torch.distributed.TCPStore("127.0.0.1", first_port, 2, is_master=node == 0, timeout=timeout)
+    if node == 0:
+        gate_register = torch.distributed.TCPStore("127.0.0.1", first_port, is_master=False, timeout=timeout)
+        lighthouse = Lighthouse("127.0.0.1", 2, "test", gate_register)  # a quorum needs both nodes: none forms
+        lighthouse.announce(register)
+        register.set(TRAINING_KEY, "1")  # the nodes train their first fit
+        register.wait(["node 1 read the register"])
+        register.delete_key(TRAINING_KEY)  # node 0's fit ends (FitRegister.close)
+        register.wait(["node 1 is done"])
+        lighthouse.shutdown()
+        return {}
+
+    def say_once_read() -> None:
+        while FitRegister.fits_in_this_process != 1:  # set where a restarted node reads which fit it rejoins
+            time.sleep(0.01)
+        register.set("node 1 read the register", "")
+
+    threading.Thread(target=say_once_read, daemon=True).start()
+    group = ReplicaGroup(
+        node_rank=1, num_nodes=2, local_rank=0, sharded=False, ranks_per_node=1, min_nodes=1,
+        store_host="127.0.0.1", store_port=first_port + 2, lighthouse=register.get("lighthouse").decode(),
+        first_store=("127.0.0.1", first_port), fit=1, transport_token="a token",
+    )  # fmt: skip
+    node_store = torch.distributed.TCPStore("127.0.0.1", group.store_port, is_master=True, wait_for_workers=False)
+    model = torch.nn.Linear(8, 8)
+    started = time.monotonic()
+    try:
+        EveryStepRun(model, torch.optim.SGD(model.parameters(), lr=0.1), group, timeout)
+        ended = "it rejoined"
+    except JobEndedError as error:
+        ended = str(error)
+    waited = time.monotonic() - started
+    register.set("node 1 is done", "")
+    del node_store
+    return {"ended": ended, "waited_s": waited}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_node_restarted_as_the_job_ends_says_so_at_once_instead_of_waiting_out_the_quorum():
+    # Campaign trial 209 (seed 7): node 1, restarted, read that the nodes train as node 0 took its last step; node 0
+    # finished and node 1 waited out torchft's quorum timeout, then ended in torchft's traceback.
+    _, restarted = run_function(_rejoin_as_the_job_ends, 2, args=(free_port_span(3),), init_process_group=False)
+    assert restarted["ended"] == (
+        "replica_groups: node1 was started again as the job took its last steps, and the job ended before a quorum "
+        "took this node back: nothing was trained here; the job's checkpoints are those its other nodes wrote."
+    )
+    assert restarted["waited_s"] < REJOIN_TIMEOUT_S / 2  # the register was read while it waited
 
 
 @pytest.mark.slow

@@ -31,10 +31,15 @@ TRAINING_KEY = "outer_sync/training"  # in the register while the nodes train: a
 LIGHTHOUSE_KEY = "lighthouse"  # in the register: the lighthouse's URL (it listens on a port of its own choosing)
 TRANSPORT_TOKEN_KEY = "transport_token"  # in the register: what a request for a node's state must name
 QUORUM_RETRY_S = 0.1  # between quorums asked for again at a fit's start, while one lacks a node
+REJOIN_POLL_S = 1.0  # between looks at the register while a restarted node waits for the quorum that takes it back
 LEFT_OUT_AFTER = timedelta(seconds=30)  # a node that heartbeats but does not come to a quorum for this long is left out
 # torchft's Rust side (manager, lighthouse) logs every quorum and commit at INFO on stderr: several lines per rank and
 # step. It reads RUST_LOG once, when it is first imported; unless the user set RUST_LOG, it then reads this level.
 TORCHFT_LOG_LEVEL = "warn"
+
+
+class JobEndedError(RuntimeError):
+    """A restarted node found the nodes training, and they ended the job before a quorum took it back."""
 
 
 def torchft_available() -> bool:
@@ -199,6 +204,14 @@ class FitRegister:
         """Say in the store that the nodes train (node 0 does), once their weights are equal."""
         if self.group.node_rank == 0 and not self.joining:
             self.store.set(TRAINING_KEY, str(self.fit))
+
+    def still_training(self) -> bool:
+        """Whether the register still says that the nodes train: not once the fit was closed (:meth:`close`), nor
+        once the register cannot be read (it went with node 0, whose store held it)."""
+        try:
+            return self.store.check([TRAINING_KEY])
+        except RuntimeError:  # torch's store errors (DistNetworkError, DistStoreError) are RuntimeErrors
+            return False
 
     def close(self, quorum_nodes: tuple[str, ...]) -> None:
         """The nodes no longer train, so a node that starts now starts a fit of its own: said by the first node of

@@ -1,18 +1,22 @@
 """What a process that talks across nodes holds for one fit, under either form: torchft's ``Manager`` (a node that
 heals receives a live node's state over a transport whose bytes are counted), who each quorum holds, and the register
-where the nodes meet. Each form builds its own parts on top (``outer_sync/run.py``, ``replica_groups/run.py``).
+where the nodes meet. Each form builds its own parts on top (``outer_sync/run.py``, ``replica_groups/run.py``). One
+private torchft name is read (``torchft_names.py``): the manager's pending quorum, which a restarted node waits for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import wait
 from datetime import timedelta
 from typing import Any
 
 from torch import nn
 
 from lightning_fastdist.parallel.across_nodes.group import (
+    REJOIN_POLL_S,
     FitRegister,
+    JobEndedError,
     Membership,
     ReplicaGroup,
     equalize_weights,
@@ -59,6 +63,24 @@ class NodeRun:
     def joining(self) -> bool:
         """Whether this node started while the others train: it rejoins them instead of starting with them."""
         return self._register.joining
+
+    def wait_to_be_taken_back(self) -> None:
+        """Wait for the quorum that takes this restarted node back (after ``start_quorum``). The nodes may end the job
+        meanwhile (it took its last steps when this node read the register): no quorum would then form before
+        torchft's timeout, so the register is read every ``REJOIN_POLL_S`` and the job's end is said at once.
+
+        Raises:
+            JobEndedError: the register no longer says that the nodes train.
+        """
+        taken_back = self.manager._quorum_future
+        while not wait([taken_back], timeout=REJOIN_POLL_S).done:
+            if not self._register.still_training():
+                raise JobEndedError(
+                    f"{self.option}: node{self.group.node_rank} was started again as the job took its last steps, and "
+                    "the job ended before a quorum took this node back: nothing was trained here; the job's "
+                    "checkpoints are those its other nodes wrote."
+                )
+        taken_back.result()  # raises what the quorum raised
 
     def start_with_equal_weights(self, model: nn.Module, timeout: timedelta) -> None:
         """Give every node the first node's weights, then say in the register that the nodes train."""

@@ -45,6 +45,10 @@ PRIVATE_ATTRIBUTES = {
         "check that the Manager built its server through torchft.manager.ManagerServer, which is bound to the node's "
         "job address while it is built (the Manager gives it [::])",
     ),
+    "torchft.manager.Manager._quorum_future": PrivateName(
+        ("parallel.across_nodes.node_run",),
+        "wait for a restarted node's first quorum while reading the register (the job may end meanwhile)",
+    ),
     "torchft.manager.Manager._pending_state_dict": PrivateName(
         (REPLICA_GROUPS_RUN,), "take the state a rejoining node received before its first step"
     ),

@@ -70,7 +70,7 @@ class EveryStepRun(NodeRun):
         gives this node a live node's state; take the weights and optimizer state now (the strategy sets the
         training position from ``rejoined``)."""
         self.start_step()
-        self.manager.wait_quorum()
+        self.wait_to_be_taken_back()
         pending = self.manager._pending_state_dict  # applied by torchft only at should_commit, after the forward
         if pending is None:
             raise RuntimeError(
