@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from lightning_fastdist.commands.bench.command import main as bench
 from lightning_fastdist.commands.written_marks import claim_folder, folder_refusal
+from tests.support.harness import session_members
 
 # A command that starts a training-like child (itself starting a grandchild), as bench does, then waits on it.
 RUNNER = """
@@ -32,32 +32,20 @@ with sigterm_ends_the_command():
 """
 
 
-def _session_members(session: int) -> list[int]:
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # the session id, and not a zombie
-            members.append(int(stat.parent.name))
-    return members
-
-
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_command_ends_the_training_it_started_and_what_that_started(stop):
     runner = subprocess.Popen([sys.executable, "-c", RUNNER], stdout=subprocess.PIPE, text=True)
     child = int(runner.stdout.readline())
     deadline = time.monotonic() + 30
-    while len(_session_members(child)) < 2 and time.monotonic() < deadline:  # the grandchild started
+    while len(session_members([child])) < 2 and time.monotonic() < deadline:  # the grandchild started
         time.sleep(0.05)
-    assert len(_session_members(child)) == 2
+    assert len(session_members([child])) == 2
     runner.send_signal(stop)
     assert runner.wait(timeout=30) != 0
     deadline = time.monotonic() + 30  # a killed process is gone once the kernel has ended it (on busy cores, later)
-    while _session_members(child) and time.monotonic() < deadline:
+    while session_members([child]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _session_members(child) == []  # the child and the grandchild it started are gone
+    assert session_members([child]) == []  # the child and the grandchild it started are gone
     assert stop != signal.SIGTERM or runner.returncode == 128 + signal.SIGTERM
 
 

@@ -28,7 +28,6 @@ import os
 import random
 import signal
 import subprocess
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,19 +134,6 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
 
 def user_files_intact(folder: Path) -> bool:
     return (folder / USER_FILE).is_file() and (folder / USER_FILE).read_text() == USER_TEXT
-
-
-def session_members(sessions: Iterable[int]) -> list[int]:
-    """The live processes (not zombies) of the sessions ``sessions``."""
-    wanted, members = set(sessions), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) in wanted and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
 
 
 # ---------------------------------------------------------------- in-process trials (run by both ranks)

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -292,14 +292,35 @@ class ForkedModule:
             raise subprocess.TimeoutExpired(f"-m {self._process.name}", timeout)
         return self._process.exitcode
 
+    def wait_for_session(self, deadline: float | None) -> None:
+        """Wait until nothing it started is left (its session: a launcher's other ranks may write their output after
+        it exited), or until ``deadline`` (``time.monotonic()``; then what is left is not waited for)."""
+        while session_members([self.pid]) and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
+
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Wait for it to end; its stdout and stderr."""
+        """Wait for it and what it started to end (:meth:`wait_for_session`); its stdout and stderr."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
         self.wait(timeout)
+        self.wait_for_session(deadline)
         out, err = self._files
         return out.read_text() if out.exists() else "", err.read_text() if err.exists() else ""
 
 
 # ---------------------------------------------------------------- commands
+
+
+def session_members(sessions: Iterable[int]) -> list[int]:
+    """The live processes (not zombies) of the sessions ``sessions`` (each led by the process of that id)."""
+    wanted, members = set(sessions), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) in wanted and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -374,8 +395,11 @@ def run_processes(
                     list(command), stdout=stdout, stderr=stderr, env=environment, cwd=cwd, start_new_session=True
                 )
             )
+        deadline = time.monotonic() + timeout
         timed_out = _wait_all(processes, timeout)
         for process in processes:
+            if isinstance(process, ForkedModule) and process.returncode == 0:
+                process.wait_for_session(deadline)  # its other ranks write their output too
             _kill_group(process)
         outputs = []
         for index, (stdout, stderr) in enumerate(files):

@@ -32,11 +32,10 @@ from tests.support.fault_campaign import (
     USER_TEXT,
     Outcome,
     Trial,
-    session_members,
     user_files_intact,
 )
 from tests.support.fault_runs import subprocess_environment, write_recipe
-from tests.support.harness import ForkedModule, free_port, free_port_span, rank_environment
+from tests.support.harness import ForkedModule, free_port, free_port_span, rank_environment, session_members
 
 JOB_ENDED = "the job ended before a quorum took this node back"  # what a node restarted too late says (JobEndedError)
 STRATEGY_TIMEOUT_S = 20  # the strategies' collective timeout in these runs: a hung peer is noticed after it
