@@ -418,7 +418,7 @@ def _way_back(engine: str, folder: Path) -> dict:
     runs = {("way_back", engine): _fit(engine, "way_back", folder / "straight")}
     stopped = folder / "stopped.ckpt"
     runs[("way_back stopped", engine)] = stopped_run = _fit(engine, "way_back", folder, save_to=stopped, max_epochs=1)
-    if stopped_run["error"] is not None:  # the fit or its save failed: say why, not that the conversion found nothing
+    if "error" in stopped_run:  # the fit or its save failed: say why, not that the conversion found nothing
         raise RuntimeError(f"way_back: {engine}'s run saving {stopped} failed: {stopped_run['error']}")
     converted = folder / f"lightning-rank{os.environ['RANK']}.ckpt"
     lightning_fastdist.to_lightning_checkpoint(stopped, converted)
