@@ -14,7 +14,7 @@ import pytest
 
 from lightning_fastdist.commands.bench.command import main as bench
 from lightning_fastdist.commands.written_marks import claim_folder, folder_refusal
-from tests.support.harness import session_members
+from tests.support.harness import session_members, wait_for_session_end
 
 # A command that starts a training-like child (itself starting a grandchild), as bench does, then waits on it.
 RUNNER = """
@@ -42,9 +42,7 @@ def test_a_stopped_command_ends_the_training_it_started_and_what_that_started(st
     assert len(session_members([child])) == 2
     runner.send_signal(stop)
     assert runner.wait(timeout=30) != 0
-    deadline = time.monotonic() + 30  # a killed process is gone once the kernel has ended it (on busy cores, later)
-    while session_members([child]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_session_end(child, time.monotonic() + 30)  # on busy cores the kernel ends a killed process later
     assert session_members([child]) == []  # the child and the grandchild it started are gone
     assert stop != signal.SIGTERM or runner.returncode == 128 + signal.SIGTERM
 

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -145,13 +145,14 @@ def _start(
     cwd: str | Path | None,
     output: Path | None,
     name: str,
-    node: tuple[str, str] | None = None,
+    entering: Callable[[], None] | None = None,
 ) -> subprocess.Popen | ForkedModule:
     """Start one node's command leading its own process group; with ``output``, writing ``NAME.out`` and ``NAME.err``
-    there. With ``node`` (its namespace and hostname), ``command`` is ``python -m MODULE ...`` forked into it."""
-    if node is not None:
+    there. With ``entering`` (:meth:`EmulatedCluster._entering`), ``command`` is ``python -m MODULE ...`` forked into
+    the node."""
+    if entering is not None:
         files = (output / f"{name}.out", output / f"{name}.err") if output is not None else (None, None)
-        return ForkedModule(command, {**os.environ, **env}, cwd, *files, prepare=functools.partial(enter_node, *node))
+        return ForkedModule(command, {**os.environ, **env}, cwd, *files, prepare=entering)
     streams = {}
     if output is not None:
         streams = {stream: open(output / f"{name}.{stream[3:]}", "w") for stream in ("stdout", "stderr")}
@@ -314,9 +315,9 @@ class EmulatedCluster:
             "unshare", "--uts", "sh", "-c", hostname_then_exec, self.address(node), *command,
         ]  # fmt: skip
 
-    def _node(self, node: int) -> tuple[str, str]:
-        """Node ``node``'s namespace and hostname, for :func:`enter_node`."""
-        return self.namespace(node), self.address(node)
+    def _entering(self, node: int) -> Callable[[], None]:
+        """What a process forked for node ``node`` calls to run inside it (:func:`enter_node`)."""
+        return functools.partial(enter_node, self.namespace(node), self.address(node))
 
     def _launch(
         self, command: Sequence[str], env: dict[str, str] | None, forked: bool
@@ -344,7 +345,7 @@ class EmulatedCluster:
         non-zero or the run exceeds ``timeout`` seconds (every node's process group is then killed).
         """
         commands, environments = self._launch(command, env, forked)
-        prepares = [functools.partial(enter_node, *self._node(node)) for node in range(self.nodes)] if forked else None
+        prepares = [self._entering(node) for node in range(self.nodes)] if forked else None
         return run_processes(commands, environments, timeout=timeout, cwd=cwd, forked=forked, prepares=prepares)
 
     def start(
@@ -363,7 +364,7 @@ class EmulatedCluster:
         """
         commands, environments = self._launch(command, env, forked)
         return [
-            _start(node_command, extra, cwd, output, f"node{node}", self._node(node) if forked else None)
+            _start(node_command, extra, cwd, output, f"node{node}", self._entering(node) if forked else None)
             for node, (node_command, extra) in enumerate(zip(commands, environments))
         ]
 
@@ -381,7 +382,7 @@ class EmulatedCluster:
         ``forked``: as in :meth:`run`."""
         environment = {**self.node_environment(node, self._port), **(env or {})}
         if forked:
-            return _start(list(command), environment, cwd, output, f"node{node}.again", self._node(node))
+            return _start(list(command), environment, cwd, output, f"node{node}.again", self._entering(node))
         return _start(self.node_command(node, command), environment, cwd, output, f"node{node}.again")
 
     # ------------------------------------------------------------ what crossed the link

@@ -294,9 +294,8 @@ class ForkedModule:
 
     def wait_for_session(self, deadline: float | None) -> None:
         """Wait until nothing it started is left (its session: a launcher's other ranks may write their output after
-        it exited), or until ``deadline`` (``time.monotonic()``; then what is left is not waited for)."""
-        while session_members([self.pid]) and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.05)
+        it exited), or until ``deadline`` (:func:`wait_for_session_end`)."""
+        wait_for_session_end(self.pid, deadline)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for it and what it started to end (:meth:`wait_for_session`); its stdout and stderr."""
@@ -321,6 +320,13 @@ def session_members(sessions: Iterable[int]) -> list[int]:
         if int(fields[3]) in wanted and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def wait_for_session_end(session: int, deadline: float | None) -> None:
+    """Wait until ``session`` has no live process (a killed one is gone once the kernel has ended it), or until
+    ``deadline`` (``time.monotonic()``; then what is left is not waited for)."""
+    while session_members([session]) and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.05)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

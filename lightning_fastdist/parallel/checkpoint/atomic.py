@@ -58,9 +58,6 @@ def is_local_path(path: Any) -> bool:
     return fsspec.utils.get_protocol(str(path)) in ("file", "local")
 
 
-# What a failed write can raise: torch.distributed.checkpoint's error is a BaseException.
-
-
 def _describe_folder(path: Path) -> str:
     names = sorted(os.listdir(path))
     if not names:
